@@ -1,0 +1,103 @@
+"""The `kvreuse` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from kvreuse.model.adapters import UnsupportedModelError
+from kvreuse.model.loader import DTYPES, ModelLoadError
+
+GATE_PROMPT = (
+    "The KV cache of a transformer holds the keys and values of every token it has read. Reusing it for a "
+    "document that appears again, even at a new position, saves recomputing the whole prefill."
+)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None, help="local Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from kvreuse.engine.generate import chat_prompt_ids, generate
+    from kvreuse.engine.sampling import SamplingParams
+    from kvreuse.model.loader import load_model
+
+    loaded = load_model(args.model, args.dtype)
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop
+    )
+    prompt_ids = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": args.prompt}])
+    result = generate(loaded, prompt_ids, params)
+    print(result.text)
+    print(
+        f"[{loaded.name}] prompt {result.prompt_tokens} tokens, generated {len(result.token_ids)} "
+        f"({result.finish_reason}); TTFT {result.ttft * 1000:.0f} ms, total {result.total_seconds:.2f} s",
+        file=sys.stderr,
+    )
+    return 0
+
+
+def cmd_check_model(args: argparse.Namespace) -> int:
+    from kvreuse.model.check import run_gate
+    from kvreuse.model.loader import load_model
+
+    loaded = load_model(args.model, "float32")
+    prompt_ids = loaded.tokenizer(GATE_PROMPT).input_ids
+    results = run_gate(loaded.runtime, prompt_ids)
+    for result in results:
+        print(f"{'PASS' if result.passed else 'FAIL'}  {result.name}: {result.detail}")
+    passed = all(r.passed for r in results)
+    print(f"{loaded.name}: {'passes' if passed else 'FAILS'} the correctness gate")
+    return 0 if passed else 1
+
+
+def cmd_bench_prefill(args: argparse.Namespace) -> int:
+    from kvreuse.bench.prefill import run
+
+    run(args.model, args.lengths, args.repeats)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvreuse", description="Reuse KV caches of long prompts.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    gen = commands.add_parser("generate", help="generate a chat answer with full prefill, print text and TTFT")
+    _add_model_args(gen)
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.set_defaults(func=cmd_generate)
+
+    check = commands.add_parser("check-model", help="run the correctness gate on a model")
+    check.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: embedded model)")
+    check.set_defaults(func=cmd_check_model)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    prefill = benches.add_parser("prefill", help="full prefill: our runtime vs transformers, side by side")
+    _add_model_args(prefill)
+    prefill.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    prefill.add_argument("--repeats", type=int, default=3)
+    prefill.set_defaults(func=cmd_bench_prefill)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ModelLoadError, UnsupportedModelError, ValueError) as e:
+        print(f"kvreuse: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

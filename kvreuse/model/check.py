@@ -1,0 +1,97 @@
+"""The correctness gate a model must pass before reuse methods may drive it.
+
+(a) our full prefill's last-token logits match the `transformers` forward;
+(b) greedy decoding with our KV cache reproduces `transformers`' `generate`;
+(c) chunks prefilled alone at offset 0, their stored keys rotated to the chunks' real offsets, give exactly the
+    keys of a full prefill wherever a full prefill's keys do not depend on other chunks (every layer of the
+    first chunk; layer 0 of every chunk).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from kvreuse.engine.generate import iter_tokens
+from kvreuse.engine.sampling import Sampler, SamplingParams
+from kvreuse.model.runtime import LayerwiseModel
+
+LOGITS_TOLERANCE = 1e-4
+KEYS_TOLERANCE = 1e-4
+
+
+@dataclass
+class CheckResult:
+    name: str
+    passed: bool
+    detail: str
+
+
+@torch.inference_mode()
+def check_prefill_logits(model: LayerwiseModel, prompt_ids: list[int]) -> CheckResult:
+    ids = torch.tensor(prompt_ids)
+    reference = model.hf_model(ids[None]).logits[0, -1].float()
+    ours = model.prefill(ids).logits.float()
+    error = float((reference - ours).abs().max())
+    return CheckResult(
+        "prefill logits vs transformers forward",
+        error <= LOGITS_TOLERANCE,
+        f"max abs error {error:.2e} (tolerance {LOGITS_TOLERANCE:.0e}, {len(prompt_ids)} tokens)",
+    )
+
+
+@torch.inference_mode()
+def check_greedy_generation(model: LayerwiseModel, prompt_ids: list[int], new_tokens: int = 32) -> CheckResult:
+    """Both sides stop at EOS or after `new_tokens`; the EOS token, if reached, is part of what is compared."""
+    ids = torch.tensor(prompt_ids)
+    reference = model.hf_model.generate(
+        ids[None],
+        attention_mask=torch.ones_like(ids)[None],
+        do_sample=False,
+        max_new_tokens=new_tokens,
+        pad_token_id=model.config.pad_token_id or 0,
+    )[0, len(prompt_ids) :].tolist()
+    eos = model.config.eos_token_id
+    eos_ids = set(eos if isinstance(eos, list) else [eos])
+    result = model.prefill(ids, cache=model.new_cache(len(prompt_ids) + new_tokens))
+    tokens = iter_tokens(model, result.logits, result.cache, Sampler(SamplingParams(max_tokens=new_tokens)), eos_ids)
+    ours = list(itertools.islice(tokens, new_tokens))
+    agree = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
+    return CheckResult(
+        f"greedy decoding (up to {new_tokens} tokens) vs transformers generate",
+        ours == reference,
+        f"identical for {agree} tokens (ours {len(ours)}, transformers {len(reference)})",
+    )
+
+
+@torch.inference_mode()
+def check_chunk_rerotation(model: LayerwiseModel, prompt_ids: list[int], num_chunks: int = 3) -> CheckResult:
+    full = model.prefill(prompt_ids)
+    bounds = torch.linspace(0, len(prompt_ids), num_chunks + 1).long().tolist()
+    errors_first, errors_layer0 = [], []
+    for start, end in zip(bounds, bounds[1:]):
+        alone = model.prefill(prompt_ids[start:end], capture_kv=True)  # at positions 0..n-1
+        rotary = model.rotary(torch.arange(start, end))
+        for layer in range(model.num_layers if start == 0 else 1):
+            placed = model.rope(alone.keys[layer], rotary)
+            error = float((placed - full.cache.keys[layer][start:end]).abs().max())
+            (errors_first if start == 0 else errors_layer0).append(error)
+    error = max(errors_first + errors_layer0)
+    return CheckResult(
+        "chunk keys re-rotated to their offsets vs full prefill",
+        error <= KEYS_TOLERANCE,
+        f"max abs error {error:.2e} (tolerance {KEYS_TOLERANCE:.0e}; first chunk all layers, "
+        f"{num_chunks - 1} later chunks at layer 0)",
+    )
+
+
+def run_gate(model: LayerwiseModel, prompt_ids: list[int], new_tokens: int = 32) -> list[CheckResult]:
+    if model.dtype != torch.float32:
+        raise ValueError(f"the correctness gate runs in float32; this model is loaded as {model.dtype}")
+    return [
+        check_prefill_logits(model, prompt_ids),
+        check_greedy_generation(model, prompt_ids, new_tokens),
+        check_chunk_rerotation(model, prompt_ids),
+    ]

@@ -1,0 +1,66 @@
+"""A request's own KV cache: per-layer keys (after RoPE) and values, plus each row's global position.
+
+Rows are slots, not positions: fusion fills a prompt's rows out of order (stored rows, recomputed rows) and
+decoding appends. Positions travel with the rows so attention can build an exact causal mask whatever the order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        capacity: int = 256,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_layers = num_layers
+        self.length = 0
+        self._shape = (num_kv_heads, head_dim)
+        self._dtype, self._device = dtype, device
+        self.keys = [self._empty(capacity) for _ in range(num_layers)]
+        self.values = [self._empty(capacity) for _ in range(num_layers)]
+        self._positions = torch.empty(capacity, dtype=torch.long, device=device)
+
+    def _empty(self, rows: int) -> torch.Tensor:
+        return torch.empty((rows, *self._shape), dtype=self._dtype, device=self._device)
+
+    @property
+    def capacity(self) -> int:
+        return self._positions.shape[0]
+
+    @property
+    def positions(self) -> torch.Tensor:
+        return self._positions[: self.length]
+
+    def allocate(self, positions: torch.Tensor) -> slice:
+        """Reserve rows for tokens at `positions`; the caller then writes every layer's K/V into them."""
+        end = self.length + positions.shape[0]
+        if end > self.capacity:
+            self._grow(max(end, 2 * self.capacity))
+        rows = slice(self.length, end)
+        self._positions[rows] = positions
+        self.length = end
+        return rows
+
+    def _grow(self, capacity: int) -> None:
+        def grown(old: torch.Tensor) -> torch.Tensor:
+            new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype, device=old.device)
+            new[: self.length] = old[: self.length]
+            return new
+
+        self.keys = [grown(k) for k in self.keys]
+        self.values = [grown(v) for v in self.values]
+        self._positions = grown(self._positions)
+
+    def write(self, layer: int, rows: slice | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys[layer][rows] = keys
+        self.values[layer][rows] = values
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.keys[layer][: self.length], self.values[layer][: self.length]

