@@ -1,0 +1,245 @@
+"""Entry <-> bytes, as a standard safetensors file laid out for partial reads.
+
+Tensors: `k.{layer}` and `v.{layer}`, each [num_tokens, num_kv_heads, head_dim], plus optional `ranking` and
+`boundary`. A layer range is then a set of whole tensors, and a token subset a set of byte runs inside them.
+Checksums (BLAKE3, 64-bit) cover every `row_group` consecutive token rows of every K/V tensor, so a partial read
+verifies exactly what it read; the metadata carries its own checksum, so a flipped byte anywhere is caught.
+The reader parses the safetensors header itself and asks a `ByteSource` only for the byte ranges it needs,
+which is how disk (pread) and Redis (GETRANGE) serve partial reads without reading the whole entry.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from typing import Protocol, Sequence
+
+import blake3
+import numpy as np
+import torch
+from safetensors.torch import save as safetensors_save
+
+from kvreuse.store.entry import DTYPES, EntryMeta, KVEntry, check_layers, check_rows
+
+FORMAT = "kvreuse-kv/1"
+DEFAULT_ROW_GROUP = 64
+MAX_HEADER_BYTES = 64 << 20
+ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+Range = tuple[int, int]  # (offset, length)
+
+
+class EntryDamaged(Exception):
+    """The stored bytes are not a valid entry for the key asked for: the caller treats it as a miss."""
+
+
+class ByteSource(Protocol):
+    """Random access to one stored entry's bytes."""
+
+    size: int
+
+    def read_ranges(self, ranges: Sequence[Range]) -> list[memoryview]:
+        """The bytes of each range; raise EntryDamaged if any is short."""
+        ...
+
+
+class BufferSource:
+    def __init__(self, data: bytes | bytearray | memoryview):
+        self.data = memoryview(data)
+        self.size = len(self.data)
+
+    def read_ranges(self, ranges: Sequence[Range]) -> list[memoryview]:
+        if any(off + n > self.size for off, n in ranges):
+            raise EntryDamaged("read past the end of the entry (truncated?)")
+        return [self.data[off : off + n] for off, n in ranges]
+
+
+def _checksum(data: memoryview | bytes) -> str:
+    return blake3.blake3(data).hexdigest(length=8)
+
+
+def _raw_bytes(t: torch.Tensor) -> memoryview:
+    # View as bytes first: numpy has no bfloat16.
+    return memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def _group_checksums(data: memoryview, group_bytes: int) -> list[str]:
+    return [_checksum(data[i : i + group_bytes]) for i in range(0, max(len(data), 1), group_bytes)]
+
+
+def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP) -> bytes:
+    m = entry.meta
+    tensors: dict[str, torch.Tensor] = {}
+    for layer in range(m.num_layers):
+        tensors[f"k.{layer}"] = entry.k[layer].contiguous()
+        tensors[f"v.{layer}"] = entry.v[layer].contiguous()
+    if m.ranking is not None:
+        tensors["ranking"] = m.ranking.contiguous()
+    if m.boundary is not None:
+        tensors["boundary"] = m.boundary.contiguous()
+    row_bytes = entry.k[0, 0].numel() * entry.k.element_size()
+    checksums = {}
+    for name, t in tensors.items():
+        data = _raw_bytes(t)
+        # K/V are checked per row group (partial reads); extras are always read whole.
+        checksums[name] = _group_checksums(data, row_bytes * row_group if name[:2] in ("k.", "v.") else len(data))
+    info = {
+        "key": entry.key,
+        "model_fingerprint": m.model_fingerprint,
+        "dtype": m.dtype,
+        "num_layers": m.num_layers,
+        "num_tokens": m.num_tokens,
+        "num_kv_heads": entry.k.shape[2],
+        "head_dim": entry.k.shape[3],
+        "compile_mode": m.compile_mode,
+        "boundary_layers": list(m.boundary_layers),
+        "row_group": row_group,
+        "checksums": checksums,
+    }
+    text = json.dumps(info, sort_keys=True)
+    return safetensors_save(tensors, metadata={"format": FORMAT, "entry": text, "entry_checksum": _checksum(text.encode())})
+
+
+@dataclass(frozen=True)
+class _TensorInfo:
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    start: int  # absolute offset in the entry's bytes
+    nbytes: int
+
+
+class EntryReader:
+    """Validated view of one stored entry; reads only the byte ranges a request needs."""
+
+    def __init__(self, source: ByteSource, key: str):
+        self.source = source
+        try:
+            self._parse_header(key)
+        except EntryDamaged:
+            raise
+        except (ValueError, KeyError, TypeError, struct.error) as e:  # any malformed header is damage
+            raise EntryDamaged(f"malformed header: {e}") from e
+
+    def _parse_header(self, key: str) -> None:
+        (n,) = struct.unpack("<Q", bytes(self.source.read_ranges([(0, 8)])[0]))
+        if n > MAX_HEADER_BYTES or 8 + n > self.source.size:
+            raise EntryDamaged(f"header length {n} does not fit an entry of {self.source.size} bytes")
+        header = json.loads(bytes(self.source.read_ranges([(8, n)])[0]))
+        meta = header.pop("__metadata__")
+        if meta.get("format") != FORMAT:
+            raise EntryDamaged(f"not a {FORMAT} entry")
+        if _checksum(meta["entry"].encode()) != meta["entry_checksum"]:
+            raise EntryDamaged("metadata checksum mismatch")
+        info = json.loads(meta["entry"])
+        if info["key"] != key:
+            raise EntryDamaged(f"entry holds key {info['key']!r}, not {key!r}")
+        self.info = info
+        self.tensors = {
+            name: _TensorInfo(ST_DTYPES[t["dtype"]], tuple(t["shape"]), 8 + n + t["data_offsets"][0],
+                              t["data_offsets"][1] - t["data_offsets"][0])
+            for name, t in header.items()
+        }
+        self._validate_layout()
+
+    def _validate_layout(self) -> None:
+        i = self.info
+        kv_shape = (i["num_tokens"], i["num_kv_heads"], i["head_dim"])
+        expected = {f"{kv}.{layer}" for kv in "kv" for layer in range(i["num_layers"])}
+        if not expected <= self.tensors.keys() or set(i["checksums"]) != self.tensors.keys():
+            raise EntryDamaged("tensor list does not match the metadata")
+        for name, t in self.tensors.items():
+            nbytes = int(np.prod(t.shape)) * t.dtype.itemsize
+            if t.nbytes != nbytes or t.start + nbytes > self.source.size:
+                raise EntryDamaged(f"tensor {name} has a bad extent (truncated entry?)")
+            if name in expected and (t.shape != kv_shape or t.dtype != DTYPES[i["dtype"]]):
+                raise EntryDamaged(f"tensor {name} is {t.dtype}{list(t.shape)}, metadata says {i['dtype']}{list(kv_shape)}")
+
+    @property
+    def nbytes(self) -> int:
+        return self.source.size
+
+    def meta(self, with_extras: bool = True) -> EntryMeta:
+        i = self.info
+        extras = {name: self._read_whole(name) if with_extras and name in self.tensors else None
+                  for name in ("ranking", "boundary")}
+        return EntryMeta(i["model_fingerprint"], i["dtype"], i["num_layers"], i["num_tokens"], i["compile_mode"],
+                         extras["ranking"], extras["boundary"], list(i["boundary_layers"]))
+
+    def _read_whole(self, name: str) -> torch.Tensor:
+        t = self.tensors[name]
+        (data,) = self.source.read_ranges([(t.start, t.nbytes)])
+        if _checksum(data) != self.info["checksums"][name][0]:
+            raise EntryDamaged(f"checksum mismatch in {name}")
+        out = torch.empty(t.shape, dtype=t.dtype)
+        _as_bytes(out)[:] = np.frombuffer(data, dtype=np.uint8)
+        return out
+
+    def read(self, layers: range | None = None, rows: Sequence[int] | torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V for `layers` (default all) and token `rows` (default all, in the order given)."""
+        i = self.info
+        layers = check_layers(layers, i["num_layers"])
+        rows_t = None if rows is None else check_rows(rows, i["num_tokens"])
+        groups = self._groups_for(rows_t)
+        k = self._read_kv("k", layers, groups, rows_t)
+        v = self._read_kv("v", layers, groups, rows_t)
+        return k, v
+
+    def _groups_for(self, rows: torch.Tensor | None) -> list[int]:
+        g = self.info["row_group"]
+        if rows is None:
+            return list(range(-(-self.info["num_tokens"] // g)))
+        return sorted(set((rows // g).tolist()))
+
+    def _read_kv(self, kv: str, layers: range, groups: list[int], rows: torch.Tensor | None) -> torch.Tensor:
+        i = self.info
+        g, T = i["row_group"], i["num_tokens"]
+        row_shape = (i["num_kv_heads"], i["head_dim"])
+        dtype = DTYPES[i["dtype"]]
+        row_bytes = int(np.prod(row_shape)) * dtype.itemsize
+        runs = _contiguous_runs(groups)
+        # Rows that the loaded groups hold, in load order; `local` maps requested rows into them.
+        loaded_rows = torch.cat([torch.arange(a * g, min(b * g, T)) for a, b in runs]) if runs else torch.empty(0, dtype=torch.long)
+        ranges = []
+        for layer in layers:
+            t = self.tensors[f"{kv}.{layer}"]
+            ranges += [(t.start + a * g * row_bytes, (min(b * g, T) - a * g) * row_bytes) for a, b in runs]
+        chunks = self.source.read_ranges(ranges)
+        out = torch.empty((len(layers), len(loaded_rows), *row_shape), dtype=dtype)
+        out_bytes = _as_bytes(out).reshape(len(layers), len(loaded_rows) * row_bytes)
+        for li, layer in enumerate(layers):
+            sums = i["checksums"][f"{kv}.{layer}"]
+            pos = 0
+            for (a, b), data in zip(runs, chunks[li * len(runs) : (li + 1) * len(runs)]):
+                for gi in range(a, b):
+                    part = data[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]
+                    if _checksum(part) != sums[gi]:
+                        raise EntryDamaged(f"checksum mismatch in {kv}.{layer} rows {gi * g}..")
+                out_bytes[li, pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
+                pos += len(data)
+        if rows is None:
+            return out
+        local = torch.searchsorted(loaded_rows, rows)
+        return out.index_select(1, local)
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """A writable uint8 numpy view of a contiguous tensor's storage."""
+    return t.view(-1).view(torch.uint8).numpy()
+
+
+def _contiguous_runs(groups: list[int]) -> list[Range]:
+    """[0, 1, 2, 5, 6] -> [(0, 3), (5, 7)]: half-open runs of consecutive group indices."""
+    runs: list[list[int]] = []
+    for gi in groups:
+        if runs and runs[-1][1] == gi:
+            runs[-1][1] = gi + 1
+        else:
+            runs.append([gi, gi + 1])
+    return [(a, b) for a, b in runs]
+
+
+def decode(source: ByteSource, key: str) -> KVEntry:
+    reader = EntryReader(source, key)
+    k, v = reader.read()
+    return KVEntry(key, k, v, reader.meta())
