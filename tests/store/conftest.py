@@ -62,7 +62,7 @@ def _tier_maker(request, tmp_path) -> TierMaker:
         elif kind == "disk":
             tier = DiskTier(tmp_path / "disk", **expect)
         elif kind == "redis":
-            tier = RedisTier(redis_url(), prefix=prefix, **expect)
+            tier = RedisTier(redis_url(), prefix=prefix, part_size=8192, **expect)  # multi-part entries
         elif kind == "throttled":
             tier = ThrottledTier(MemoryTier(64 << 20, **expect), TEST_DEVICE)
         else:
