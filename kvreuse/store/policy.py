@@ -58,7 +58,7 @@ class SegmentedLRU:
     def _demote_over_protected_share(self) -> None:
         if self.protected_capacity is None:
             return
-        while self.protected_used > self.protected_capacity and len(self.protected) > 1:
+        while self.protected_used > self.protected_capacity:
             key, size = self.protected.popitem(last=False)
             self.protected_used -= size
             self.probation[key] = size
