@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from safetensors.torch import save as safetensors_save
 
-from kvreuse.store.entry import DTYPES, EntryMeta, KVEntry, check_layers, check_rows
+from kvreuse.store.entry import DTYPES, EntryMeta, KVEntry, check_layers, check_rows, take_rows
 
 FORMAT = "kvreuse-kv/1"
 DEFAULT_ROW_GROUP = 64
@@ -220,7 +220,7 @@ class EntryReader:
         if rows is None:
             return out
         local = torch.searchsorted(loaded_rows, rows)
-        return out.index_select(1, local)
+        return take_rows(out, local)
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Iterator
 
 from kvreuse.store.base import KV, Rows, Tier, nbytes_of
-from kvreuse.store.entry import EntryMeta, KVEntry, check_layers, check_rows
+from kvreuse.store.entry import EntryMeta, KVEntry, check_layers, check_rows, copy_tensor, take_rows
 from kvreuse.store.keys import check_key
 from kvreuse.store.policy import SegmentedLRU
 
@@ -57,7 +57,7 @@ class MemoryTier(Tier):
         if entry is None:
             return None
         check_layers(range(start, stop), entry.meta.num_layers)
-        return self._served((entry.k[start:stop].clone(), entry.v[start:stop].clone()))
+        return self._served((copy_tensor(entry.k[start:stop]), copy_tensor(entry.v[start:stop])))
 
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         entry = self._lookup(key)
@@ -65,7 +65,7 @@ class MemoryTier(Tier):
             return None
         layers = check_layers(layers, entry.meta.num_layers)
         idx = check_rows(rows, entry.meta.num_tokens)
-        k, v = (t[layers.start : layers.stop].index_select(1, idx) for t in (entry.k, entry.v))
+        k, v = (take_rows(t[layers.start : layers.stop], idx) for t in (entry.k, entry.v))
         return self._served((k, v))
 
     def put(self, entry: KVEntry) -> bool:
