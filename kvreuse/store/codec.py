@@ -179,34 +179,40 @@ class EntryReader:
         """K and V for `layers` (default all) and token `rows` (default all, in the order given)."""
         i = self.info
         layers = check_layers(layers, i["num_layers"])
-        rows_t = None if rows is None else check_rows(rows, i["num_tokens"])
-        groups = self._groups_for(rows_t)
-        k = self._read_kv("k", layers, groups, rows_t)
-        v = self._read_kv("v", layers, groups, rows_t)
-        return k, v
+        plan = self._plan_rows(None if rows is None else check_rows(rows, i["num_tokens"]))
+        return self._read_kv("k", layers, plan), self._read_kv("v", layers, plan)
 
-    def _groups_for(self, rows: torch.Tensor | None) -> list[int]:
-        g = self.info["row_group"]
+    def _plan_rows(self, rows: torch.Tensor | None) -> _RowPlan:
+        g, T = self.info["row_group"], self.info["num_tokens"]
+        num_groups = -(-T // g)
         if rows is None:
-            return list(range(-(-self.info["num_tokens"] // g)))
-        return sorted(set((rows // g).tolist()))
+            return _RowPlan([(0, num_groups)], T, None)
+        # numpy, not torch: small torch ops wait for a free core on a busy machine (6 ms for a searchsorted).
+        r = rows.numpy()
+        group_of = r // g
+        runs = _contiguous_runs(np.unique(group_of).tolist())
+        start_of = np.zeros(num_groups, dtype=np.int64)  # where each loaded group starts among loaded rows
+        loaded = 0
+        for a, b in runs:
+            for gi in range(a, b):
+                start_of[gi] = loaded
+                loaded += min((gi + 1) * g, T) - gi * g
+        return _RowPlan(runs, loaded, torch.from_numpy(start_of[group_of] + r % g))
 
-    def _read_kv(self, kv: str, layers: range, groups: list[int], rows: torch.Tensor | None) -> torch.Tensor:
+    def _read_kv(self, kv: str, layers: range, plan: _RowPlan) -> torch.Tensor:
         i = self.info
         g, T = i["row_group"], i["num_tokens"]
         row_shape = (i["num_kv_heads"], i["head_dim"])
         dtype = DTYPES[i["dtype"]]
         row_bytes = int(np.prod(row_shape)) * dtype.itemsize
-        runs = _contiguous_runs(groups)
-        # Rows that the loaded groups hold, in load order; `local` maps requested rows into them.
-        loaded_rows = torch.cat([torch.arange(a * g, min(b * g, T)) for a, b in runs]) if runs else torch.empty(0, dtype=torch.long)
+        runs = plan.runs
         ranges = []
         for layer in layers:
             t = self.tensors[f"{kv}.{layer}"]
             ranges += [(t.start + a * g * row_bytes, (min(b * g, T) - a * g) * row_bytes) for a, b in runs]
         chunks = self.source.read_ranges(ranges)
-        out = torch.empty((len(layers), len(loaded_rows), *row_shape), dtype=dtype)
-        out_bytes = _as_bytes(out).reshape(len(layers), len(loaded_rows) * row_bytes)
+        out = torch.empty((len(layers), plan.loaded, *row_shape), dtype=dtype)
+        out_bytes = _as_bytes(out).reshape(len(layers), plan.loaded * row_bytes)
         for li, layer in enumerate(layers):
             sums = i["checksums"][f"{kv}.{layer}"]
             pos = 0
@@ -217,10 +223,16 @@ class EntryReader:
                         raise EntryDamaged(f"checksum mismatch in {kv}.{layer} rows {gi * g}..")
                 out_bytes[li, pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
                 pos += len(data)
-        if rows is None:
-            return out
-        local = torch.searchsorted(loaded_rows, rows)
-        return take_rows(out, local)
+        return out if plan.local is None else take_rows(out, plan.local)
+
+
+@dataclass(frozen=True)
+class _RowPlan:
+    """The row groups a read loads, as half-open runs of group indices, and where requested rows land."""
+
+    runs: list[Range]
+    loaded: int  # rows the runs hold
+    local: torch.Tensor | None  # index of each requested row among the loaded ones; None: all rows, in order
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
