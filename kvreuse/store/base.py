@@ -66,7 +66,7 @@ class KVStore(ABC):
         """Delete every entry; returns how many."""
         return sum(self.delete(key) for key in list(self.keys()))
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - most tiers hold nothing to release
         pass
 
 
@@ -103,15 +103,18 @@ class Tier(KVStore):
         log.warning("%s: %s on %s: %s", self.name, counter.replace("_", " "), key, why)
         self.count(counter)
 
+    def _expects(self, model_fingerprint: str, dtype: str) -> bool:
+        return self.model_fingerprint in (None, model_fingerprint) and self.dtype in (None, dtype)
+
     def accepts(self, key: str, model_fingerprint: str, dtype: str) -> bool:
         """False (counted, logged) for an entry of another model or dtype than this tier expects."""
-        if self.model_fingerprint not in (None, model_fingerprint) or self.dtype not in (None, dtype):
+        if not self._expects(model_fingerprint, dtype):
             self.fault("wrong_model", key, f"entry is {model_fingerprint}/{dtype}")
             return False
         return True
 
     def check_put(self, entry: KVEntry) -> None:
-        if self.model_fingerprint not in (None, entry.meta.model_fingerprint) or self.dtype not in (None, entry.meta.dtype):
+        if not self._expects(entry.meta.model_fingerprint, entry.meta.dtype):
             raise ValueError(
                 f"{self.name} holds {self.model_fingerprint}/{self.dtype} entries; "
                 f"got {entry.meta.model_fingerprint}/{entry.meta.dtype} for {entry.key}"

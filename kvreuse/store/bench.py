@@ -6,6 +6,7 @@ and recomputing). Every throttled tier is reported as emulated: its figures come
 
 from __future__ import annotations
 
+import functools
 import os
 import statistics
 import time
@@ -89,7 +90,7 @@ def bench_tier(tier: KVStore, entries: list[KVEntry], label: str, note: str, *, 
     def phase(read: Callable[[KVEntry], object]) -> list[float]:
         if cold:
             drop_page_cache(tier)
-        return [_timed(lambda: read(e)) for e in entries]
+        return [_timed(functools.partial(read, e)) for e in entries]
 
     gets = phase(lambda e: tier.get(e.key))
     layers = phase(lambda e: tier.get_layers(e.key, 0, 1))

@@ -95,7 +95,8 @@ def cmd_stats(args: argparse.Namespace) -> int:
         tiers = store.stats()["tiers"]
     table = Table("tier", "entries", "bytes", "capacity")
     for t in tiers:
-        table.add_row(t["tier"], str(t.get("entries", "?")), str(t.get("bytes_used", "?")), str(t.get("capacity") or "-"))
+        usage = (t.get("entries", "?"), t.get("bytes_used", "?"), t.get("capacity") or "-")
+        table.add_row(t["tier"], *map(str, usage))
     _console().print(table)
     return 0
 
@@ -118,8 +119,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     shape = EntryShape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EntryShape)})
     entries = make_entries(shape, args.entries)
     console = _console()
-    console.print(f"{args.entries} entries of {entries[0].nbytes / 1e6:.2f} MB "
-                  f"({shape.layers} layers x {shape.tokens} tokens x {shape.heads} heads x {shape.head_dim}, {shape.dtype})")
+    console.print(f"{args.entries} entries of {entries[0].nbytes / 1e6:.2f} MB ({shape.layers} layers x "
+                  f"{shape.tokens} tokens x {shape.heads} heads x {shape.head_dim}, {shape.dtype})")
     results: list[BenchResult] = []
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-bench-", dir="/var/tmp"))

@@ -99,7 +99,8 @@ def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP) -> bytes:
         "checksums": checksums,
     }
     text = json.dumps(info, sort_keys=True)
-    return safetensors_save(tensors, metadata={"format": FORMAT, "entry": text, "entry_checksum": _checksum(text.encode())})
+    metadata = {"format": FORMAT, "entry": text, "entry_checksum": _checksum(text.encode())}
+    return safetensors_save(tensors, metadata=metadata)
 
 
 @dataclass(frozen=True)
@@ -154,7 +155,7 @@ class EntryReader:
             if t.nbytes != nbytes or t.start + nbytes > self.source.size:
                 raise EntryDamaged(f"tensor {name} has a bad extent (truncated entry?)")
             if name in expected and (t.shape != kv_shape or t.dtype != DTYPES[i["dtype"]]):
-                raise EntryDamaged(f"tensor {name} is {t.dtype}{list(t.shape)}, metadata says {i['dtype']}{list(kv_shape)}")
+                raise EntryDamaged(f"tensor {name} is {t.dtype}{list(t.shape)}, not {i['dtype']}{list(kv_shape)}")
 
     @property
     def nbytes(self) -> int:
@@ -218,7 +219,7 @@ class EntryReader:
         for li, layer in enumerate(layers):
             sums = i["checksums"][f"{kv}.{layer}"]
             pos = 0
-            for (a, b), data in zip(runs, chunks[li * len(runs) : (li + 1) * len(runs)]):
+            for (a, b), data in zip(runs, chunks[li * len(runs) : (li + 1) * len(runs)], strict=True):
                 for gi in range(a, b):
                     part = data[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]
                     if _checksum(part) != sums[gi]:

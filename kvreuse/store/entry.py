@@ -75,6 +75,9 @@ class KVEntry:
             raise ValueError(f"k/v dtypes {self.k.dtype}/{self.v.dtype} do not match meta dtype {m.dtype!r}")
         if m.ranking is not None and tuple(m.ranking.shape) != (m.num_tokens,):
             raise ValueError(f"ranking must have shape ({m.num_tokens},), got {tuple(m.ranking.shape)}")
+        for extra in (m.ranking, m.boundary):
+            if extra is not None:
+                dtype_name(extra.dtype)  # the store keeps float32/bfloat16/float16 only
         if m.boundary is not None:
             if m.boundary.dim() != 3 or m.boundary.shape[:2] != (len(m.boundary_layers), m.num_tokens):
                 raise ValueError(

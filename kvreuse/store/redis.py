@@ -38,7 +38,7 @@ class RedisSource:
                 pipe.getrange(f"{self.part_prefix}{part}", start, stop - 1)
         results = iter(pipe.execute())
         out = []
-        for (off, n), count in zip(ranges, pieces_per_range):
+        for (off, n), count in zip(ranges, pieces_per_range, strict=True):
             data = b"".join(next(results) for _ in range(count))
             if len(data) != n:
                 raise EntryDamaged(f"short read at {off}: {len(data)} of {n} bytes (missing or truncated part?)")
@@ -59,10 +59,12 @@ class RedisTier(BlobTier):
 
     def __init__(self, url: str, *, prefix: str = "kvreuse", part_size: int = DEFAULT_PART_SIZE,
                  timeout: float = 2.0, **expect: str | None):
-        super().__init__(url, **expect)
         # No retries: a dead server must cost one fast failure per call, not a backoff loop on the request path.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            retry=Retry(NoBackoff(), 0))
+        # The name shows up in logs and stats: host, port and db only, never a password from the URL.
+        c = self.client.connection_pool.connection_kwargs
+        super().__init__(f"redis://{c.get('host')}:{c.get('port')}/{c.get('db', 0)}", **expect)
         self.prefix = prefix
         self.part_size = part_size
 

@@ -48,7 +48,7 @@ def open_tier(spec: str, **expect: str | None) -> KVStore:
     if kind == "throttled":
         device, _, inner = rest.partition(":")
         if device not in DEVICES or not inner:
-            raise ValueError(f"bad store spec {spec!r}: expected throttled:DEVICE:TIER with DEVICE in {sorted(DEVICES)}")
+            raise ValueError(f"bad store spec {spec!r}: expected throttled:DEVICE:TIER, DEVICE in {sorted(DEVICES)}")
         return ThrottledTier(open_tier(inner, **expect), DEVICES[device])
     raise ValueError(
         f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT or throttled:DEVICE:TIER"

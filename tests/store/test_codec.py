@@ -60,6 +60,7 @@ def test_decode_checks_the_key(make_entry):
     (dict(k=torch.zeros(4, 100, 2, 16, dtype=torch.float16)), "dtypes"),
     (dict(layers=3), "meta says"),
     (dict(ranking=torch.zeros(5)), "ranking"),
+    (dict(ranking=torch.zeros(100, dtype=torch.float64)), "unsupported KV dtype"),
     (dict(key="bad/key"), "invalid store key"),
 ])
 def test_inconsistent_entries_are_refused(make_entry, change, message):

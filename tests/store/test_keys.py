@@ -41,7 +41,7 @@ def test_prefix_block_keys_chain():
     assert prefix_block_keys(tokens + [7] * 100, 256, space=SPACE)[:3] == keys
     # Block j's key depends on every earlier block: change token 0, and every key changes.
     changed = prefix_block_keys([9999] + tokens[1:], 256, space=SPACE)
-    assert all(a != b for a, b in zip(keys, changed))
+    assert all(a != b for a, b in zip(keys, changed, strict=True))
     # The same tokens as a chunk and as a prefix block are different entries.
     assert keys[0] != chunk_key(tokens[:256], SPACE)
     assert prefix_block_keys(tokens, 100, space=SPACE)[0] != keys[0]

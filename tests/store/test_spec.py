@@ -20,7 +20,7 @@ def test_a_spec_lists_tiers_top_to_bottom(tmp_path, redis_server):
     memory, disk, redis_tier, throttled = store.tiers
     assert isinstance(memory, MemoryTier) and memory.policy.capacity == 10**6 and memory.model_fingerprint == "m"
     assert isinstance(disk, DiskTier) and disk.root == tmp_path / "a" and disk.policy.capacity == 5 * 10**9
-    assert isinstance(redis_tier, RedisTier)
+    assert isinstance(redis_tier, RedisTier) and redis_tier.name == redis_server.url
     assert isinstance(throttled, ThrottledTier) and "emulated" in throttled.name
     assert isinstance(throttled.inner, DiskTier) and throttled.inner.policy.capacity is None
     store.close()
