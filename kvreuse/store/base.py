@@ -62,6 +62,9 @@ class KVStore(ABC):
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...
 
+    def check_put(self, entry: KVEntry) -> None:
+        """Raise ValueError if this store would refuse `entry` (another model or dtype than it holds)."""
+
     def clear(self) -> int:
         """Delete every entry; returns how many."""
         return sum(self.delete(key) for key in list(self.keys()))
@@ -156,25 +159,28 @@ class BlobTier(Tier):
     def _hit(self, key: str) -> None:
         """Called on every successful read (replacement policies hook in here)."""
 
-    def _read(self, key: str, fn: Callable[[EntryReader], T]) -> T | None:
+    def _load(self, key: str, fn: Callable[[EntryReader], T]) -> T | None:
+        """fn applied to the checked entry, or None if it is absent, damaged, foreign or unreachable."""
         check_key(key)
         try:
             with self._open(key) as source:
                 if source is None:
-                    self.count("misses")
                     return None
                 reader = EntryReader(source, key)
                 if not self.accepts(key, reader.info["model_fingerprint"], reader.info["dtype"]):
-                    self.count("misses")
                     return None
-                result = fn(reader)
+                return fn(reader)
         except EntryDamaged as e:
             self.fault("damaged", key, e)
-            self.count("misses")
             self._drop_damaged(key)
-            return None
         except self.backend_errors as e:
             self.fault("unavailable", key, e)
+        return None
+
+    def _read(self, key: str, fn: Callable[[EntryReader], T]) -> T | None:
+        """_load for a request: counted as a hit or a miss, and a hit refreshes the key's replacement rank."""
+        result = self._load(key, fn)
+        if result is None:
             self.count("misses")
             return None
         self.count("hits")
@@ -205,7 +211,8 @@ class BlobTier(Tier):
         return self._read(key, lambda r: r.read(layers, rows))
 
     def meta(self, key: str) -> EntryMeta | None:
-        return self._read(key, lambda r: r.meta(with_extras=False))
+        # Tooling (ls), not a request: neither a hit nor a use that protects the entry from eviction.
+        return self._load(key, lambda r: r.meta(with_extras=False))
 
     def put(self, entry: KVEntry) -> bool:
         self.check_put(entry)

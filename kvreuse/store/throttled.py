@@ -67,6 +67,9 @@ class ThrottledTier(KVStore):
     def put(self, entry: KVEntry) -> bool:
         return self.inner.put(entry)
 
+    def check_put(self, entry: KVEntry) -> None:
+        self.inner.check_put(entry)
+
     def delete(self, key: str) -> bool:
         return self.inner.delete(key)
 

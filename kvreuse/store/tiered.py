@@ -117,6 +117,10 @@ class TieredStore(KVStore):
 
     # -- the store interface -----------------------------------------------------------------------------
     def put(self, entry: KVEntry) -> bool:
+        """Accept `entry` (True): written to cheap tiers now, queued for the others. Bad input raises here,
+        not later in the writer thread."""
+        for tier in self.tiers:
+            tier.check_put(entry)
         owned = entry.clone()  # the caller may reuse its tensors; async writes need a stable copy
         for i in range(len(self.tiers)):
             self._write(i, owned)

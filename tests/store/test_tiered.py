@@ -126,3 +126,10 @@ def test_a_burst_of_one_off_chunks_does_not_flush_hot_chunks(tmp_path, make_entr
 def test_store_needs_a_tier():
     with pytest.raises(ValueError, match="at least one tier"):
         TieredStore([])
+
+
+def test_bad_put_fails_at_the_call_even_for_background_tiers(tmp_path, make_entry):
+    store = TieredStore([DiskTier(tmp_path, model_fingerprint="model-a")])
+    with pytest.raises(ValueError, match="model-a"):
+        store.put(make_entry(model="model-b"))
+    store.close()
