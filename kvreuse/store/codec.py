@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import json
 import struct
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Protocol, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -35,25 +36,49 @@ class EntryDamaged(Exception):
     """The stored bytes are not a valid entry for the key asked for: the caller treats it as a miss."""
 
 
-class ByteSource(Protocol):
-    """Random access to one stored entry's bytes."""
+class ByteSource(ABC):
+    """Random access to one stored entry's bytes. Subclasses fetch byte spans; this class merges the spans
+    a read asks for when they touch (all K tensors of a whole-entry read lie end to end), so the backend
+    sees a few large requests rather than one per tensor, and checks that nothing came back short."""
 
     size: int
 
+    @abstractmethod
+    def _fetch(self, spans: list[Range]) -> list[bytes | memoryview]: ...
+
     def read_ranges(self, ranges: Sequence[Range]) -> list[memoryview]:
-        """The bytes of each range; raise EntryDamaged if any is short."""
-        ...
+        """The bytes of each range; EntryDamaged if any lies past the end or comes back short."""
+        if any(off + n > self.size for off, n in ranges):
+            raise EntryDamaged(f"read past the end of a {self.size}-byte entry (truncated?)")
+        spans, where = _merge(ranges)
+        fetched = [memoryview(data) for data in self._fetch(spans)]
+        for (off, n), data in zip(spans, fetched, strict=True):
+            if len(data) != n:
+                raise EntryDamaged(f"short read at {off}: {len(data)} of {n} bytes (truncated or missing part?)")
+        return [fetched[i][start : start + n] for (i, start), (_, n) in zip(where, ranges, strict=True)]
 
 
-class BufferSource:
+def _merge(ranges: Sequence[Range]) -> tuple[list[Range], list[tuple[int, int]]]:
+    """Touching or overlapping ranges merged into spans, and for each range: (its span, its offset in it)."""
+    spans: list[list[int]] = []  # [offset, end]
+    where: list[tuple[int, int]] = [(0, 0)] * len(ranges)
+    for i in sorted(range(len(ranges)), key=lambda i: ranges[i][0]):
+        off, n = ranges[i]
+        if spans and off <= spans[-1][1]:
+            spans[-1][1] = max(spans[-1][1], off + n)
+        else:
+            spans.append([off, off + n])
+        where[i] = (len(spans) - 1, off - spans[-1][0])
+    return [(a, b - a) for a, b in spans], where
+
+
+class BufferSource(ByteSource):
     def __init__(self, data: bytes | bytearray | memoryview):
         self.data = memoryview(data)
         self.size = len(self.data)
 
-    def read_ranges(self, ranges: Sequence[Range]) -> list[memoryview]:
-        if any(off + n > self.size for off, n in ranges):
-            raise EntryDamaged("read past the end of the entry (truncated?)")
-        return [self.data[off : off + n] for off, n in ranges]
+    def _fetch(self, spans: list[Range]) -> list[memoryview]:
+        return [self.data[off : off + n] for off, n in spans]
 
 
 def _checksum(data: memoryview | bytes) -> str:

@@ -16,10 +16,10 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
 from kvreuse.store.base import BlobTier
-from kvreuse.store.codec import EntryDamaged, Range
+from kvreuse.store.codec import ByteSource, Range
 from kvreuse.store.keys import KEY_PATTERN, check_key
 from kvreuse.store.policy import SegmentedLRU
 
@@ -28,19 +28,13 @@ TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600  # a temp file this old belongs to a writer that died
 
 
-class FileSource:
+class FileSource(ByteSource):
     def __init__(self, fd: int):
         self.fd = fd
         self.size = os.fstat(fd).st_size
 
-    def read_ranges(self, ranges: Sequence[Range]) -> list[memoryview]:
-        out = []
-        for off, n in ranges:
-            data = os.pread(self.fd, n, off)
-            if len(data) != n:
-                raise EntryDamaged(f"short read at {off}: {len(data)} of {n} bytes (truncated file?)")
-            out.append(memoryview(data))
-        return out
+    def _fetch(self, spans: list[Range]) -> list[bytes]:
+        return [os.pread(self.fd, n, off) for off, n in spans]
 
 
 class DiskTier(BlobTier):

@@ -12,43 +12,37 @@ from __future__ import annotations
 
 import contextlib
 import uuid
-from typing import Iterator, Sequence
+from typing import Iterator
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvreuse.store.base import BlobTier
-from kvreuse.store.codec import EntryDamaged, Range
+from kvreuse.store.codec import ByteSource, EntryDamaged, Range
 
 DEFAULT_PART_SIZE = 4 << 20
 
 
-class RedisSource:
+class RedisSource(ByteSource):
     def __init__(self, client: redis.Redis, part_prefix: str, size: int, part_size: int):
         self.client, self.part_prefix, self.size, self.part_size = client, part_prefix, size, part_size
 
-    def read_ranges(self, ranges: Sequence[Range]) -> list[memoryview]:
+    def _fetch(self, spans: list[Range]) -> list[bytes]:
+        """One pipelined round trip: a GETRANGE for each part a span touches, then the pieces joined.
+        A missing part reads as b"", so its span comes back short, which the caller treats as damage."""
         pipe = self.client.pipeline(transaction=False)
-        pieces_per_range = []
-        for off, n in ranges:
+        pieces_per_span = []
+        for off, n in spans:
             pieces = self._pieces(off, n)
-            pieces_per_range.append(len(pieces))
+            pieces_per_span.append(len(pieces))
             for part, start, stop in pieces:
                 pipe.getrange(f"{self.part_prefix}{part}", start, stop - 1)
         results = iter(pipe.execute())
-        out = []
-        for (off, n), count in zip(ranges, pieces_per_range, strict=True):
-            data = b"".join(next(results) for _ in range(count))
-            if len(data) != n:
-                raise EntryDamaged(f"short read at {off}: {len(data)} of {n} bytes (missing or truncated part?)")
-            out.append(memoryview(data))
-        return out
+        return [b"".join(next(results) for _ in range(count)) for count in pieces_per_span]
 
     def _pieces(self, off: int, n: int) -> list[tuple[int, int, int]]:
         """(part, start, stop) byte spans inside parts covering [off, off + n)."""
-        if off + n > self.size:
-            raise EntryDamaged("read past the end of the entry")
         P = self.part_size
         return [(p, max(off, p * P) - p * P, min(off + n, (p + 1) * P) - p * P)
                 for p in range(off // P, -(-(off + n) // P))]
@@ -60,8 +54,9 @@ class RedisTier(BlobTier):
     def __init__(self, url: str, *, prefix: str = "kvreuse", part_size: int = DEFAULT_PART_SIZE,
                  timeout: float = 2.0, **expect: str | None):
         # No retries: a dead server must cost one fast failure per call, not a backoff loop on the request path.
+        # 1 MB socket reads: values are MBs, and the 32 kB default makes the pure-Python parser loop 30x more.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                           retry=Retry(NoBackoff(), 0))
+                                           socket_read_size=1 << 20, retry=Retry(NoBackoff(), 0))
         # The name shows up in logs and stats: host, port and db only, never a password from the URL.
         c = self.client.connection_pool.connection_kwargs
         super().__init__(f"redis://{c.get('host')}:{c.get('port')}/{c.get('db', 0)}", **expect)

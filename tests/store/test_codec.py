@@ -15,9 +15,9 @@ class CountingSource(BufferSource):
         super().__init__(data)
         self.bytes_read = 0
 
-    def read_ranges(self, ranges):
-        self.bytes_read += sum(n for _, n in ranges)
-        return super().read_ranges(ranges)
+    def _fetch(self, spans):
+        self.bytes_read += sum(n for _, n in spans)
+        return super()._fetch(spans)
 
 
 def test_file_is_plain_safetensors(tmp_path, make_entry):
