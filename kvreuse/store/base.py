@@ -142,6 +142,11 @@ class BlobTier(Tier):
 
     backend_errors: tuple[type[BaseException], ...] = (OSError,)
 
+    def __init__(self, name: str, *, quantize: bool = False, **expect: str | None):
+        """quantize: keep entries in the lossy int8 form (about half the bytes of bf16); reads say so."""
+        super().__init__(f"{name} (int8)" if quantize else name, **expect)
+        self.quantize = quantize
+
     @abstractmethod
     def _open(self, key: str) -> ContextManager[ByteSource | None]:
         """The stored bytes of `key`, or None if absent."""
@@ -219,7 +224,7 @@ class BlobTier(Tier):
         if self.contains(entry.key):
             self.count("duplicates")
             return True
-        data = encode(entry)
+        data = encode(entry, quantize=self.quantize)
         try:
             self._write(entry.key, data)
         except self.backend_errors as e:

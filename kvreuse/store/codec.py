@@ -6,6 +6,9 @@ Checksums (XXH3-64) cover every `row_group` consecutive token rows of every K/V 
 verifies exactly what it read; the metadata carries its own checksum, so a flipped byte anywhere is caught.
 XXH3, not BLAKE3 as for keys: a checksum guards against damage, not an adversary, and XXH3 checks 12 GB/s on
 this machine against BLAKE3's 2.7, which had made checksums 40% of a warm disk read.
+Optional int8 form (lossy, opt-in per tier): `k.{layer}` holds int8 values and `k.{layer}.scale` one float32
+scale per token and head (symmetric, absmax / 127), so the int8 tensors keep the token axis and partial reads
+work unchanged; the entry reads back dequantized to its dtype, and its metadata says `quantized="int8"`.
 The reader parses the safetensors header itself and asks a `ByteSource` only for the byte ranges it needs,
 which is how disk (pread) and Redis (GETRANGE) serve partial reads without reading the whole entry.
 """
@@ -28,7 +31,8 @@ from kvreuse.store.entry import DTYPES, EntryMeta, KVEntry, check_layers, check_
 FORMAT = "kvreuse-kv/1"
 DEFAULT_ROW_GROUP = 64
 MAX_HEADER_BYTES = 64 << 20
-ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8}
+INT8 = "int8"
 Range = tuple[int, int]  # (offset, length)
 
 
@@ -94,23 +98,36 @@ def _group_checksums(data: memoryview, group_bytes: int) -> list[str]:
     return [_checksum(data[i : i + group_bytes]) for i in range(0, max(len(data), 1), group_bytes)]
 
 
-def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP) -> bytes:
+def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[..., head_dim] -> int8 values and one float32 scale per leading index (symmetric absmax)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1) / 127
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row must not divide by zero
+    return torch.round(x / scale[..., None]).clamp(-127, 127).to(torch.int8), scale
+
+
+def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP, *, quantize: bool = False) -> bytes:
     m = entry.meta
     tensors: dict[str, torch.Tensor] = {}
-    for layer in range(m.num_layers):
-        tensors[f"k.{layer}"] = entry.k[layer].contiguous()
-        tensors[f"v.{layer}"] = entry.v[layer].contiguous()
+    for kv, t in (("k", entry.k), ("v", entry.v)):
+        for layer in range(m.num_layers):
+            if quantize:
+                tensors[f"{kv}.{layer}"], tensors[f"{kv}.{layer}.scale"] = quantize_int8(t[layer])
+            else:
+                tensors[f"{kv}.{layer}"] = t[layer].contiguous()
     if m.ranking is not None:
         tensors["ranking"] = m.ranking.contiguous()
     if m.boundary is not None:
         tensors["boundary"] = m.boundary.contiguous()
-    row_bytes = entry.k[0, 0].numel() * entry.k.element_size()
     checksums = {}
     for name, t in tensors.items():
         data = _raw_bytes(t)
-        # K/V are checked per row group (partial reads); extras are always read whole.
-        checksums[name] = _group_checksums(data, row_bytes * row_group if name[:2] in ("k.", "v.") else len(data))
+        # K/V (and their scales) are checked per row group, for partial reads; extras are always read whole.
+        per_token = name[:2] in ("k.", "v.")
+        checksums[name] = _group_checksums(data, len(data) // len(t) * row_group if per_token else len(data))
     info = {
+        "storage": INT8 if quantize else m.dtype,
+        "quantized": INT8 if quantize else m.quantized,
         "key": entry.key,
         "model_fingerprint": m.model_fingerprint,
         "dtype": m.dtype,
@@ -169,18 +186,25 @@ class EntryReader:
         }
         self._validate_layout()
 
+    @property
+    def quantized(self) -> bool:
+        return self.info["storage"] == INT8
+
     def _validate_layout(self) -> None:
         i = self.info
-        kv_shape = (i["num_tokens"], i["num_kv_heads"], i["head_dim"])
-        expected = {f"{kv}.{layer}" for kv in "kv" for layer in range(i["num_layers"])}
-        if not expected <= self.tensors.keys() or set(i["checksums"]) != self.tensors.keys():
+        T, H, D = i["num_tokens"], i["num_kv_heads"], i["head_dim"]
+        stored = torch.int8 if self.quantized else DTYPES[i["dtype"]]
+        expected = {f"{kv}.{layer}": (stored, (T, H, D)) for kv in "kv" for layer in range(i["num_layers"])}
+        if self.quantized:
+            expected |= {f"{name}.scale": (torch.float32, (T, H)) for name in list(expected)}
+        if not expected.keys() <= self.tensors.keys() or set(i["checksums"]) != self.tensors.keys():
             raise EntryDamaged("tensor list does not match the metadata")
         for name, t in self.tensors.items():
             nbytes = int(np.prod(t.shape)) * t.dtype.itemsize
             if t.nbytes != nbytes or t.start + nbytes > self.source.size:
                 raise EntryDamaged(f"tensor {name} has a bad extent (truncated entry?)")
-            if name in expected and (t.shape != kv_shape or t.dtype != DTYPES[i["dtype"]]):
-                raise EntryDamaged(f"tensor {name} is {t.dtype}{list(t.shape)}, not {i['dtype']}{list(kv_shape)}")
+            if name in expected and (t.dtype, t.shape) != expected[name]:
+                raise EntryDamaged(f"tensor {name} is {t.dtype}{list(t.shape)}, not {expected[name]}")
 
     @property
     def nbytes(self) -> int:
@@ -191,7 +215,7 @@ class EntryReader:
         extras = {name: self._read_whole(name) if with_extras and name in self.tensors else None
                   for name in ("ranking", "boundary")}
         return EntryMeta(i["model_fingerprint"], i["dtype"], i["num_layers"], i["num_tokens"], i["compile_mode"],
-                         extras["ranking"], extras["boundary"], list(i["boundary_layers"]))
+                         extras["ranking"], extras["boundary"], list(i["boundary_layers"]), i["quantized"])
 
     def _read_whole(self, name: str) -> torch.Tensor:
         t = self.tensors[name]
@@ -228,27 +252,31 @@ class EntryReader:
         return _RowPlan(runs, loaded, torch.from_numpy(start_of[group_of] + r % g))
 
     def _read_kv(self, kv: str, layers: range, plan: _RowPlan) -> torch.Tensor:
-        i = self.info
-        g, T = i["row_group"], i["num_tokens"]
-        row_shape = (i["num_kv_heads"], i["head_dim"])
-        dtype = DTYPES[i["dtype"]]
-        row_bytes = int(np.prod(row_shape)) * dtype.itemsize
-        runs = plan.runs
-        ranges = []
-        for layer in layers:
-            t = self.tensors[f"{kv}.{layer}"]
-            ranges += [(t.start + a * g * row_bytes, (min(b * g, T) - a * g) * row_bytes) for a, b in runs]
-        chunks = self.source.read_ranges(ranges)
-        out = torch.empty((len(layers), plan.loaded, *row_shape), dtype=dtype)
-        out_bytes = _as_bytes(out).reshape(len(layers), plan.loaded * row_bytes)
-        for li, layer in enumerate(layers):
-            sums = i["checksums"][f"{kv}.{layer}"]
+        values = self._read_rows(kv, "", layers, plan)
+        if not self.quantized:
+            return values
+        scales = self._read_rows(kv, ".scale", layers, plan)
+        return (values.float() * scales[..., None]).to(DTYPES[self.info["dtype"]])
+
+    def _read_rows(self, kv: str, suffix: str, layers: range, plan: _RowPlan) -> torch.Tensor:
+        """Rows `plan` asks for of tensors `{kv}.{layer}{suffix}`, verified, as [len(layers), rows, ...]."""
+        g, T = self.info["row_group"], self.info["num_tokens"]
+        like = self.tensors[f"{kv}.0{suffix}"]  # every layer's tensor has this dtype and shape
+        row_bytes = int(np.prod(like.shape[1:])) * like.dtype.itemsize
+        names = [f"{kv}.{layer}{suffix}" for layer in layers]
+        ranges = [(self.tensors[name].start + a * g * row_bytes, (min(b * g, T) - a * g) * row_bytes)
+                  for name in names for a, b in plan.runs]
+        chunks = iter(self.source.read_ranges(ranges))
+        out = torch.empty((len(names), plan.loaded, *like.shape[1:]), dtype=like.dtype)
+        out_bytes = _as_bytes(out).reshape(len(names), plan.loaded * row_bytes)
+        for li, name in enumerate(names):
+            sums = self.info["checksums"][name]
             pos = 0
-            for (a, b), data in zip(runs, chunks[li * len(runs) : (li + 1) * len(runs)], strict=True):
+            for a, b in plan.runs:
+                data = next(chunks)
                 for gi in range(a, b):
-                    part = data[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]
-                    if _checksum(part) != sums[gi]:
-                        raise EntryDamaged(f"checksum mismatch in {kv}.{layer} rows {gi * g}..")
+                    if _checksum(data[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]) != sums[gi]:
+                        raise EntryDamaged(f"checksum mismatch in {name} rows {gi * g}..")
                 out_bytes[li, pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
                 pos += len(data)
         return out if plan.local is None else take_rows(out, plan.local)

@@ -39,8 +39,8 @@ class FileSource(ByteSource):
 
 class DiskTier(BlobTier):
     def __init__(self, root: str | os.PathLike, capacity: int | None = None, *, protected_share: float = 0.8,
-                 **expect: str | None):
-        super().__init__(f"disk:{root}", **expect)
+                 quantize: bool = False, **expect: str | None):
+        super().__init__(f"disk:{root}", quantize=quantize, **expect)
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = SegmentedLRU(capacity, protected_share)

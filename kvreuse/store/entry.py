@@ -50,6 +50,7 @@ class EntryMeta:
     ranking: torch.Tensor | None = None  # [num_tokens], CacheTune's per-token score
     boundary: torch.Tensor | None = None  # [num_stages, num_tokens, hidden], pipeline-stage inputs
     boundary_layers: list[int] = field(default_factory=list)
+    quantized: str | None = None  # "int8" once the values went through the lossy 8-bit form
 
 
 @dataclass
@@ -91,7 +92,7 @@ class KVEntry:
         m = self.meta
         extras = [None if t is None else copy_tensor(t) for t in (m.ranking, m.boundary)]
         meta = EntryMeta(m.model_fingerprint, m.dtype, m.num_layers, m.num_tokens, m.compile_mode, *extras,
-                         list(m.boundary_layers))
+                         list(m.boundary_layers), m.quantized)
         return KVEntry(self.key, copy_tensor(self.k), copy_tensor(self.v), meta)
 
     @property

@@ -52,14 +52,14 @@ class RedisTier(BlobTier):
     backend_errors = (OSError, redis.RedisError)
 
     def __init__(self, url: str, *, prefix: str = "kvreuse", part_size: int = DEFAULT_PART_SIZE,
-                 timeout: float = 2.0, **expect: str | None):
+                 timeout: float = 2.0, quantize: bool = False, **expect: str | None):
         # No retries: a dead server must cost one fast failure per call, not a backoff loop on the request path.
         # 1 MB socket reads: values are MBs, and the 32 kB default makes the pure-Python parser loop 30x more.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            socket_read_size=1 << 20, retry=Retry(NoBackoff(), 0))
         # The name shows up in logs and stats: host, port and db only, never a password from the URL.
         c = self.client.connection_pool.connection_kwargs
-        super().__init__(f"redis://{c.get('host')}:{c.get('port')}/{c.get('db', 0)}", **expect)
+        super().__init__(f"redis://{c.get('host')}:{c.get('port')}/{c.get('db', 0)}", quantize=quantize, **expect)
         self.prefix = prefix
         self.part_size = part_size
 

@@ -5,6 +5,7 @@ Tier specs:
   disk:PATH[:SIZE]               e.g. disk:/var/cache/kv:50GB (no SIZE: unlimited)
   redis://HOST:PORT[/DB]         a Redis server (capacity: the server's maxmemory)
   throttled:DEVICE:TIER          TIER slowed to an emulated DEVICE (ssd, hdd, net10g), for benchmarks
+  int8:TIER                      a disk or Redis TIER keeping entries in the lossy 8-bit form
 Sizes: B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024).
 A spec is a list of tier specs, or one string of them joined by commas.
 """
@@ -34,8 +35,12 @@ def parse_size(text: str) -> int:
     return size
 
 
-def open_tier(spec: str, **expect: str | None) -> KVStore:
+def open_tier(spec: str, **expect: str | bool | None) -> KVStore:
     kind, _, rest = spec.partition(":")
+    if kind == "int8":
+        if rest.partition(":")[0] not in ("disk", "redis", "rediss"):
+            raise ValueError(f"bad store spec {spec!r}: int8 applies to disk and redis tiers")
+        return open_tier(rest, quantize=True, **expect)
     if kind in ("redis", "rediss"):
         return RedisTier(spec, **expect)
     if kind == "memory" and rest:
@@ -51,7 +56,8 @@ def open_tier(spec: str, **expect: str | None) -> KVStore:
             raise ValueError(f"bad store spec {spec!r}: expected throttled:DEVICE:TIER, DEVICE in {sorted(DEVICES)}")
         return ThrottledTier(open_tier(inner, **expect), DEVICES[device])
     raise ValueError(
-        f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT or throttled:DEVICE:TIER"
+        f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
+        "throttled:DEVICE:TIER or int8:TIER"
     )
 
 
