@@ -130,6 +130,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         results.append(bench_tier(MemoryTier(None), entries, "memory", "measured"))
         results.append(bench_tier(disk, entries, "disk", f"measured, page cache warm ({root})"))
         results.append(bench_tier(disk, entries, "disk", "measured, page cache cold (fadvise DONTNEED)", cold=True))
+        int8 = DiskTier(os.path.join(root, "int8"), quantize=True)
+        results.append(bench_tier(int8, entries, "disk int8", "measured, page cache warm; lossy 8-bit form"))
         if args.redis != "none":
             url = stack.enter_context(LocalRedis()).url if args.redis == "auto" else args.redis
             redis_tier = RedisTier(url, prefix="kvreuse-bench")

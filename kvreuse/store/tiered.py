@@ -34,7 +34,7 @@ class TieredStore(KVStore):
         self.counters = {"hits_by_tier": [0] * len(tiers), "misses": 0, "promotions": 0, "demotions": 0,
                          "writeback_queued": 0, "writeback_dropped": 0, "writeback_errors": 0}
         self._lock = threading.Lock()
-        self._pending: set[tuple[int, str]] = set()
+        self._pending: set[tuple[str, int, str]] = set()  # (what, tier index, key) of queued jobs
         self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-writeback", daemon=True)
         self._writer.start()
@@ -58,27 +58,27 @@ class TieredStore(KVStore):
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _submit(self, tier_index: int, key: str, job: Job) -> None:
-        """Queue `job` (a write of `key` into tier `tier_index`) unless one is pending or the queue is full."""
+    def _submit(self, tag: tuple[str, int, str], job: Job) -> None:
+        """Queue `job`, tagged (what, tier index, key), unless the same job is pending or the queue is full."""
         with self._lock:
-            if (tier_index, key) in self._pending:
+            if tag in self._pending:
                 return
-            self._pending.add((tier_index, key))
+            self._pending.add(tag)
 
         def run() -> None:
             try:
                 job()
             finally:
                 with self._lock:
-                    self._pending.discard((tier_index, key))
+                    self._pending.discard(tag)
 
         try:
             self._queue.put_nowait(run)
             self._bump("writeback_queued")
         except queue.Full:
             with self._lock:
-                self._pending.discard((tier_index, key))
-            log.warning("store write-back queue full: dropped a write of %s to %s", key, self.tiers[tier_index].name)
+                self._pending.discard(tag)
+            log.warning("store write-back queue full: dropped a %s of %s (tier %d)", tag[0], tag[2], tag[1])
             self._bump("writeback_dropped")
 
     def _write(self, tier_index: int, entry: KVEntry) -> None:
@@ -86,7 +86,7 @@ class TieredStore(KVStore):
         if tier.writes_are_cheap:
             tier.put(entry)
         else:
-            self._submit(tier_index, entry.key, lambda: tier.put(entry))
+            self._submit(("write", tier_index, entry.key), lambda: tier.put(entry))
 
     def _demote(self, entry: KVEntry, below: int) -> None:
         tier = self.tiers[below]
@@ -95,7 +95,7 @@ class TieredStore(KVStore):
             if not tier.contains(entry.key) and tier.put(entry):
                 self._bump("demotions")
 
-        self._submit(below, entry.key, demote)
+        self._submit(("demote", below, entry.key), demote)
 
     def _promote_later(self, key: str, source: int) -> None:
         def promote() -> None:
@@ -103,7 +103,7 @@ class TieredStore(KVStore):
             if entry is not None:
                 self._promote(entry, source)
 
-        self._submit(source, key, promote)
+        self._submit(("promote", source, key), promote)
 
     def _promote(self, entry: KVEntry, source: int) -> None:
         for i in range(source):
@@ -163,6 +163,7 @@ class TieredStore(KVStore):
         return any([t.delete(key) for t in self.tiers])
 
     def clear(self) -> int:
+        """Empty every tier; returns the entry count of the fullest (tiers overlap, so no sum is right)."""
         self.flush()
         return max(t.clear() for t in self.tiers)
 

@@ -58,5 +58,5 @@ def test_bench_prints_measured_and_emulated_tiers(tmp_path, redis_server, capsys
     out = capsys.readouterr().out
     assert "write GB/s" in out and "ssd (emulated)" in out and "EMULATED over memory: 0.5 GB/s" in out
     results = json.loads(out_json.read_text())["results"]
-    assert [r["tier"] for r in results] == ["memory", "disk", "disk", "redis", "ssd (emulated)"]
+    assert [r["tier"] for r in results] == ["memory", "disk", "disk", "disk int8", "redis", "ssd (emulated)"]
     assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in results)
