@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.store.codec import BufferSource, EntryReader, encode, quantize_int8
+from kvreuse.store.codec import BufferSource, EntryReader, _from_f32, _to_f32, encode, quantize_int8
 from kvreuse.store.spec import open_tier
 
 
@@ -20,6 +20,13 @@ def test_round_trip_is_within_half_a_step(blob_tier_maker, make_entry):
         assert ((read - stored).abs() <= scale[..., None] / 2 + 1e-6).all()
         assert not torch.equal(read, stored)  # it really is the lossy form
     assert torch.equal(got.meta.ranking, entry.meta.ranking)  # extras stay exact
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_numpy_float_conversions_match_torch(dtype):
+    x = torch.randn(1000) * 1e3
+    assert torch.equal(_from_f32(x.numpy(), dtype), x.to(dtype))  # same rounding as torch
+    assert torch.equal(torch.from_numpy(_to_f32(x.to(dtype))), x.to(dtype).float())
 
 
 def test_int8_holds_about_half_the_bytes_of_bf16(make_entry):
