@@ -119,10 +119,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
     shape = EntryShape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EntryShape)})
     entries = make_entries(shape, args.entries)
     console = _console()
-    # Other work on the machine skews every figure: print the load next to them.
+    # Other work on the machine skews every figure: report the load next to them.
+    load = os.getloadavg()[0]
     console.print(f"{args.entries} entries of {entries[0].nbytes / 1e6:.2f} MB ({shape.layers} layers x "
                   f"{shape.tokens} tokens x {shape.heads} heads x {shape.head_dim}, {shape.dtype}); "
-                  f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f} before the run")
+                  f"{os.cpu_count()} CPUs, load average {load:.2f} before the run")
     results: list[BenchResult] = []
     with contextlib.ExitStack() as stack:
         root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-bench-", dir="/var/tmp"))
@@ -146,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"entry_shape": dataclasses.asdict(shape), "entries": args.entries,
-                       "load_average": os.getloadavg()[0],
+                       "load_average_before": load,
                        "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
     return 0
 
