@@ -133,3 +133,32 @@ def test_bad_put_fails_at_the_call_even_for_background_tiers(tmp_path, make_entr
     with pytest.raises(ValueError, match="model-a"):
         store.put(make_entry(model="model-b"))
     store.close()
+
+
+def test_concurrent_use_never_returns_wrong_kv(tmp_path, make_entry):
+    entries = [make_entry() for _ in range(8)]
+    store = TieredStore([MemoryTier(3 * entries[0].nbytes), DiskTier(tmp_path)])  # evictions under way
+    wrong: list[str] = []
+
+    def worker(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        for step in range(40):
+            e = entries[int(torch.randint(len(entries), (1,), generator=gen))]
+            if step % 3 == 0:
+                store.put(e)
+            elif (got := store.get(e.key)) is not None and not torch.equal(got.k, e.k):
+                wrong.append(e.key)
+            elif (kv := store.get_rows(e.key, [7, 80], range(1, 3))) is not None and not torch.equal(
+                    kv[1], e.v[1:3][:, [7, 80]]):
+                wrong.append(e.key)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    store.flush()
+    assert wrong == []
+    stored = [e for e in entries if store.contains(e.key)]
+    assert all(torch.equal(store.get(e.key).v, e.v) for e in stored) and stored
+    store.close()
