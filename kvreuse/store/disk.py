@@ -56,7 +56,10 @@ class DiskTier(BlobTier):
         """Admit existing files oldest first (so LRU order survives restarts) and drop stale temp files."""
         files = []
         for path in self.root.glob("*/*"):
-            st = path.stat()
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
             if path.name.startswith(TMP_PREFIX):
                 if time.time() - st.st_mtime > STALE_TMP_SECONDS:
                     path.unlink(missing_ok=True)

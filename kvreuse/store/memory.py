@@ -71,14 +71,18 @@ class MemoryTier(Tier):
     def put(self, entry: KVEntry) -> bool:
         self.check_put(entry)
         size = entry.nbytes
+        if entry.key in self.entries:
+            self.count("duplicates")
+            return True
+        if not self.policy.fits(size):
+            self.fault("write_errors", entry.key, f"{size} bytes exceed the tier's capacity")
+            return False
+        copy = entry.clone()  # outside the lock: readers need not wait for a copy
         with self.lock:
-            if entry.key in self.entries:
+            if entry.key in self.entries:  # another writer won the race; same key, same content
                 self.count("duplicates")
                 return True
-            if not self.policy.fits(size):
-                self.fault("write_errors", entry.key, f"{size} bytes exceed the tier's capacity")
-                return False
-            self.entries[entry.key] = entry.clone()
+            self.entries[entry.key] = copy
             evicted = [self.entries.pop(key) for key in self.policy.admit(entry.key, size)]
         self.count("puts")
         self.count("bytes_written", size)
