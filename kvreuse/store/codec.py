@@ -182,7 +182,7 @@ class EntryReader:
             self._parse_header(key)
         except EntryDamaged:
             raise
-        except (ValueError, KeyError, TypeError, struct.error) as e:  # any malformed header is damage
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:  # a malformed header is damage
             raise EntryDamaged(f"malformed header: {e}") from e
 
     def _parse_header(self, key: str) -> None:
@@ -225,10 +225,6 @@ class EntryReader:
                 raise EntryDamaged(f"tensor {name} has a bad extent (truncated entry?)")
             if name in expected and (t.dtype, t.shape) != expected[name]:
                 raise EntryDamaged(f"tensor {name} is {t.dtype}{list(t.shape)}, not {expected[name]}")
-
-    @property
-    def nbytes(self) -> int:
-        return self.source.size
 
     def meta(self, with_extras: bool = True) -> EntryMeta:
         i = self.info

@@ -65,8 +65,8 @@ class KVEntry:
     def __post_init__(self) -> None:
         check_key(self.key)
         m = self.meta
-        if m.num_tokens < 1:
-            raise ValueError("an entry holds at least one token")
+        if m.num_layers < 1 or m.num_tokens < 1:
+            raise ValueError(f"an entry holds at least one layer and one token, got {m.num_layers} x {m.num_tokens}")
         if self.k.dim() != 4 or self.k.shape != self.v.shape:
             raise ValueError(f"k and v must share a 4-d shape, got {tuple(self.k.shape)} and {tuple(self.v.shape)}")
         if tuple(self.k.shape[:2]) != (m.num_layers, m.num_tokens):

@@ -68,3 +68,18 @@ def test_inconsistent_entries_are_refused(make_entry, change, message):
     meta = EntryMeta("m", "float32", change.get("layers", 4), 100, ranking=change.get("ranking"))
     with pytest.raises(ValueError, match=message):
         KVEntry(change.get("key", e.key), change.get("k", e.k), e.v, meta)
+
+
+@pytest.mark.parametrize("header", [b"123", b"[]", b'{"__metadata__": 5}', b'{"__metadata__": {}}', b"\xff\xfe"])
+def test_malformed_headers_are_damage(make_entry, header):
+    data = len(header).to_bytes(8, "little") + header
+    with pytest.raises(EntryDamaged):
+        EntryReader(BufferSource(data), make_entry().key)
+
+
+def test_random_bytes_are_damage(make_entry):
+    gen = torch.Generator().manual_seed(0)
+    for size in (0, 7, 8, 100, 5000):
+        with pytest.raises(EntryDamaged):
+            decode(BufferSource(torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8).numpy().tobytes()),
+                   make_entry().key)
