@@ -198,13 +198,17 @@ class BlobTier(Tier):
         with contextlib.suppress(*self.backend_errors):
             self._remove(key)
 
-    def contains(self, key: str) -> bool:
+    def _unless_unavailable(self, key: str, op: Callable[[str], bool]) -> bool:
+        """op(key), or False (counted, logged) when the backend fails."""
         check_key(key)
         try:
-            return self._exists(key)
+            return op(key)
         except self.backend_errors as e:
             self.fault("unavailable", key, e)
             return False
+
+    def contains(self, key: str) -> bool:
+        return self._unless_unavailable(key, self._exists)
 
     def get(self, key: str) -> KVEntry | None:
         return self._read(key, lambda r: KVEntry(key, *r.read(), r.meta()))
@@ -235,12 +239,7 @@ class BlobTier(Tier):
         return True
 
     def delete(self, key: str) -> bool:
-        check_key(key)
-        try:
-            return self._remove(key)
-        except self.backend_errors as e:
-            self.fault("unavailable", key, e)
-            return False
+        return self._unless_unavailable(key, self._remove)
 
 
 def nbytes_of(result: object) -> int:
