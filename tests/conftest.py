@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models of every supported family (no downloads) and the real model."""
+"""Shared fixtures: tiny random-weight models of every supported family (no downloads), the real model, and a
+private redis-server on a free loopback port."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.store.redis_server import LocalRedis
 
 TINY_COMMON = dict(
     vocab_size=256,
@@ -80,3 +82,26 @@ def embedded_model():
     from kvreuse.model.loader import load_model
 
     return load_model(None, "float32")
+
+
+def start_redis() -> LocalRedis:
+    # CI installs redis-server (make system-deps); a missing server is a set-up failure, never a silent skip.
+    try:
+        return LocalRedis()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = start_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis_server():
+    """A server of this test's own, for tests that kill it."""
+    server = start_redis()
+    yield server
+    server.stop()
