@@ -56,8 +56,8 @@ class KVStore(ABC):
     def keys(self) -> Iterator[str]: ...
 
     @abstractmethod
-    def meta(self, key: str) -> EntryMeta | None:
-        """Metadata without tensors (for listing), or None."""
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
+        """Metadata, or None; the per-token extras (ranking, boundary) only `with_extras`."""
 
     @abstractmethod
     def stats(self) -> dict[str, Any]: ...
@@ -219,9 +219,9 @@ class BlobTier(Tier):
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         return self._read(key, lambda r: r.read(layers, rows))
 
-    def meta(self, key: str) -> EntryMeta | None:
-        # Tooling (ls), not a request: neither a hit nor a use that protects the entry from eviction.
-        return self._load(key, lambda r: r.meta(with_extras=False))
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
+        # A look-up, not a read: neither a hit nor a use that protects the entry from eviction.
+        return self._load(key, lambda r: r.meta(with_extras=with_extras))
 
     def put(self, entry: KVEntry) -> bool:
         self.check_put(entry)

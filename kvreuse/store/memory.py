@@ -100,12 +100,16 @@ class MemoryTier(Tier):
     def keys(self) -> Iterator[str]:
         return iter(list(self.entries))
 
-    def meta(self, key: str) -> EntryMeta | None:
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
         check_key(key)
         entry = self.entries.get(key)
         if entry is None:
             return None
-        return replace(entry.meta, ranking=None, boundary=None, boundary_layers=list(entry.meta.boundary_layers))
+        m = entry.meta
+        ranking, boundary = (m.ranking, m.boundary) if with_extras else (None, None)
+        return replace(m, ranking=None if ranking is None else copy_tensor(ranking),
+                       boundary=None if boundary is None else copy_tensor(boundary),
+                       boundary_layers=list(m.boundary_layers))
 
     def usage(self) -> dict[str, int]:
         return {"entries": len(self.entries), "bytes_used": self.policy.used,

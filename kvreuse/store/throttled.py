@@ -76,8 +76,8 @@ class ThrottledTier(KVStore):
     def keys(self) -> Iterator[str]:
         return self.inner.keys()
 
-    def meta(self, key: str) -> EntryMeta | None:
-        return self.inner.meta(key)
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
+        return self.inner.meta(key, with_extras)
 
     def stats(self) -> dict[str, Any]:
         return {**self.inner.stats(), "tier": self.name, "emulated": str(self.device),

@@ -175,8 +175,8 @@ class TieredStore(KVStore):
                     seen.add(key)
                     yield key
 
-    def meta(self, key: str) -> EntryMeta | None:
-        return next((m for t in self.tiers if (m := t.meta(key)) is not None), None)
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
+        return next((m for t in self.tiers if (m := t.meta(key, with_extras)) is not None), None)
 
     def stats(self) -> dict[str, Any]:
         with self._lock:
