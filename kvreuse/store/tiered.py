@@ -156,7 +156,11 @@ class TieredStore(KVStore):
         return self._partial(key, lambda t: t.get_rows(key, rows, layers))
 
     def contains(self, key: str) -> bool:
-        return any(t.contains(key) for t in self.tiers)
+        return self.locate(key) is not None
+
+    def locate(self, key: str) -> int | None:
+        """Index of the first tier holding `key`, or None: what a planner needs to price loading it."""
+        return next((i for i, t in enumerate(self.tiers) if t.contains(key)), None)
 
     def delete(self, key: str) -> bool:
         self.flush()  # a queued write must not bring the key back

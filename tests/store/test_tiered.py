@@ -65,6 +65,7 @@ def test_get_promotes_from_a_lower_tier(mem_disk, make_entry):
     store.put(entry)
     store.flush()
     memory.delete(entry.key)
+    assert store.locate(entry.key) == 1 and store.locate(make_entry().key) is None
     got = store.get(entry.key)
     assert torch.equal(got.k, entry.k) and store.stats()["hits_by_tier"] == [0, 1]
     assert memory.contains(entry.key) and store.stats()["promotions"] == 1
