@@ -16,6 +16,7 @@ which is how disk (pread) and Redis (GETRANGE) serve partial reads without readi
 from __future__ import annotations
 
 import json
+import math
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -220,7 +221,7 @@ class EntryReader:
         if not expected.keys() <= self.tensors.keys() or set(i["checksums"]) != self.tensors.keys():
             raise EntryDamaged("tensor list does not match the metadata")
         for name, t in self.tensors.items():
-            nbytes = int(np.prod(t.shape)) * t.dtype.itemsize
+            nbytes = math.prod(t.shape) * t.dtype.itemsize
             if t.nbytes != nbytes or t.start + nbytes > self.source.size:
                 raise EntryDamaged(f"tensor {name} has a bad extent (truncated entry?)")
             if name in expected and (t.dtype, t.shape) != expected[name]:
@@ -277,7 +278,7 @@ class EntryReader:
         """Rows `plan` asks for of tensors `{kv}.{layer}{suffix}`, verified, as [len(layers), rows, ...]."""
         g, T = self.info["row_group"], self.info["num_tokens"]
         like = self.tensors[f"{kv}.0{suffix}"]  # every layer's tensor has this dtype and shape
-        row_bytes = int(np.prod(like.shape[1:])) * like.dtype.itemsize
+        row_bytes = math.prod(like.shape[1:]) * like.dtype.itemsize
         names = [f"{kv}.{layer}{suffix}" for layer in layers]
         ranges = [(self.tensors[name].start + a * g * row_bytes, (min(b * g, T) - a * g) * row_bytes)
                   for name in names for a, b in plan.runs]
