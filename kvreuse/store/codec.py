@@ -110,8 +110,12 @@ def _to_f32(t: torch.Tensor) -> np.ndarray:
 def _from_f32(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bfloat16:  # round to nearest even on the bits, as torch's float -> bfloat16 does
         u = a.view(np.uint32)
-        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        bits = u >> 16  # in place from here on: a temporary per step made this 3x slower
+        bits &= 1
+        bits += 0x7FFF
+        bits += u
+        bits >>= 16
+        return torch.from_numpy(bits.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a.astype({torch.float32: np.float32, torch.float16: np.float16}[dtype]))
 
 
@@ -120,11 +124,15 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = _to_f32(x)
     scale = np.abs(a).max(axis=-1) / 127
     scale[scale == 0] = 1  # an all-zero row must not divide by zero
-    return torch.from_numpy(np.rint(a / scale[..., None]).astype(np.int8)), torch.from_numpy(scale)
+    a = a / scale[..., None]
+    np.rint(a, out=a)
+    return torch.from_numpy(a.astype(np.int8)), torch.from_numpy(scale)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _from_f32(q.numpy().astype(np.float32) * scale.numpy()[..., None], dtype)
+    a = q.numpy().astype(np.float32)
+    a *= scale.numpy()[..., None]
+    return _from_f32(a, dtype)
 
 
 def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP, *, quantize: bool = False) -> bytes:
