@@ -163,3 +163,12 @@ def test_concurrent_use_never_returns_wrong_kv(tmp_path, make_entry):
     stored = [e for e in entries if store.contains(e.key)]
     assert all(torch.equal(store.get(e.key).v, e.v) for e in stored) and stored
     store.close()
+
+
+def test_close_is_idempotent_and_final(tmp_path, make_entry):
+    store = TieredStore([MemoryTier(None), DiskTier(tmp_path)])
+    store.put(make_entry())
+    store.close()
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put(make_entry())
