@@ -16,6 +16,7 @@ which is how disk (pread) and Redis (GETRANGE) serve partial reads without readi
 from __future__ import annotations
 
 import json
+import math
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
@@ -109,8 +110,12 @@ def _to_f32(t: torch.Tensor) -> np.ndarray:
 def _from_f32(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     if dtype == torch.bfloat16:  # round to nearest even on the bits, as torch's float -> bfloat16 does
         u = a.view(np.uint32)
-        bits = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
-        return torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16)
+        bits = u >> 16  # in place from here on: a temporary per step made this 3x slower
+        bits &= 1
+        bits += 0x7FFF
+        bits += u
+        bits >>= 16
+        return torch.from_numpy(bits.astype(np.uint16).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a.astype({torch.float32: np.float32, torch.float16: np.float16}[dtype]))
 
 
@@ -119,11 +124,15 @@ def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a = _to_f32(x)
     scale = np.abs(a).max(axis=-1) / 127
     scale[scale == 0] = 1  # an all-zero row must not divide by zero
-    return torch.from_numpy(np.rint(a / scale[..., None]).astype(np.int8)), torch.from_numpy(scale)
+    a = a / scale[..., None]
+    np.rint(a, out=a)
+    return torch.from_numpy(a.astype(np.int8)), torch.from_numpy(scale)
 
 
 def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return _from_f32(q.numpy().astype(np.float32) * scale.numpy()[..., None], dtype)
+    a = q.numpy().astype(np.float32)
+    a *= scale.numpy()[..., None]
+    return _from_f32(a, dtype)
 
 
 def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP, *, quantize: bool = False) -> bytes:
@@ -220,7 +229,7 @@ class EntryReader:
         if not expected.keys() <= self.tensors.keys() or set(i["checksums"]) != self.tensors.keys():
             raise EntryDamaged("tensor list does not match the metadata")
         for name, t in self.tensors.items():
-            nbytes = int(np.prod(t.shape)) * t.dtype.itemsize
+            nbytes = math.prod(t.shape) * t.dtype.itemsize
             if t.nbytes != nbytes or t.start + nbytes > self.source.size:
                 raise EntryDamaged(f"tensor {name} has a bad extent (truncated entry?)")
             if name in expected and (t.dtype, t.shape) != expected[name]:
@@ -277,7 +286,7 @@ class EntryReader:
         """Rows `plan` asks for of tensors `{kv}.{layer}{suffix}`, verified, as [len(layers), rows, ...]."""
         g, T = self.info["row_group"], self.info["num_tokens"]
         like = self.tensors[f"{kv}.0{suffix}"]  # every layer's tensor has this dtype and shape
-        row_bytes = int(np.prod(like.shape[1:])) * like.dtype.itemsize
+        row_bytes = math.prod(like.shape[1:]) * like.dtype.itemsize
         names = [f"{kv}.{layer}{suffix}" for layer in layers]
         ranges = [(self.tensors[name].start + a * g * row_bytes, (min(b * g, T) - a * g) * row_bytes)
                   for name in names for a, b in plan.runs]

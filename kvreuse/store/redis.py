@@ -3,9 +3,10 @@
 An entry's bytes are split into parts of at most `part_size` (4 MB default: Redis handles values of that size
 well, and a partial read fetches only the parts it touches, via GETRANGE). Parts live under a per-write
 version, and a small manifest `PREFIX:m:KEY` = "version:size:part_size" names the live version. A put writes
-its parts first and swaps the manifest last (SET ... GET), then deletes the parts the swap replaced: readers
-and concurrent writers see one whole version. Capacity is the server's business (maxmemory + an LRU policy);
-a part evicted under a live manifest reads as damage, hence a miss.
+its parts first and swaps the manifest last (SET ... GET): readers and concurrent writers see one whole
+version. The parts a swap replaced expire after a grace period rather than at once, so a reader that fetched
+the old manifest a moment earlier still finds them. Capacity is the server's business (maxmemory + an LRU
+policy); a part evicted under a live manifest reads as damage, hence a miss.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from kvreuse.store.base import BlobTier
 from kvreuse.store.codec import ByteSource, EntryDamaged, Range
 
 DEFAULT_PART_SIZE = 4 << 20
+REPLACED_PARTS_TTL_S = 30  # far longer than any read, short enough not to hold memory
 
 
 class RedisSource(ByteSource):
@@ -108,19 +110,25 @@ class RedisTier(BlobTier):
             raise
         old = self.client.set(self._manifest(key), f"{version}:{len(data)}:{self.part_size}", get=True)
         if old is not None:
-            self._delete_parts(key, old)
+            self._drop_parts(key, old, ttl=REPLACED_PARTS_TTL_S)
 
-    def _delete_parts(self, key: str, manifest: bytes) -> None:
+    def _drop_parts(self, key: str, manifest: bytes, ttl: int | None = None) -> None:
+        """Delete the parts `manifest` names, or let them expire after `ttl` seconds."""
         with contextlib.suppress(EntryDamaged):
             parts = self._part_keys(key, manifest)
-            if parts:
-                self.client.delete(*parts)
+            pipe = self.client.pipeline(transaction=False)
+            for name in parts:
+                if ttl is None:
+                    pipe.delete(name)
+                else:
+                    pipe.expire(name, ttl)
+            pipe.execute()
 
     def _remove(self, key: str) -> bool:
         old = self.client.getdel(self._manifest(key))
         if old is None:
             return False
-        self._delete_parts(key, old)
+        self._drop_parts(key, old)
         return True
 
     def keys(self) -> Iterator[str]:

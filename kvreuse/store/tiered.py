@@ -38,6 +38,7 @@ class TieredStore(KVStore):
         self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-writeback", daemon=True)
         self._writer.start()
+        self._closed = False
         for i, tier in enumerate(tiers[:-1]):
             if isinstance(tier, MemoryTier):
                 tier.on_evict = lambda entry, below=i + 1: self._demote(entry, below)
@@ -119,6 +120,8 @@ class TieredStore(KVStore):
     def put(self, entry: KVEntry) -> bool:
         """Accept `entry` (True): written to cheap tiers now, queued for the others. Bad input raises here,
         not later in the writer thread."""
+        if self._closed:
+            raise RuntimeError(f"store {self.name} is closed")
         for tier in self.tiers:
             tier.check_put(entry)
         owned = entry.clone()  # the caller may reuse its tensors; async writes need a stable copy
@@ -156,7 +159,11 @@ class TieredStore(KVStore):
         return self._partial(key, lambda t: t.get_rows(key, rows, layers))
 
     def contains(self, key: str) -> bool:
-        return any(t.contains(key) for t in self.tiers)
+        return self.locate(key) is not None
+
+    def locate(self, key: str) -> int | None:
+        """Index of the first tier holding `key`, or None: what a planner needs to price loading it."""
+        return next((i for i, t in enumerate(self.tiers) if t.contains(key)), None)
 
     def delete(self, key: str) -> bool:
         self.flush()  # a queued write must not bring the key back
@@ -184,6 +191,10 @@ class TieredStore(KVStore):
         return {**counters, "writeback_pending": self._queue.qsize(), "tiers": [t.stats() for t in self.tiers]}
 
     def close(self) -> None:
+        """Finish queued writes and release the tiers; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.flush()
         self._queue.put(None)
         self._writer.join()

@@ -65,6 +65,7 @@ def test_get_promotes_from_a_lower_tier(mem_disk, make_entry):
     store.put(entry)
     store.flush()
     memory.delete(entry.key)
+    assert store.locate(entry.key) == 1 and store.locate(make_entry().key) is None
     got = store.get(entry.key)
     assert torch.equal(got.k, entry.k) and store.stats()["hits_by_tier"] == [0, 1]
     assert memory.contains(entry.key) and store.stats()["promotions"] == 1
@@ -162,3 +163,12 @@ def test_concurrent_use_never_returns_wrong_kv(tmp_path, make_entry):
     stored = [e for e in entries if store.contains(e.key)]
     assert all(torch.equal(store.get(e.key).v, e.v) for e in stored) and stored
     store.close()
+
+
+def test_close_is_idempotent_and_final(tmp_path, make_entry):
+    store = TieredStore([MemoryTier(None), DiskTier(tmp_path)])
+    store.put(make_entry())
+    store.close()
+    store.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        store.put(make_entry())
