@@ -7,6 +7,7 @@ import sys
 
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
+from kvreuse.store.cli import add_commands as add_cache_commands
 
 GATE_PROMPT = (
     "The KV cache of a transformer holds the keys and values of every token it has read. Reusing it for a "
@@ -87,6 +88,8 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
     prefill.add_argument("--repeats", type=int, default=3)
     prefill.set_defaults(func=cmd_bench_prefill)
+
+    add_cache_commands(commands)
     return parser
 
 
