@@ -1,0 +1,217 @@
+"""Exact prefix restoration: find the longest stored prefix of a request, bring its KV back by loading,
+computing, or both at once, compute the rest of the prompt, and hand back a cache ready for decoding.
+
+    restorer = PrefixRestorer(model, store, key_space, block_size=256)
+    restorer.store_prefix(conversation_ids)                 # or restore(..., write_back=True) after a request
+    result = restorer.restore(conversation_ids + new_turn, strategy="auto")
+    result.logits, result.cache, result.stats
+
+Strategies (all exact; they differ only in speed):
+  load       load every stored block (plain prefix caching)
+  compute    recompute the whole prompt (no reuse)
+  cake       Cake / CacheFlow token-wise: compute blocks from the front while loading blocks from the back
+  layerwise  CacheFlow layer-wise: compute layers bottom-up for the whole prefix while loading top-down
+  auto       layerwise below the profiled threshold L_delta of this model and tier, cake from it on
+Pipeline-stage restoration runs one process per stage: see `stages.restore_stage`.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvreuse.model.kv_cache import KVCache
+from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.restore import profile
+from kvreuse.restore.job import Block, Capture, HiddenSource, IOChannels, LayerAxis, PrefixJob, TokenAxis
+from kvreuse.restore.units import UnitLog, two_pointer
+from kvreuse.store.base import KVStore
+from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
+from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, prefix_block_keys
+from kvreuse.store.tiered import TieredStore
+
+# strategy -> (axis, compute side on, I/O side on)
+STRATEGIES = {
+    "load": (TokenAxis, False, True),
+    "compute": (TokenAxis, True, False),
+    "cake": (TokenAxis, True, True),
+    "layerwise": (LayerAxis, True, True),
+}
+
+
+@dataclass
+class RestoreResult:
+    logits: torch.Tensor  # [vocab]: next-token logits after the last prompt token
+    cache: KVCache  # the whole prompt's KV, row r at position r, ready for decoding
+    stats: dict = field(default_factory=dict)
+
+
+def stage_starts(num_layers: int, stages: int) -> list[int]:
+    """First layer of each of `stages` contiguous, near-equal layer ranges."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"cannot split {num_layers} layers into {stages} stages")
+    return [s * num_layers // stages for s in range(stages)]
+
+
+def stage_layers(num_layers: int, stages: int) -> list[range]:
+    starts = stage_starts(num_layers, stages) + [num_layers]
+    return [range(a, b) for a, b in zip(starts, starts[1:])]
+
+
+class PrefixRestorer:
+    def __init__(
+        self,
+        model: LayerwiseModel,
+        store: KVStore,
+        key_space: KeySpace,
+        block_size: int = DEFAULT_BLOCK_SIZE,
+        *,
+        boundary_stages: Sequence[int] = (2,),
+        channels: IOChannels | None = None,
+    ):
+        """boundary_stages: the stage counts whose boundary activations are stored with each block, so that
+        a deployment with that many pipeline stages can restore every stage at once."""
+        self.model, self.store, self.key_space, self.block_size = model, store, key_space, block_size
+        starts = {s for n in boundary_stages for s in stage_starts(model.num_layers, n)}
+        self.boundary_layers = sorted(starts - {0})  # layer 0's input is the embedding: never stored
+        self.channels = channels or IOChannels()
+
+    # ---- lookup ---------------------------------------------------------------------------------------
+
+    def block_keys(self, token_ids: Sequence[int] | torch.Tensor) -> list[str]:
+        return prefix_block_keys(_as_list(token_ids), self.block_size, space=self.key_space)
+
+    def _tier_of(self, key: str) -> int | None:
+        if isinstance(self.store, TieredStore):
+            return self.store.locate(key)
+        return 0 if self.store.contains(key) else None
+
+    def stored_blocks(self, token_ids: Sequence[int] | torch.Tensor) -> list[tuple[str, int]]:
+        """(key, tier) of the longest run of stored blocks from the start of `token_ids`."""
+        found = []
+        for key in self.block_keys(token_ids):
+            tier = self._tier_of(key)
+            if tier is None:
+                break
+            found.append((key, tier))
+        return found
+
+    def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
+        """Length in tokens of the longest stored prefix of `token_ids` (whole blocks)."""
+        return len(self.stored_blocks(token_ids)) * self.block_size
+
+    def plan(self, token_ids: Sequence[int] | torch.Tensor) -> list[Block]:
+        """The stored blocks a restoration uses, clipped so that the last prompt token is always computed."""
+        end = len(token_ids) - 1
+        blocks = []
+        for i, (key, tier) in enumerate(self.stored_blocks(token_ids)):
+            start = i * self.block_size
+            if start >= end:
+                break
+            blocks.append(Block(i, key, slice(start, min(start + self.block_size, end)), tier, self.block_size))
+        return blocks
+
+    # ---- restoration ----------------------------------------------------------------------------------
+
+    def choose(self, strategy: str, blocks: list[Block]) -> str:
+        if strategy != "auto":
+            if strategy not in STRATEGIES:
+                raise ValueError(f"unknown strategy {strategy!r}: expected auto, {', '.join(STRATEGIES)}"
+                                 " (stages: see kvreuse.restore.stages)")
+            return strategy
+        if not blocks:
+            return "compute"
+        tier = max(b.tier for b in blocks)
+        threshold = profile.threshold(self.key_space.model_fingerprint, profile.tier_label(self.store, tier))
+        prefix = blocks[-1].rows.stop
+        return "layerwise" if threshold is not None and prefix < threshold else "cake"
+
+    def new_job(self, token_ids: torch.Tensor, blocks: list[Block], cache_capacity: int | None = None, *,
+                layers: range | None = None, hidden_in: HiddenSource | None = None) -> PrefixJob:
+        cache = self.model.new_cache(max(cache_capacity or 0, len(token_ids)))
+        cache.allocate(torch.arange(len(token_ids), device=self.model.device))  # row r holds position r
+        return PrefixJob(self.model, self.store, token_ids, blocks, cache, channels=self.channels,
+                         layers=layers or range(self.model.num_layers), hidden_in=hidden_in)
+
+    @torch.inference_mode()
+    def restore(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto",
+                cache_capacity: int | None = None, *, write_back: bool = False) -> RestoreResult:
+        """Restore the stored prefix of `token_ids` and compute the rest; the last token is always computed.
+
+        write_back: store the prompt's whole blocks that were not stored (computed here anyway)."""
+        started = time.perf_counter()
+        ids = _as_ids(token_ids, self.model.device)
+        blocks = self.plan(ids)
+        strategy = self.choose(strategy, blocks)
+        job = self.new_job(ids, blocks, cache_capacity)
+        axis, compute, load = STRATEGIES[strategy]
+        log = two_pointer(axis(job), compute=compute, load=load)
+        restored = time.perf_counter()
+        capture = Capture(self.boundary_layers) if write_back else None
+        remainder = slice(job.prefix_length, len(ids))
+        hidden = job.compute_rows(remainder, capture)
+        logits = self.model.logits(hidden[-1:])[0]
+        done = time.perf_counter()
+        written = self._write_back(ids, remainder, capture) if capture else 0
+        stats = restore_stats(strategy, job, log, restore=restored - started, total=done - started)
+        return RestoreResult(logits, job.cache, dict(stats, blocks_written=written))
+
+    # ---- storing --------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def store_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> int:
+        """Compute `token_ids` and store each whole block the store lacks, with its boundary activations;
+        returns how many blocks were written."""
+        ids = _as_ids(token_ids, self.model.device)
+        job = self.new_job(ids, [])
+        capture = Capture(self.boundary_layers)
+        rows = slice(0, len(ids) - len(ids) % self.block_size)
+        if rows.stop:
+            job.compute_rows(rows, capture)
+        return self._write_back(ids, rows, capture)
+
+    def _write_back(self, ids: torch.Tensor, rows: slice, capture: Capture) -> int:
+        """Put the whole blocks inside `rows` (whose KV and boundaries `capture` holds) that are not stored."""
+        keys = self.block_keys(ids)
+        k, v = torch.stack(capture.k), torch.stack(capture.v)  # [layers, rows, heads, dim]
+        boundary = torch.stack(capture.boundary) if capture.boundary else None
+        written = 0
+        for index in range(-(-rows.start // self.block_size), rows.stop // self.block_size):
+            if self._tier_of(keys[index]) is not None:
+                continue
+            local = slice(index * self.block_size - rows.start, (index + 1) * self.block_size - rows.start)
+            self.store.put(self._entry(keys[index], k[:, local], v[:, local],
+                                       None if boundary is None else boundary[:, local]))
+            written += 1
+        return written
+
+    def _entry(self, key: str, k: torch.Tensor, v: torch.Tensor, boundary: torch.Tensor | None) -> KVEntry:
+        meta = EntryMeta(self.key_space.model_fingerprint, dtype_name(k.dtype), k.shape[0], k.shape[1],
+                         self.key_space.compile_mode, boundary=None if boundary is None else boundary.cpu(),
+                         boundary_layers=list(self.boundary_layers) if boundary is not None else [])
+        return KVEntry(key, k.cpu().contiguous(), v.cpu().contiguous(), meta)
+
+
+def restore_stats(strategy: str, job: PrefixJob, log: UnitLog, **seconds: float) -> dict:
+    return {
+        "strategy": strategy,
+        "prompt_tokens": len(job.token_ids),
+        "prefix_tokens": job.prefix_length,
+        "bytes_loaded": job.bytes_loaded,
+        **log.summary(),
+        **{f"{name}_seconds": value for name, value in seconds.items()},
+    }
+
+
+def _as_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
+    return token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
+
+
+def _as_ids(token_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
+    if ids.ndim != 1 or ids.numel() == 0:
+        raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")
+    return ids
