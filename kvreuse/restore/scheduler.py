@@ -1,0 +1,177 @@
+"""CacheFlow's batch-aware restoration scheduler: several requests restore at once over shared resources.
+
+Each request keeps its own axis and two pointers (the same units and claim logic as a lone restoration). One
+compute worker serves every request, a unit at a time in turn. Each store tier is one I/O channel with one
+worker; after every unit it gives the channel to the request with the most restoration work left (unclaimed
+token-layers), since loading the back of a long prefix saves the most recomputation. Requests are admitted
+and finished independently: a request's future resolves as soon as its own prefix is in place and its
+remainder computed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+from kvreuse.restore.job import PrefixJob
+from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
+from kvreuse.restore.units import Axis, TwoPointer, UnitLog
+
+
+@dataclass(eq=False)
+class Restoration:
+    """One admitted request's state."""
+
+    job: PrefixJob
+    axis: Axis
+    strategy: str
+    future: Future
+    pointers: TwoPointer = field(init=False)
+    log: UnitLog = field(default_factory=UnitLog)
+    admitted: float = field(default_factory=time.perf_counter)
+
+    def __post_init__(self) -> None:
+        self.pointers = TwoPointer(self.axis.num_units)
+
+    def remaining_work(self) -> int:
+        """Token-layers not yet claimed by either side."""
+        return sum(self.axis.work(u) for u in range(self.pointers.front, self.pointers.back))
+
+    def next_load_tier(self) -> int | None:
+        unit = self.pointers.peek_back()
+        return None if unit is None else self.axis.tier(unit)
+
+
+def most_remaining(requests: Sequence[Restoration], tier: int) -> Restoration | None:
+    """The request that gets tier `tier`'s I/O channel next: the one with the most work left among those whose
+    next unit to load lives on that tier."""
+    waiting = [r for r in requests if r.next_load_tier() == tier]
+    return max(waiting, key=Restoration.remaining_work, default=None)
+
+
+class BatchRestorer:
+    def __init__(self, restorer: PrefixRestorer):
+        self.restorer = restorer
+        self._active: list[Restoration] = []
+        self._turn = 0  # round-robin position of the compute worker
+        self._cond = threading.Condition()
+        self._closed = False
+        self._io_workers: dict[int, threading.Thread] = {}
+        self._compute = threading.Thread(target=self._compute_loop, name="restore-compute", daemon=True)
+        self._compute.start()
+
+    # ---- admission ------------------------------------------------------------------------------------
+
+    def submit(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto",
+               cache_capacity: int | None = None) -> Future:
+        """Admit a request; the future resolves to its RestoreResult (stats["total_seconds"]: admission to
+        first-token logits)."""
+        if strategy == "load" or strategy == "compute":
+            raise ValueError("the batch scheduler runs two-pointer strategies: cake, layerwise or auto")
+        restorer = self.restorer
+        ids = _as_ids(token_ids, restorer.model.device)
+        blocks = restorer.plan(ids)
+        strategy = restorer.choose(strategy, blocks)
+        job = restorer.new_job(ids, blocks, cache_capacity)
+        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future())
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batch restorer is closed")
+            self._active.append(request)
+            for tier in {b.tier for b in blocks} - set(self._io_workers):
+                self._io_workers[tier] = threading.Thread(target=self._io_loop, args=(tier,), daemon=True,
+                                                          name=f"restore-io-{tier}")
+                self._io_workers[tier].start()
+            self._cond.notify_all()
+        return request.future
+
+    def close(self) -> None:
+        """Finish the admitted requests, then stop the workers."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._compute.join()
+        for worker in self._io_workers.values():
+            worker.join()
+
+    # ---- workers --------------------------------------------------------------------------------------
+
+    def _next_compute(self) -> tuple[Restoration, int | None] | None:
+        """In turn, the next request with a unit to compute, or whose prefix is in place (unit None: finish)."""
+        for i in range(len(self._active)):
+            request = self._active[(self._turn + i) % len(self._active)]
+            unit = request.pointers.claim_front()
+            if unit is not None or request.pointers.met:
+                self._turn = (self._turn + i + 1) % len(self._active)
+                return request, unit
+        return None
+
+    def _compute_loop(self) -> None:
+        with torch.inference_mode():
+            while (work := self._wait(self._next_compute, lambda: not self._active)) is not None:
+                request, unit = work
+                try:
+                    if unit is None:
+                        self._finish(request)
+                    else:
+                        request.log.compute(request.axis, unit)
+                except BaseException as e:  # that request fails; the others go on
+                    self._drop(request, e)
+                with self._cond:
+                    self._cond.notify_all()
+
+    def _io_loop(self, tier: int) -> None:
+        def claim() -> tuple[Restoration, int] | None:
+            request = most_remaining(self._active, tier)
+            unit = None if request is None else request.pointers.claim_back()
+            return None if unit is None else (request, unit)
+
+        with torch.inference_mode():
+            while (work := self._wait(claim, lambda: not self._active)) is not None:
+                request, unit = work
+                try:
+                    request.log.load(request.axis, unit)
+                except BaseException as e:
+                    self._drop(request, e)
+                finally:
+                    request.pointers.loaded()
+                with self._cond:
+                    self._cond.notify_all()
+
+    def _wait(self, take, idle):
+        """take() under the lock, waiting until it gives work; None once closed and idle."""
+        with self._cond:
+            while (work := take()) is None:
+                if self._closed and idle():
+                    return None
+                self._cond.wait()
+            return work
+
+    def _finish(self, request: Restoration) -> None:
+        job = request.job
+        request.log.recompute_failed(request.axis)
+        restored = time.perf_counter()
+        hidden = job.compute_rows(slice(job.prefix_length, len(job.token_ids)))
+        logits = job.model.logits(hidden[-1:])[0]
+        done = time.perf_counter()
+        stats = restore_stats(request.strategy, job, request.log, restore=restored - request.admitted,
+                              total=done - request.admitted)
+        self._remove(request)
+        request.future.set_result(RestoreResult(logits, job.cache, stats))
+
+    def _drop(self, request: Restoration, error: BaseException) -> None:
+        if self._remove(request):
+            request.future.set_exception(error)
+
+    def _remove(self, request: Restoration) -> bool:
+        with self._cond:
+            if request not in self._active:
+                return False
+            self._active.remove(request)
+            self._cond.notify_all()
+            return True
