@@ -7,6 +7,7 @@ import sys
 
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
+from kvreuse.restore.cli import add_commands as add_restore_commands
 from kvreuse.store.cli import add_commands as add_cache_commands
 
 GATE_PROMPT = (
@@ -90,6 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.set_defaults(func=cmd_bench_prefill)
 
     add_cache_commands(commands)
+    add_restore_commands(commands, benches)
     return parser
 
 

@@ -16,7 +16,8 @@ import torch
 
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
-from kvreuse.store.base import KVStore
+from kvreuse.restore.units import Guard
+from kvreuse.store.base import KV, KVStore
 
 
 @dataclass(frozen=True)
@@ -90,12 +91,19 @@ class PrefixJob:
 
     # ---- compute --------------------------------------------------------------------------------------
 
-    def step(self, layer: int, hidden: torch.Tensor, rows: slice, capture: Capture | None = None) -> torch.Tensor:
+    def step(self, layer: int, hidden: torch.Tensor, rows: slice, capture: Capture | None = None,
+             guard: Guard | None = None) -> torch.Tensor | None:
         """Run `layer` for the rows [rows.start, rows.stop) given their entering hidden state; rows before
-        rows.start must hold this layer's KV already. Writes the rows' KV, returns their output hidden state."""
+        rows.start must hold this layer's KV already. Writes the rows' KV (through `guard`, if given: None if it
+        refuses), returns their output hidden state."""
         model, rotary = self.model, self.rotary[rows]
         q, k, v = model.qkv(layer, hidden)
-        self.cache.write(layer, rows, model.rope(k, rotary), v)
+        rotated = model.rope(k, rotary)
+        write = lambda: self.cache.write(layer, rows, rotated, v)  # noqa: E731
+        if guard is None:
+            write()
+        elif not guard(write):
+            return None
         # Only rows up to rows.stop: later rows may be unwritten memory (NaN), which a mask does not make safe.
         keys, values = self.cache.keys[layer][: rows.stop], self.cache.values[layer][: rows.stop]
         out = model.attend(layer, model.rope(q, rotary), self.positions[rows], keys, values, self.positions[: rows.stop])
@@ -104,39 +112,42 @@ class PrefixJob:
             capture.v.append(v)
         return model.finish_layer(layer, hidden, out)
 
-    def run_layers(self, layers: range, hidden: torch.Tensor, rows: slice, capture: Capture | None = None
-                   ) -> torch.Tensor:
+    def run_layers(self, layers: range, hidden: torch.Tensor, rows: slice, capture: Capture | None = None,
+                   guard: Guard | None = None) -> torch.Tensor | None:
+        """`rows` through `layers`; None if `guard` refused a write (the rows were loaded meanwhile)."""
         for layer in layers:
             if capture is not None and layer in capture.boundary_layers:
                 capture.boundary.append(hidden)
-            hidden = self.step(layer, hidden, rows, capture)
+            hidden = self.step(layer, hidden, rows, capture, guard)
+            if hidden is None:
+                return None
         return hidden
 
-    def compute_rows(self, rows: slice, capture: Capture | None = None) -> torch.Tensor:
+    def compute_rows(self, rows: slice, capture: Capture | None = None, guard: Guard | None = None
+                     ) -> torch.Tensor | None:
         """Rows through all of this job's layers, from their entering hidden state."""
-        return self.run_layers(self.layers, self.hidden_in(rows), rows, capture)
+        return self.run_layers(self.layers, self.hidden_in(rows), rows, capture, guard)
 
     # ---- load -----------------------------------------------------------------------------------------
 
-    def load(self, block: Block, layers: range) -> bool:
-        """Read `layers` of `block` from the store and place them; False if the entry is missing or damaged."""
+    def read(self, block: Block, layers: range) -> KV | None:
+        """`layers` of `block` from the store, keys rotated to their positions; None if missing or damaged."""
         with self.channels[block.tier]:
             if block.length == block.stored_tokens:
                 kv = self.store.get_layers(block.key, layers.start, layers.stop)
             else:
                 kv = self.store.get_rows(block.key, torch.arange(block.length), layers)
-        if kv is None:
-            return False
+        if kv is None or kv[0].shape[:2] != (len(layers), block.length):
+            return None
         k, v = kv
-        if k.shape[:2] != (len(layers), block.length):
-            return False
         self.bytes_loaded += k.nbytes + v.nbytes
         model = self.model
         k = model.rope(k.to(device=model.device, dtype=model.dtype), self.rotary[block.rows])
-        v = v.to(device=model.device, dtype=model.dtype)
+        return k, v.to(device=model.device, dtype=model.dtype)
+
+    def place(self, block: Block, layers: range, kv: KV) -> None:
         for i, layer in enumerate(layers):
-            self.cache.write(layer, block.rows, k[i], v[i])
-        return True
+            self.cache.write(layer, block.rows, kv[0][i], kv[1][i])
 
 
 class TokenAxis:
@@ -147,11 +158,14 @@ class TokenAxis:
         self.job = job
         self.num_units = len(job.blocks)
 
-    def compute(self, unit: int) -> None:
-        self.job.compute_rows(self.job.blocks[unit].rows)
+    def compute(self, unit: int, guard: Guard | None = None) -> None:
+        self.job.compute_rows(self.job.blocks[unit].rows, guard=guard)
 
-    def load(self, unit: int) -> bool:
-        return self.job.load(self.job.blocks[unit], self.job.layers)
+    def read(self, unit: int) -> KV | None:
+        return self.job.read(self.job.blocks[unit], self.job.layers)
+
+    def place(self, unit: int, data: KV) -> None:
+        self.job.place(self.job.blocks[unit], self.job.layers, data)
 
     def recompute(self, units: list[int]) -> None:
         for unit in units:  # in order: each needs the blocks before it, all in place by now
@@ -170,22 +184,33 @@ class LayerAxis:
 
     def __init__(self, job: PrefixJob):
         self.job = job
-        self.num_units = len(job.layers)
+        self.num_units = len(job.layers) if job.blocks else 0
         self.rows = slice(0, job.prefix_length)
         self.hidden: torch.Tensor | None = None
         self.next_unit = 0  # the compute chain has run units [0, next_unit)
 
-    def compute(self, unit: int) -> None:
+    def compute(self, unit: int, guard: Guard | None = None) -> None:
         assert unit == self.next_unit, f"layer units are computed in order: expected {self.next_unit}, got {unit}"
         if self.hidden is None:
             self.hidden = self.job.hidden_in(self.rows)
-        self.hidden = self.job.step(self.job.layers[unit], self.hidden, self.rows)
+        self.hidden = self.job.step(self.job.layers[unit], self.hidden, self.rows, guard=guard)
         self.next_unit += 1
 
-    def load(self, unit: int) -> bool:
-        layer = self.job.layers[unit]
-        # Stops at the first block that fails: the whole layer is recomputed then.
-        return all(self.job.load(block, range(layer, layer + 1)) for block in self.job.blocks)
+    def _layer(self, unit: int) -> range:
+        return range(self.job.layers[unit], self.job.layers[unit] + 1)
+
+    def read(self, unit: int) -> list[KV] | None:
+        parts = []
+        for block in self.job.blocks:
+            kv = self.job.read(block, self._layer(unit))
+            if kv is None:  # the whole layer is recomputed then
+                return None
+            parts.append(kv)
+        return parts
+
+    def place(self, unit: int, data: list[KV]) -> None:
+        for block, kv in zip(self.job.blocks, data):
+            self.job.place(block, self._layer(unit), kv)
 
     def recompute(self, units: list[int]) -> None:
         # A failed layer needs the hidden state entering it: carry the chain on up to the highest one (layers

@@ -102,11 +102,11 @@ class BatchRestorer:
     # ---- workers --------------------------------------------------------------------------------------
 
     def _next_compute(self) -> tuple[Restoration, int | None] | None:
-        """In turn, the next request with a unit to compute, or whose prefix is in place (unit None: finish)."""
+        """In turn, the next request with a unit to compute, or whose units are all settled (unit None: finish)."""
         for i in range(len(self._active)):
             request = self._active[(self._turn + i) % len(self._active)]
             unit = request.pointers.claim_front()
-            if unit is not None or request.pointers.met:
+            if unit is not None or request.pointers.settled:
                 self._turn = (self._turn + i + 1) % len(self._active)
                 return request, unit
         return None
@@ -119,7 +119,7 @@ class BatchRestorer:
                     if unit is None:
                         self._finish(request)
                     else:
-                        request.log.compute(request.axis, unit)
+                        request.log.compute(request.axis, request.pointers, unit)
                 except BaseException as e:  # that request fails; the others go on
                     self._drop(request, e)
                 with self._cond:
@@ -135,11 +135,9 @@ class BatchRestorer:
             while (work := self._wait(claim, lambda: not self._active)) is not None:
                 request, unit = work
                 try:
-                    request.log.load(request.axis, unit)
+                    request.log.load(request.axis, request.pointers, unit)
                 except BaseException as e:
                     self._drop(request, e)
-                finally:
-                    request.pointers.loaded()
                 with self._cond:
                     self._cond.notify_all()
 
@@ -154,7 +152,7 @@ class BatchRestorer:
 
     def _finish(self, request: Restoration) -> None:
         job = request.job
-        request.log.recompute_failed(request.axis)
+        request.log.recompute_failed(request.axis, request.pointers)
         restored = time.perf_counter()
         hidden = job.compute_rows(slice(job.prefix_length, len(job.token_ids)))
         logits = job.model.logits(hidden[-1:])[0]

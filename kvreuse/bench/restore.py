@@ -1,0 +1,260 @@
+"""Prefix restoration benchmark: TTFT of load-only, compute-only, Cake (token-wise), layer-wise and CacheFlow
+(whichever of the two the profiled L_delta picks) per tier and prefix length, against the ideal split computed
+from the same run's per-block times; then a batch of requests with mixed prefix lengths, batch-aware scheduler
+against per-request Cake. Also `kvreuse profile`: measure L_delta on this machine and save it.
+
+Variants take turns within every repeat (and the order rotates), so load from other work on the machine falls
+on all of them alike; figures are medians over repeats.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvreuse.model.loader import load_model
+from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.restore import PrefixRestorer, profile
+from kvreuse.restore.scheduler import BatchRestorer
+from kvreuse.store import KeySpace, open_store
+from kvreuse.store.tiered import TieredStore
+
+TIERS = {
+    "memory": "memory:8GB",
+    "disk": "disk:{tmp}/disk",
+    "ssd": "throttled:ssd:memory:8GB",
+    "hdd": "throttled:hdd:memory:8GB",
+    "net10g": "throttled:net10g:memory:8GB",
+}
+FRESH_TOKENS = 32  # the new turn after the stored prefix: always computed
+
+
+@dataclass
+class BenchModel:
+    model: LayerwiseModel
+    space: KeySpace
+    name: str
+
+
+def bench_model(layers: int | None) -> BenchModel:
+    """The embedded SmolLM2-135M (real weights), optionally cut to its first `layers` layers: per-layer compute
+    and KV size stay the real model's, the run gets shorter."""
+    loaded = load_model(None, "float32")
+    hf_model = loaded.runtime.hf_model
+    name, fingerprint = loaded.name, loaded.fingerprint
+    if layers is not None and layers < len(hf_model.model.layers):
+        hf_model.model.layers = hf_model.model.layers[:layers]
+        hf_model.config.num_hidden_layers = layers
+        name, fingerprint = f"{name} (first {layers} layers)", f"{fingerprint}-layers{layers}"
+    return BenchModel(LayerwiseModel(hf_model), KeySpace(fingerprint, loaded.tokenizer_fingerprint), name)
+
+
+def open_tiers(names: list[str], tmp: str) -> dict[str, TieredStore]:
+    return {name: open_store(TIERS[name].format(tmp=tmp)) for name in names}
+
+
+def stored_prompt(bench: BenchModel, stores: dict[str, TieredStore], prefix: int, seed: int, block: int
+                  ) -> list[int]:
+    """A prompt of `prefix` stored tokens and a fresh turn; the prefix is computed once and put in every tier."""
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(100, bench.model.config.vocab_size, (prefix + FRESH_TOKENS,), generator=generator).tolist()
+    source = PrefixRestorer(bench.model, open_store("memory:8GB"), bench.space, block)
+    source.store_prefix(ids[:prefix])
+    for store in stores.values():
+        for key in source.block_keys(ids[:prefix]):
+            store.put(source.store.get(key))
+        store.flush()
+    source.store.close()
+    return ids
+
+
+def ideal_seconds(compute: dict, load: dict, remainder: float) -> float:
+    """min over split points k of max(compute of blocks < k, load of blocks >= k), plus the remainder."""
+    c = [compute[u] for u in sorted(compute) if u >= 0]
+    ld = [load[u] for u in sorted(load)]
+    return min(max(sum(c[:k]), sum(ld[k:])) for k in range(len(c) + 1)) + remainder
+
+
+def _median(runs: list[dict], key: str = "total_seconds") -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def cacheflow_choice(space: KeySpace, tier: str, prefix: int) -> str:
+    threshold = profile.threshold(space.model_fingerprint, tier)
+    return "layerwise" if threshold is not None and prefix < threshold else "cake"
+
+
+def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repeats: int, block: int,
+                  tmp: str) -> list[dict]:
+    stores = open_tiers(tiers, tmp)
+    restorers = {t: PrefixRestorer(bench.model, s, bench.space, block) for t, s in stores.items()}
+    rows = []
+    try:
+        for length in lengths:
+            ids = stored_prompt(bench, stores, length, seed=length, block=block)
+            runs: dict[tuple[str, str], list[dict]] = {}
+            variants = [("*", "compute")] + [(t, s) for t in tiers for s in ("load", "cake", "layerwise")]
+            restorers[tiers[0]].restore(ids, "cake")  # warm-up
+            for r in range(repeats):
+                for tier, strategy in variants[r % len(variants):] + variants[: r % len(variants)]:
+                    restorer = restorers[tiers[0] if tier == "*" else tier]
+                    runs.setdefault((tier, strategy), []).append(restorer.restore(ids, strategy).stats)
+            rows += [_length_row(bench, length, tier, runs, repeats) for tier in tiers]
+            print(f"  {length} tokens done", flush=True)
+    finally:
+        for store in stores.values():
+            store.close()
+    return rows
+
+
+def _length_row(bench: BenchModel, length: int, tier: str, runs: dict, repeats: int) -> dict:
+    compute, load = runs[("*", "compute")], runs[(tier, "load")]
+    ideal = statistics.median(
+        ideal_seconds(c["compute_seconds"], ld["load_seconds"], c["total_seconds"] - c["restore_seconds"])
+        for c, ld in zip(compute, load)
+    )
+    row = {"tier": tier, "prefix": length, "ideal": ideal, "compute": _median(compute), "load": _median(load),
+           "cake": _median(runs[(tier, "cake")]), "layerwise": _median(runs[(tier, "layerwise")]),
+           "cake_blocks_computed": statistics.median(r["units_computed"] for r in runs[(tier, "cake")]),
+           "blocks": compute[0]["units_computed"],
+           "layerwise_layers_computed": statistics.median(r["units_computed"] for r in runs[(tier, "layerwise")])}
+    row["cacheflow_strategy"] = cacheflow_choice(bench.space, tier, length)
+    row["cacheflow"] = row[row["cacheflow_strategy"]]
+    return row
+
+
+def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str) -> dict:
+    """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once."""
+    stores = open_tiers([tier], tmp)
+    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block)
+    prompts = [stored_prompt(bench, stores, n, seed=1000 + n, block=block) for n in lengths]
+    times: dict[str, list[list[float]]] = {"per-request cake": [], "batch-aware": []}
+
+    def per_request() -> list[float]:
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            results = list(pool.map(lambda p: restorer.restore(p, "cake"), prompts))
+        return [r.stats["total_seconds"] for r in results]
+
+    def batch_aware() -> list[float]:
+        batch = BatchRestorer(restorer)
+        try:
+            futures = [batch.submit(p, "cake") for p in prompts]
+            return [f.result().stats["total_seconds"] for f in futures]
+        finally:
+            batch.close()
+
+    try:
+        variants = [("per-request cake", per_request), ("batch-aware", batch_aware)]
+        for r in range(repeats):
+            for name, variant in variants if r % 2 == 0 else variants[::-1]:
+                times[name].append(variant())
+    finally:
+        stores[tier].close()
+    summary = {name: {"mean": statistics.median(float(np.mean(t)) for t in ts),
+                      "p90": statistics.median(float(np.percentile(t, 90)) for t in ts)} for name, ts in times.items()}
+    return {"tier": tier, "lengths": lengths, **summary}
+
+
+def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str
+                    ) -> tuple[int, dict, dict]:
+    """Token-wise and layer-wise TTFT medians per prefix length on `tier`; saves and returns L_delta."""
+    stores = open_tiers([tier], tmp)
+    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block)
+    token, layer = {}, {}
+    try:
+        for length in lengths:
+            ids = stored_prompt(bench, stores, length, seed=length, block=block)
+            runs: dict[str, list[dict]] = {"cake": [], "layerwise": []}
+            for strategy in itertools.islice(itertools.cycle(runs), 2 * repeats):
+                runs[strategy].append(restorer.restore(ids, strategy).stats)
+            token[length], layer[length] = _median(runs["cake"]), _median(runs["layerwise"])
+    finally:
+        stores[tier].close()
+    return profile.save(bench.space.model_fingerprint, tier, token, layer), token, layer
+
+
+# ---- reports ----------------------------------------------------------------------------------------------
+
+
+def _console() -> Console:
+    console = Console()
+    return console if console.is_terminal else Console(width=200)
+
+
+def print_lengths(rows: list[dict], title: str) -> None:
+    table = Table(title=title)
+    columns = ["tier", "prefix", "blocks", "ideal", "load-only", "compute-only", "cake", "layer-wise", "cacheflow",
+               "cake/ideal", "cacheflow/ideal", "cake/best base", "cake blocks computed", "layers computed"]
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        best = min(row["load"], row["compute"])
+        table.add_row(
+            _tier_label(row["tier"]), str(row["prefix"]), str(row["blocks"]),
+            *(f"{row[k] * 1e3:.0f}" for k in ("ideal", "load", "compute", "cake", "layerwise")),
+            f"{row['cacheflow'] * 1e3:.0f} ({row['cacheflow_strategy'][:5]})",
+            f"{row['cake'] / row['ideal']:.2f}", f"{row['cacheflow'] / row['ideal']:.2f}", f"{row['cake'] / best:.2f}",
+            f"{row['cake_blocks_computed']:g}", f"{row['layerwise_layers_computed']:g}",
+        )
+    _console().print(table)
+    print("times: TTFT in ms (restore the prefix, compute the fresh turn, first-token logits), medians. "
+          "ideal = min over split points of max(compute of the first k blocks, load of the rest) + the fresh turn, "
+          "from the same repeat's compute-only and load-only per-block times. best base = min(load-only, compute-only).")
+
+
+def _tier_label(tier: str) -> str:
+    from kvreuse.store.throttled import DEVICES
+
+    return str(DEVICES[tier]) if tier in DEVICES else tier
+
+
+def print_batch(result: dict) -> None:
+    per, batch = result["per-request cake"], result["batch-aware"]
+    print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {_tier_label(result['tier'])}: "
+          f"per-request Cake mean {per['mean'] * 1e3:.0f} ms, p90 {per['p90'] * 1e3:.0f} ms; "
+          f"batch-aware mean {batch['mean'] * 1e3:.0f} ms, p90 {batch['p90'] * 1e3:.0f} ms; "
+          f"speed-up mean {per['mean'] / batch['mean']:.2f}x, p90 {per['p90'] / batch['p90']:.2f}x")
+
+
+def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
+        batch_tier: str | None, batch_lengths: list[int], json_out: str | None) -> dict:
+    torch.set_num_threads(threads)
+    bench = bench_model(layers)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="kvreuse-restore-bench-", dir="/var/tmp") as tmp:
+        rows = bench_lengths(bench, tiers, lengths, repeats, block, tmp)
+        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, tmp) if batch_tier else None
+    print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, {threads} torch thread(s), "
+                        f"median of {repeats}")
+    if batch:
+        print_batch(batch)
+    print(f"total bench time {time.perf_counter() - started:.0f} s")
+    result = {"model": bench.name, "block": block, "threads": threads, "repeats": repeats, "rows": rows,
+              "batch": batch}
+    if json_out:
+        with open(json_out, "w") as f:
+            json.dump(result, f, indent=1)
+    return result
+
+
+def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int,
+                threads: int) -> None:
+    torch.set_num_threads(threads)
+    bench = bench_model(layers)
+    with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as tmp:
+        for tier in tiers:
+            l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, tmp)
+            cells = ", ".join(f"{n}: {token[n] * 1e3:.0f}/{layer[n] * 1e3:.0f}" for n in sorted(token))
+            print(f"{bench.name} on {_tier_label(tier)}: L_delta = {l_delta} tokens "
+                  f"(token-wise/layer-wise ms by prefix length: {cells})")
+    print(f"saved to {profile.profile_path()}")

@@ -1,0 +1,49 @@
+"""`kvreuse bench restore` and `kvreuse profile`: registered on the main CLI by `add_commands`."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvreuse.store.keys import DEFAULT_BLOCK_SIZE
+
+TIER_CHOICES = ["memory", "disk", "ssd", "hdd", "net10g"]
+
+
+def _add_common(parser: argparse.ArgumentParser, lengths: list[int], repeats: int) -> None:
+    parser.add_argument("--layers", type=int, default=2,
+                        help="use the embedded SmolLM2's first N layers (real per-layer cost, shorter runs); 0: all")
+    parser.add_argument("--tiers", nargs="+", choices=TIER_CHOICES, default=TIER_CHOICES)
+    parser.add_argument("--lengths", type=int, nargs="+", default=lengths, help="stored prefix lengths (tokens)")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--block", type=int, default=DEFAULT_BLOCK_SIZE, help="prefix block size (tokens)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1 leaves the other core of a 2-core machine to the I/O side)")
+
+
+def cmd_bench_restore(args: argparse.Namespace) -> int:
+    from kvreuse.bench.restore import run
+
+    run(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads,
+        None if args.batch_tier == "none" else args.batch_tier, args.batch_lengths, args.json)
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from kvreuse.bench.restore import run_profile
+
+    run_profile(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads)
+    return 0
+
+
+def add_commands(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
+    bench = benches.add_parser("restore", help="prefix restoration: load, compute, Cake, CacheFlow, per tier")
+    _add_common(bench, [512, 1024, 2048, 4096, 8192], 3)
+    bench.add_argument("--batch-tier", default="hdd", choices=TIER_CHOICES + ["none"],
+                       help="tier of the batch experiment ('none' skips it)")
+    bench.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    bench.add_argument("--json", help="also write the figures to this file")
+    bench.set_defaults(func=cmd_bench_restore)
+
+    prof = commands.add_parser("profile", help="measure CacheFlow's L_delta (layer-wise vs token-wise) per tier")
+    _add_common(prof, [256, 512, 1024, 2048], 3)
+    prof.set_defaults(func=cmd_profile)
