@@ -109,6 +109,7 @@ def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repea
                 for tier, strategy in variants[r % len(variants):] + variants[: r % len(variants)]:
                     restorer = restorers[tiers[0] if tier == "*" else tier]
                     runs.setdefault((tier, strategy), []).append(restorer.restore(ids, strategy).stats)
+                    restorer.quiesce()
             rows += [_length_row(bench, length, tier, runs, repeats) for tier in tiers]
             print(f"  {length} tokens done", flush=True)
     finally:
@@ -143,6 +144,7 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
     def per_request() -> list[float]:
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: restorer.restore(p, "cake"), prompts))
+        restorer.quiesce()
         return [r.stats["total_seconds"] for r in results]
 
     def batch_aware() -> list[float]:
@@ -177,6 +179,7 @@ def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: i
             runs: dict[str, list[dict]] = {"cake": [], "layerwise": []}
             for strategy in itertools.islice(itertools.cycle(runs), 2 * repeats):
                 runs[strategy].append(restorer.restore(ids, strategy).stats)
+                restorer.quiesce()
             token[length], layer[length] = _median(runs["cake"]), _median(runs["layerwise"])
     finally:
         stores[tier].close()

@@ -17,6 +17,7 @@ Pipeline-stage restoration runs one process per stage: see `stages.restore_stage
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -78,6 +79,7 @@ class PrefixRestorer:
         starts = {s for n in boundary_stages for s in stage_starts(model.num_layers, n)}
         self.boundary_layers = sorted(starts - {0})  # layer 0's input is the embedding: never stored
         self.channels = channels or IOChannels()
+        self._workers: list[threading.Thread] = []
 
     # ---- lookup ---------------------------------------------------------------------------------------
 
@@ -149,6 +151,7 @@ class PrefixRestorer:
         job = self.new_job(ids, blocks, cache_capacity)
         axis, compute, load = STRATEGIES[strategy]
         log = two_pointer(axis(job), compute=compute, load=load)
+        self._workers = [w for w in self._workers + log.workers if w.is_alive()]
         restored = time.perf_counter()
         capture = Capture(self.boundary_layers) if write_back else None
         remainder = slice(job.prefix_length, len(ids))
@@ -158,6 +161,13 @@ class PrefixRestorer:
         written = self._write_back(ids, remainder, capture) if capture else 0
         stats = restore_stats(strategy, job, log, restore=restored - started, total=done - started)
         return RestoreResult(logits, job.cache, dict(stats, blocks_written=written))
+
+    def quiesce(self) -> None:
+        """Wait for the workers that lost a race for a last unit to stop (they write nothing, but use a core):
+        for benchmarks, so that one run's leftovers do not slow the next."""
+        for worker in self._workers:
+            worker.join()
+        self._workers = []
 
     # ---- storing --------------------------------------------------------------------------------------
 

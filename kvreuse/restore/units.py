@@ -16,6 +16,8 @@ even where loading all of them is faster, which on a CPU it often is.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -146,6 +148,7 @@ class UnitLog:
     loaded: dict[int, float] = field(default_factory=dict)
     failed: list[int] = field(default_factory=list)  # loads that failed; recomputed
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    workers: list[threading.Thread] = field(default_factory=list, repr=False)  # may outlive the restoration
 
     def compute(self, axis: Axis, pointers: TwoPointer, unit: int) -> None:
         start = time.perf_counter()
@@ -206,10 +209,22 @@ def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True) -> UnitL
              (compute, "compute", pointers.claim_front, lambda u: log.compute(axis, pointers, u))]
     for enabled, name, claim, work in sides:
         if enabled:
-            threading.Thread(target=worker, args=(claim, work), name=f"restore-{name}", daemon=True).start()
+            log.workers.append(threading.Thread(target=worker, args=(claim, work), name=f"restore-{name}",
+                                                daemon=True))
+            log.workers[-1].start()
     pointers.wait_settled(or_else=lambda: bool(errors))
+    for straggler in log.workers:
+        if straggler.is_alive():
+            _deprioritise(straggler)
     if errors:
         raise errors[0]
     with torch.inference_mode():
         log.recompute_failed(axis, pointers)
     return log
+
+
+def _deprioritise(thread: threading.Thread) -> None:
+    """A worker still finishing a lost race only wastes CPU now: let the request's next steps have the core
+    first (Linux sets nice values per thread; elsewhere this does nothing)."""
+    with contextlib.suppress(AttributeError, OSError):
+        os.setpriority(os.PRIO_PROCESS, thread.native_id, 19)
