@@ -134,7 +134,8 @@ def _length_row(bench: BenchModel, length: int, tier: str, runs: dict, repeats: 
     return row
 
 
-def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str) -> dict:
+def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str,
+                compute_workers: int) -> dict:
     """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once."""
     stores = open_tiers([tier], tmp)
     restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block)
@@ -148,7 +149,7 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
         return [r.stats["total_seconds"] for r in results]
 
     def batch_aware() -> list[float]:
-        batch = BatchRestorer(restorer)
+        batch = BatchRestorer(restorer, compute_workers=compute_workers)
         try:
             futures = [batch.submit(p, "cake") for p in prompts]
             return [f.result().stats["total_seconds"] for f in futures]
@@ -164,7 +165,7 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
         stores[tier].close()
     summary = {name: {"mean": statistics.median(float(np.mean(t)) for t in ts),
                       "p90": statistics.median(float(np.percentile(t, 90)) for t in ts)} for name, ts in times.items()}
-    return {"tier": tier, "lengths": lengths, **summary}
+    return {"tier": tier, "lengths": lengths, "compute_workers": compute_workers, **summary}
 
 
 def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str
@@ -223,20 +224,23 @@ def _tier_label(tier: str) -> str:
 
 def print_batch(result: dict) -> None:
     per, batch = result["per-request cake"], result["batch-aware"]
-    print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {_tier_label(result['tier'])}: "
+    print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {_tier_label(result['tier'])}, "
+          f"{result['compute_workers']} compute worker(s): "
           f"per-request Cake mean {per['mean'] * 1e3:.0f} ms, p90 {per['p90'] * 1e3:.0f} ms; "
           f"batch-aware mean {batch['mean'] * 1e3:.0f} ms, p90 {batch['p90'] * 1e3:.0f} ms; "
           f"speed-up mean {per['mean'] / batch['mean']:.2f}x, p90 {per['p90'] / batch['p90']:.2f}x")
 
 
 def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
-        batch_tier: str | None, batch_lengths: list[int], json_out: str | None) -> dict:
+        batch_tier: str | None, batch_lengths: list[int], batch_compute_workers: int, json_out: str | None
+        ) -> dict:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvreuse-restore-bench-", dir="/var/tmp") as tmp:
         rows = bench_lengths(bench, tiers, lengths, repeats, block, tmp)
-        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, tmp) if batch_tier else None
+        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, tmp, batch_compute_workers) \
+            if batch_tier else None
     print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, {threads} torch thread(s), "
                         f"median of {repeats}")
     if batch:

@@ -24,7 +24,8 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
     from kvreuse.bench.restore import run
 
     run(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads,
-        None if args.batch_tier == "none" else args.batch_tier, args.batch_lengths, args.json)
+        None if args.batch_tier == "none" else args.batch_tier, args.batch_lengths, args.batch_compute_workers,
+        args.json)
     return 0
 
 
@@ -41,6 +42,8 @@ def add_commands(commands: argparse._SubParsersAction, benches: argparse._SubPar
     bench.add_argument("--batch-tier", default="hdd", choices=TIER_CHOICES + ["none"],
                        help="tier of the batch experiment ('none' skips it)")
     bench.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    bench.add_argument("--batch-compute-workers", type=int, default=1,
+                       help="compute workers of the batch-aware scheduler (per-request Cake has one per request)")
     bench.add_argument("--json", help="also write the figures to this file")
     bench.set_defaults(func=cmd_bench_restore)
 

@@ -106,7 +106,8 @@ class PrefixJob:
             return None
         # Only rows up to rows.stop: later rows may be unwritten memory (NaN), which a mask does not make safe.
         keys, values = self.cache.keys[layer][: rows.stop], self.cache.values[layer][: rows.stop]
-        out = model.attend(layer, model.rope(q, rotary), self.positions[rows], keys, values, self.positions[: rows.stop])
+        positions = self.positions[: rows.stop]
+        out = model.attend(layer, model.rope(q, rotary), positions[rows], keys, values, positions)
         if guard is not None and not guard(lambda: None):  # loaded meanwhile: skip the MLP, the costliest part
             return None
         if capture is not None:

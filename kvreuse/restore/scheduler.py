@@ -38,9 +38,13 @@ class Restoration:
     def __post_init__(self) -> None:
         self.pointers = TwoPointer(self.axis.num_units)
 
+    busy: bool = False  # a compute worker is on one of its units (they are computed in order)
+
     def remaining_work(self) -> int:
-        """Token-layers not yet claimed by either side."""
-        return sum(self.axis.work(u) for u in range(self.pointers.front, self.pointers.back))
+        """Token-layers not yet claimed by either side (or, at the end, the unit the compute side is on)."""
+        unclaimed = range(self.pointers.front, self.pointers.back)
+        unit = self.pointers.peek_back()
+        return sum(self.axis.work(u) for u in unclaimed) if unclaimed else 0 if unit is None else self.axis.work(unit)
 
     def next_load_tier(self) -> int | None:
         unit = self.pointers.peek_back()
@@ -55,15 +59,19 @@ def most_remaining(requests: Sequence[Restoration], tier: int) -> Restoration | 
 
 
 class BatchRestorer:
-    def __init__(self, restorer: PrefixRestorer):
+    def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1):
+        """compute_workers: threads computing units, each of another request (one GPU stream: 1; a CPU may
+        give each core one)."""
         self.restorer = restorer
         self._active: list[Restoration] = []
-        self._turn = 0  # round-robin position of the compute worker
+        self._turn = 0  # round-robin position of the compute workers
         self._cond = threading.Condition()
         self._closed = False
         self._io_workers: dict[int, threading.Thread] = {}
-        self._compute = threading.Thread(target=self._compute_loop, name="restore-compute", daemon=True)
-        self._compute.start()
+        self._compute = [threading.Thread(target=self._compute_loop, name=f"restore-compute-{i}", daemon=True)
+                         for i in range(compute_workers)]
+        for worker in self._compute:
+            worker.start()
 
     # ---- admission ------------------------------------------------------------------------------------
 
@@ -95,8 +103,7 @@ class BatchRestorer:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-        self._compute.join()
-        for worker in self._io_workers.values():
+        for worker in self._compute + list(self._io_workers.values()):
             worker.join()
 
     # ---- workers --------------------------------------------------------------------------------------
@@ -105,9 +112,12 @@ class BatchRestorer:
         """In turn, the next request with a unit to compute, or whose units are all settled (unit None: finish)."""
         for i in range(len(self._active)):
             request = self._active[(self._turn + i) % len(self._active)]
+            if request.busy:
+                continue
             unit = request.pointers.claim_front()
             if unit is not None or request.pointers.settled:
                 self._turn = (self._turn + i + 1) % len(self._active)
+                request.busy = True
                 return request, unit
         return None
 
@@ -123,6 +133,7 @@ class BatchRestorer:
                 except BaseException as e:  # that request fails; the others go on
                     self._drop(request, e)
                 with self._cond:
+                    request.busy = False
                     self._cond.notify_all()
 
     def _io_loop(self, tier: int) -> None:

@@ -77,18 +77,23 @@ class TwoPointer:
 
     def claim_back(self) -> int | None:
         with self._cond:
+            unit = self._next_back()
             if self.front < self.back:
                 self.back -= 1
-                return self.back
-            unit = self.computing
-            if unit is not None and unit not in self.done and unit != self.stolen:
+            elif unit is not None:
                 self.stolen = unit
-                return unit
-            return None
+            return unit
 
     def peek_back(self) -> int | None:
+        """The unit claim_back would give now."""
         with self._cond:
-            return self.back - 1 if self.front < self.back else None
+            return self._next_back()
+
+    def _next_back(self) -> int | None:
+        if self.front < self.back:
+            return self.back - 1
+        unit = self.computing
+        return unit if unit is not None and unit not in self.done and unit != self.stolen else None
 
     def is_done(self, unit: int) -> bool:
         with self._cond:

@@ -10,8 +10,9 @@ def test_pointers_meet_without_claiming_a_unit_twice_per_side():
     assert pointers.settle(0) and pointers.settle(4) and pointers.settle(3)
     assert [pointers.claim_front(), pointers.claim_front(), pointers.claim_front()] == [1, 2, None]
     assert pointers.settle(1)
-    # Nothing left to claim from the back: the I/O side takes over unit 2, once.
-    assert pointers.claim_back() == 2 and pointers.claim_back() is None
+    # Nothing left to claim from the back: the I/O side takes over unit 2, once (the scheduler peeks first).
+    assert pointers.peek_back() == 2
+    assert pointers.claim_back() == 2 and pointers.claim_back() is None and pointers.peek_back() is None
     assert pointers.settle(2, lambda: None) and not pointers.settle(2)  # the compute side's result is dropped
     assert pointers.settled and pointers.is_done(2)
 
