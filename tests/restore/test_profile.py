@@ -1,0 +1,27 @@
+"""L_delta: the crossover of measured token-wise and layer-wise times, saved per model and tier under the cache
+folder, and used by strategy="auto"."""
+
+import torch
+
+from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.restore import PrefixRestorer, profile
+from kvreuse.store import KeySpace, open_store
+
+
+def test_crossover_is_the_first_length_where_token_wise_is_no_slower():
+    assert profile.crossover({256: 3.0, 512: 2.0, 1024: 1.0}, {256: 1.0, 512: 2.0, 1024: 3.0}) == 512
+    assert profile.crossover({256: 2.0, 512: 4.0}, {256: 1.0, 512: 3.0}) == 513  # layer-wise throughout
+
+
+def test_auto_follows_the_saved_threshold(make_tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    model = LayerwiseModel(make_tiny("llama"))
+    restorer = PrefixRestorer(model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
+    ids = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(0)).tolist()
+    restorer.store_prefix(ids)
+    assert restorer.restore(ids, "auto").stats["strategy"] == "cake"  # not profiled: token-wise
+    assert profile.save("tiny", "memory", {16: 2.0, 64: 1.0}, {16: 1.0, 64: 2.0}) == 64
+    assert (tmp_path / "restore" / "l_delta.json").is_file()
+    assert restorer.restore(ids, "auto").stats["strategy"] == "layerwise"  # 40 stored tokens < 64
+    restorer.store_prefix(ids * 2)
+    assert restorer.restore(ids * 2, "auto").stats["strategy"] == "cake"  # 88 stored tokens >= 64
