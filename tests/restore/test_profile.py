@@ -25,3 +25,12 @@ def test_auto_follows_the_saved_threshold(make_tiny, tmp_path, monkeypatch):
     assert restorer.restore(ids, "auto").stats["strategy"] == "layerwise"  # 40 stored tokens < 64
     restorer.store_prefix(ids * 2)
     assert restorer.restore(ids * 2, "auto").stats["strategy"] == "cake"  # 88 stored tokens >= 64
+
+
+def test_cli_registers_the_restore_commands():
+    from kvreuse.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "restore", "--tiers", "hdd", "--lengths", "512", "--layers", "0"])
+    assert args.tiers == ["hdd"] and args.lengths == [512] and args.layers == 0 and args.batch_tier == "hdd"
+    args = build_parser().parse_args(["profile", "--tiers", "memory", "ssd"])
+    assert args.tiers == ["memory", "ssd"] and args.func.__name__ == "cmd_profile"

@@ -8,8 +8,9 @@ import torch
 
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
+from kvreuse.restore.job import LayerAxis, TokenAxis
+from kvreuse.restore.restorer import _as_ids, stage_layers
 from kvreuse.restore.stages import MissingBoundary, boundary_source, spawn_stages
-from kvreuse.restore.restorer import _as_ids
 from kvreuse.store import KeySpace, open_store
 
 TOLERANCE = dict(atol=1e-4, rtol=0)
@@ -56,3 +57,29 @@ def test_a_stage_without_stored_boundaries_says_so(make_tiny):
     ids = _as_ids(prompt, tiny_model.device)
     with pytest.raises(MissingBoundary, match="layer 2"):
         boundary_source(restorer.store, restorer.plan(ids), 2)(slice(0, 8))
+
+
+@pytest.mark.parametrize("axis", [TokenAxis, LayerAxis])
+def test_a_stage_from_its_boundary_is_exact_at_every_split_point(make_tiny, axis):
+    """Stage 2 of 2 alone (no process group needed for the prefix part): its layers restored from the stored
+    boundary activations, with units [0, k) computed and the rest loaded, for every k."""
+    model = LayerwiseModel(make_tiny("llama3-rope"))
+    restorer = PrefixRestorer(model, open_store("memory:64MB"), SPACE, block_size=BLOCK, boundary_stages=(2,))
+    prompt = ids_of(45, seed=3)
+    restorer.store_prefix(prompt)
+    ids = _as_ids(prompt, model.device)
+    blocks = restorer.plan(ids)
+    layers = stage_layers(model.num_layers, 2)[1]
+    full = model.prefill(prompt)
+    with torch.inference_mode():
+        for split in range(axis(restorer.new_job(ids, blocks, layers=layers)).num_units + 1):
+            job = restorer.new_job(ids, blocks, layers=layers, hidden_in=boundary_source(restorer.store, blocks,
+                                                                                         layers.start))
+            units = axis(job)
+            for unit in range(split):
+                units.compute(unit)
+            for unit in range(split, units.num_units):
+                units.place(unit, units.read(unit))
+            for layer in layers:
+                for got, want in zip(job.cache.layer(layer), full.cache.layer(layer)):
+                    torch.testing.assert_close(got[: job.prefix_length], want[: job.prefix_length], **TOLERANCE)
