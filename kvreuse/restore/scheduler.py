@@ -42,9 +42,11 @@ class Restoration:
 
     def remaining_work(self) -> int:
         """Token-layers not yet claimed by either side (or, at the end, the unit the compute side is on)."""
-        unclaimed = range(self.pointers.front, self.pointers.back)
         unit = self.pointers.peek_back()
-        return sum(self.axis.work(u) for u in unclaimed) if unclaimed else 0 if unit is None else self.axis.work(unit)
+        if unit is None:
+            return 0
+        unclaimed = range(self.pointers.front, self.pointers.back)
+        return sum(self.axis.work(u) for u in unclaimed) if unclaimed else self.axis.work(unit)
 
     def next_load_tier(self) -> int | None:
         unit = self.pointers.peek_back()

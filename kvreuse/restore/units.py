@@ -95,10 +95,6 @@ class TwoPointer:
         unit = self.computing
         return unit if unit is not None and unit not in self.done and unit != self.stolen else None
 
-    def is_done(self, unit: int) -> bool:
-        with self._cond:
-            return unit in self.done
-
     def guard(self, unit: int) -> Guard:
         def guarded(write: Write) -> bool:
             with self._cond:
