@@ -177,7 +177,9 @@ def detect_schema(path: Path, rows: list[dict]) -> _Schema:
     raise DatasetError(f"{path}: unknown dataset schema (fields {', '.join(sorted(fields))}); known schemas: {known}")
 
 
-def load_dataset(path: str | Path, chunking: Chunking = Chunking(), tokenizer=None, limit: int | None = None) -> Dataset:
+def load_dataset(
+    path: str | Path, chunking: Chunking = Chunking(), tokenizer=None, limit: int | None = None
+) -> Dataset:
     """Read a normalised dataset file into prompts; `limit` keeps the first rows (of the test split, for SAMSum)."""
     path = Path(path)
     rows = read_jsonl(path)
