@@ -1,0 +1,83 @@
+"""Write an evaluation's results: results.json (everything), results.md (the table), quality_vs_ttft.png.
+
+The plot has the shape of Epic's Fig. 6 / CacheBlend's Fig. 12: one point per method, quality against TTFT,
+so the trade-off between fidelity to full prefill and speed reads off at a glance.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+from kvreuse.eval.runner import MethodResult, MethodSummary, RunSettings
+
+SCORE_NAMES = {"qa": "F1", "summary": "Rouge-L"}
+
+
+def _fmt(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def markdown_table(summaries: list[MethodSummary], task: str) -> str:
+    header = (
+        f"| method | n | {SCORE_NAMES[task]} | agreement with full | first-token KL (nats) | gold log-lik "
+        "| recompute share | TTFT mean / median / p90 (ms) | speedup vs full |"
+    )
+    rows = [header, "|" + "---|" * header.count(" |")]
+    for s in summaries:
+        ttft = " / ".join(f"{t * 1000:.1f}" for t in (s.ttft_mean, s.ttft_median, s.ttft_p90))
+        rows.append(
+            f"| {s.method} | {s.examples} | {_fmt(s.score)} | {_fmt(s.agreement)} | {_fmt(s.first_token_kl)} "
+            f"| {_fmt(s.gold_loglik)} | {_fmt(s.recompute_share, 2)} | {ttft} | {s.speedup:.2f}x |"
+        )
+    return "\n".join(rows) + "\n"
+
+
+def plot(summaries: list[MethodSummary], title: str, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only: no display on servers and in CI
+    import matplotlib.pyplot as plt
+
+    panels = [
+        ("agreement", "agreement with full prefill (token F1, higher is better)"),
+        ("first_token_kl", "first-token KL from full prefill (nats, lower is better)"),
+    ]
+    # one colour per method family (cacheblend:0.05 and cacheblend:0.15 alike), so ratios read as a curve
+    families = list(dict.fromkeys(s.method.split(":")[0] for s in summaries))
+    colours = [plt.get_cmap("tab10")(families.index(s.method.split(":")[0]) % 10) for s in summaries]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
+    ttft_ms = [s.ttft_median * 1000 for s in summaries]
+    for ax, (field, label) in zip(axes, panels):
+        values = [getattr(s, field) for s in summaries]
+        ax.scatter(ttft_ms, values, s=40, c=colours, zorder=3)
+        for s, x, y in zip(summaries, ttft_ms, values):
+            ax.annotate(s.method, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        ax.set_xlabel("median TTFT (ms)")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+    fig.suptitle(title)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_report(
+    out_dir: Path, settings: RunSettings, task: str, summaries: list[MethodSummary], results: list[MethodResult]
+) -> list[Path]:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = [out_dir / "results.json", out_dir / "results.md", out_dir / "quality_vs_ttft.png"]
+    document = {
+        "settings": asdict(settings),
+        "task": task,
+        "score": SCORE_NAMES[task],
+        "methods": [asdict(s) for s in summaries],
+        "examples": [asdict(r) for r in results],
+    }
+    paths[0].write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
+    examples = summaries[0].examples if summaries else 0
+    title = f"{settings.dataset}: {examples} examples, store {settings.store}, chunking {settings.chunking}"
+    heading = f"# {title}\n\nmodel {settings.model}, greedy, at most {settings.max_tokens} new tokens\n\n"
+    paths[1].write_text(heading + markdown_table(summaries, task), encoding="utf-8")
+    plot(summaries, title, paths[2])
+    return paths
