@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvreuse.eval.cli import add_commands as add_eval_commands
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
 
@@ -87,6 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
     prefill.add_argument("--repeats", type=int, default=3)
     prefill.set_defaults(func=cmd_bench_prefill)
+    add_eval_commands(commands)
     return parser
 
 

@@ -1,6 +1,5 @@
 import json
 import re
-from pathlib import Path
 
 import pytest
 
@@ -13,7 +12,8 @@ from kvreuse.eval.datasets import (
     load_dataset,
 )
 
-DATASETS = Path(__file__).parents[3] / "shared" / "datasets"  # ../shared/datasets from the project root
+from .support import DATASETS
+
 
 
 class WordTokenizer:

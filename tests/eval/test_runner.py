@@ -4,7 +4,7 @@ import torch
 from kvreuse.eval.datasets import ChunkedPrompt, Dataset
 from kvreuse.eval.runner import MethodResult, MethodSpecError, ResultCache, RunSettings, aggregate, parse_methods, run
 
-from .fake_engine import FakeEngine
+from .support import FakeEngine
 
 METHODS = ["full", "naive", "cacheblend:0.15"]
 SETTINGS = RunSettings(model="fake-model", dataset="toy", chunking="passage", max_tokens=8, store="memory")

@@ -1,11 +1,14 @@
-"""A stand-in for ReuseEngine with fixed, known outputs, so runner and report tests check exact numbers."""
+"""Test support: where the benchmark files are, and a stand-in for ReuseEngine with fixed, known outputs."""
 
 from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+
+DATASETS = Path(__file__).parents[3] / "shared" / "datasets"  # ../shared/datasets from the project root
 
 # method -> (first-token logits, generated text, TTFT seconds, recompute share)
 BEHAVIOUR = {
