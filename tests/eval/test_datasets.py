@@ -15,7 +15,6 @@ from kvreuse.eval.datasets import (
 from .support import DATASETS
 
 
-
 class WordTokenizer:
     """Stands in for a fast tokenizer: one token per whitespace-separated word, with character offsets."""
 
