@@ -22,7 +22,7 @@ def add_commands(subparsers) -> None:
     ev.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
     ev.add_argument("--limit", type=_positive_int, default=None, help="first N examples only")
     ev.add_argument("--chunking", default="passage", help="'passage' (one chunk per passage) or 'fixed:N' tokens")
-    ev.add_argument("--store", default="memory", help="KV store spec (default: memory)")
+    ev.add_argument("--store", default=None, help="KV store spec, e.g. memory:4GB or disk:PATH (default: the engine's)")
     ev.add_argument("--out", type=Path, default=Path("eval-results"), help="output directory (also the resume cache)")
     ev.add_argument("--max-tokens", type=_positive_int, default=None, help="default: 32 QA, 128 SAMSum, 512 Multi-News")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -39,19 +39,24 @@ def cmd_eval(args: argparse.Namespace) -> int:
     chunking = Chunking.parse(args.chunking)
     dataset = load_dataset(args.dataset, limit=args.limit)
 
-    from kvreuse.engine.reuse import ReuseEngine
+    from kvreuse.engine.reuse import DEFAULT_STORE, ReuseEngine
 
-    engine = ReuseEngine.load(model=args.model, store=args.store)
-    if chunking.size is not None:  # cutting into N-token pieces needs the model's tokenizer
-        dataset = load_dataset(args.dataset, chunking, engine.tokenizer, args.limit)
-    settings = RunSettings(
-        model=engine.fingerprint,
-        dataset=dataset.name,
-        chunking=args.chunking,
-        max_tokens=args.max_tokens or dataset.max_tokens,
-        store=args.store,
-    )
-    results = run(engine, dataset, methods, settings, ResultCache(args.out / "examples.jsonl"), not args.no_progress)
+    store = args.store or DEFAULT_STORE
+    engine = ReuseEngine.load(model=args.model, store=store)
+    try:
+        if chunking.size is not None:  # cutting into N-token pieces needs the model's tokenizer
+            dataset = load_dataset(args.dataset, chunking, engine.tokenizer, args.limit)
+        settings = RunSettings(
+            model=engine.fingerprint,
+            dataset=dataset.name,
+            chunking=args.chunking,
+            max_tokens=args.max_tokens or dataset.max_tokens,
+            store=store,
+        )
+        cache = ResultCache(args.out / "examples.jsonl")
+        results = run(engine, dataset, methods, settings, cache, progress=not args.no_progress)
+    finally:
+        engine.close()
     summaries = aggregate(results, methods)
     paths = write_report(args.out, settings, dataset.task, summaries, results)
     print(markdown_table(summaries, dataset.task), end="")
