@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup serve test bench-prefill clean
+.PHONY: setup system-deps serve test bench-prefill clean
 
 setup: .stamp-setup
 
@@ -21,8 +21,12 @@ setup: .stamp-setup
 serve: setup
 	$(BIN)/kvreuse generate --prompt "Explain in two sentences why caching the KV of documents speeds up RAG."
 
+# The Redis tier's tests start a private redis-server; install Debian's when it is missing.
+system-deps:
+	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
+
 # pytest exits 5 when it collects no test; treat that as a failure a human must look at, not a pass.
-test: setup
+test: setup system-deps
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny random-weight models of every supported family (no downloads) and the real model."""
+"""Shared fixtures: tiny random-weight models of every supported family (no downloads), the real model, and a
+private redis-server on a free loopback port."""
 
 from __future__ import annotations
 
@@ -6,7 +7,9 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.store.redis_server import LocalRedis
 
 TINY_COMMON = dict(
     vocab_size=256,
@@ -80,6 +83,69 @@ def embedded_model():
     from kvreuse.model.loader import load_model
 
     return load_model(None, "float32")
+
+
+def start_redis() -> LocalRedis:
+    # CI installs redis-server (make system-deps); a missing server is a set-up failure, never a silent skip.
+    try:
+        return LocalRedis()
+    except RuntimeError as e:
+        pytest.fail(str(e), pytrace=False)
+
+
+@pytest.fixture(scope="session")
+def redis_server():
+    server = start_redis()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def own_redis_server():
+    """A server of this test's own, for tests that kill it."""
+    server = start_redis()
+    yield server
+    server.stop()
+
+
+def make_tiny_engine(model: LayerwiseModel, store=None):
+    """A ReuseEngine over a tiny model; requests are built from token ids directly (no tokenizer needed)."""
+    from kvreuse.engine.reuse import ReuseEngine
+    from kvreuse.model.loader import LoadedModel
+    from kvreuse.store.spec import open_store
+
+    loaded = LoadedModel(model, None, "tiny", None, fingerprint="tiny-model", tokenizer_fingerprint="tiny-tok")
+    return ReuseEngine(loaded, store or open_store("memory:256MB"))
+
+
+@pytest.fixture(scope="session")
+def make_engine():
+    """Factory of tiny engines, for tests that bring their own store."""
+    return make_tiny_engine
+
+
+@pytest.fixture
+def tiny_engine(tiny_model):
+    engine = make_tiny_engine(tiny_model)
+    yield engine
+    engine.close()
+
+
+def random_ids(n: int, seed: int) -> list[int]:
+    return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def _rag_request(prefix: int = 6, chunks: tuple[int, ...] = (30, 23, 17), fresh: int = 9) -> Request:
+    segments = [Segment(SegmentKind.PREFIX, random_ids(prefix, 0))] if prefix else []
+    segments += [Segment(SegmentKind.CHUNK, random_ids(n, i + 1)) for i, n in enumerate(chunks)]
+    segments += [Segment(SegmentKind.FRESH, random_ids(fresh, 99))] if fresh else []
+    return Request(segments)
+
+
+@pytest.fixture(scope="session")
+def rag_request():
+    """Factory of token-id requests: [prefix] chunks... [fresh], random tokens, deterministic."""
+    return _rag_request
 
 
 @pytest.fixture(scope="session")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -22,6 +22,7 @@ class Generation:
     prompt_tokens: int
     ttft: float  # seconds from the request's start to its first token
     total_seconds: float
+    stats: dict = field(default_factory=dict)  # how the prompt's KV was obtained (reuse methods fill it)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

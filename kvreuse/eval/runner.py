@@ -7,7 +7,6 @@ papers: TTFT measures the online path only, including every load from the store.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
@@ -19,9 +18,9 @@ import torch
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.eval.datasets import ChunkedPrompt, Dataset
 from kvreuse.eval.metrics import agreement, first_line, first_token_kl, mean_log_likelihood, task_score
+from kvreuse.fusion.methods import parse_method
 
 REFERENCE = "full"
-_METHOD = re.compile(r"[a-z][a-z0-9_]*(:[0-9]*\.?[0-9]+)?")
 
 
 class MethodSpecError(ValueError):
@@ -41,14 +40,16 @@ class Engine(Protocol):
 
 
 def parse_methods(spec: str) -> list[str]:
-    """'naive,cacheblend:0.15' -> ['full', 'naive', 'cacheblend:0.15']: full is always there, and first."""
+    """'naive,cacheblend:0.15' -> ['full', 'naive', 'cacheblend:0.15']: full is always there, and first.
+    Each name is checked by the engine's own method parser, so a typo fails before any model loads."""
     methods = [m.strip() for m in spec.split(",")]
-    bad = [m for m in methods if not _METHOD.fullmatch(m)]
-    if bad:
-        raise MethodSpecError(
-            f"--methods: cannot parse {', '.join(map(repr, bad))}; expected a comma-separated list of NAME or "
-            "NAME:NUMBER, e.g. full,naive,cacheblend:0.15,legolink:16"
-        )
+    for method in methods:
+        if not method:
+            raise MethodSpecError(f"--methods: empty entry in {spec!r}; expected e.g. full,naive,cacheblend:0.15")
+        try:
+            parse_method(method)
+        except ValueError as e:
+            raise MethodSpecError(f"--methods: {e}") from None
     duplicates = sorted({m for m in methods if methods.count(m) > 1})
     if duplicates:
         raise MethodSpecError(f"--methods: {', '.join(duplicates)} listed more than once")

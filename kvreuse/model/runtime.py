@@ -30,6 +30,9 @@ class Rotary:
     cos: torch.Tensor
     sin: torch.Tensor
 
+    def __getitem__(self, rows: torch.Tensor | slice) -> Rotary:
+        return Rotary(self.cos[rows], self.sin[rows])
+
 
 @dataclass
 class PrefillResult:

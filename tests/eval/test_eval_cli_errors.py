@@ -13,8 +13,8 @@ QA_FILE = str(DATASETS / "2wikimqa.jsonl")
     "argv, message",
     [
         (["--dataset", "no/such/file.jsonl"], "dataset file 'no/such/file.jsonl' does not exist"),
-        (["--dataset", QA_FILE, "--methods", "full,,naive"], "--methods: cannot parse ''"),
-        (["--dataset", QA_FILE, "--methods", "cacheblend=0.15"], "--methods: cannot parse 'cacheblend=0.15'"),
+        (["--dataset", QA_FILE, "--methods", "full,,naive"], "--methods: empty entry in 'full,,naive'"),
+        (["--dataset", QA_FILE, "--methods", "cacheblend=0.15"], "unknown method 'cacheblend=0.15'"),
         (["--dataset", QA_FILE, "--chunking", "fixed:abc"], "chunking 'fixed:abc' is neither"),
     ],
 )

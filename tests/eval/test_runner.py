@@ -23,7 +23,9 @@ def test_parse_methods_puts_full_first():
     assert parse_methods("naive") == ["full", "naive"]
 
 
-@pytest.mark.parametrize("spec", ["", "naive,,full", "cacheblend:", "cacheblend:x", "Naive", "a b", "naive,naive"])
+@pytest.mark.parametrize(
+    "spec", ["", "naive,,full", "cacheblend:x", "cacheblend:2", "naive:3", "Naive", "blend:0.1", "naive,naive"]
+)
 def test_parse_methods_rejects_bad_lists(spec):
     with pytest.raises(MethodSpecError, match="--methods"):
         parse_methods(spec)

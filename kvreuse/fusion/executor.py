@@ -1,0 +1,173 @@
+"""The one layer loop that executes every fusion plan.
+
+For layer i: take layer i's stored KV (a loader thread has been fetching it while layer i-1 computed), rotate
+the reused keys to their global positions (deferred RoPE), compute q/k/v for the selected rows and write them
+over the stored rows, narrow the selection where the plan says (CacheBlend), attend the selected queries over
+all keys with the exact causal mask by position, and run the rest of the layer for the selected rows only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kvreuse.fusion.plan import FusionPlan, ReusedSpan
+from kvreuse.model.kv_cache import KVCache
+from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.store.base import KVStore
+
+
+class StoredKVMissing(RuntimeError):
+    """A stored entry the plan relies on could not be read (evicted or damaged since the lookup)."""
+
+    def __init__(self, key: str):
+        super().__init__(f"stored KV {key} could not be read")
+        self.key = key
+
+
+@dataclass
+class FusionResult:
+    logits: torch.Tensor  # [vocab], after the last prompt token
+    cache: KVCache
+    stats: dict = field(default_factory=dict)
+
+
+class LayerLoader:
+    """Fetches each layer's stored KV for all reused spans, one layer ahead of the compute.
+
+    It holds at most one layer beyond the one being consumed: it waits for the consumer to take layer i before
+    it reads layer i+1.
+    """
+
+    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int):
+        self.store, self.spans, self.num_layers = store, spans, num_layers
+        self.read_seconds = 0.0
+        self.wait_seconds = 0.0
+        self.bytes_read = 0
+        self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
+        self._layers: list[list[tuple[torch.Tensor, torch.Tensor]] | BaseException | None] = [None] * num_layers
+        self._may_read = threading.Semaphore(1)
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kv-loader", daemon=True)
+        if spans:
+            self._thread.start()
+
+    def _read(self, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if span.load.numel() == span.length:
+            kv = self.store.get_layers(span.key, layer, layer + 1)
+        else:
+            kv = self.store.get_rows(span.key, span.load, range(layer, layer + 1))
+        if kv is None:
+            raise StoredKVMissing(span.key)
+        return kv[0][0], kv[1][0]
+
+    def _run(self) -> None:
+        for layer in range(self.num_layers):
+            self._may_read.acquire()
+            if self._closed:
+                return
+            start = time.perf_counter()
+            try:
+                kv = [self._read(span, layer) for span in self.spans if span.load.numel()]
+                self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
+                self._layers[layer] = kv
+            except BaseException as e:  # handed to the consumer, which raises it on its own thread
+                self._layers[layer] = e
+            self.read_seconds += time.perf_counter() - start
+            self._ready[layer].set()
+            if isinstance(self._layers[layer], BaseException):
+                return
+
+    def take(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        if not self.spans:
+            return []
+        start = time.perf_counter()
+        self._ready[layer].wait()
+        self.wait_seconds += time.perf_counter() - start
+        kv, self._layers[layer] = self._layers[layer], None
+        self._may_read.release()
+        if isinstance(kv, BaseException):
+            raise kv
+        return kv
+
+    def close(self) -> None:
+        # Unblock a loader still waiting for its turn, so that it stops.
+        self._closed = True
+        self._may_read.release()
+
+
+class FusionExecutor:
+    def __init__(self, model: LayerwiseModel, store: KVStore | None):
+        self.model, self.store = model, store
+
+    @torch.inference_mode()
+    def run(self, plan: FusionPlan, token_ids: torch.Tensor, extra_capacity: int = 0) -> FusionResult:
+        model, started = self.model, time.perf_counter()
+        positions = torch.arange(plan.num_rows)
+        cache = model.new_cache(plan.num_rows + extra_capacity)
+        cache.allocate(positions)  # row r of the cache holds prompt position r
+        rotary = model.rotary(positions)
+        approximate = torch.zeros(plan.num_rows, dtype=torch.bool)
+        for span in plan.reused:
+            approximate[span.start : span.start + span.length] = span.approximate
+        approximate[-1] = False  # the last row always runs to the end
+        narrowing = {n.layer: round(n.keep * plan.approximate_rows) for n in plan.narrowing}
+
+        selected = plan.compute_rows
+        hidden = model.embed(token_ids[selected])
+        computed_rows = []
+        loader = LayerLoader(self.store, plan.reused, model.num_layers)
+        try:
+            for layer in range(model.num_layers):
+                self._place_stored(layer, loader.take(layer), plan.reused, rotary, cache)
+                q, k, v = model.qkv(layer, hidden)
+                rot = rotary[selected]
+                q, k = model.rope(q, rot), model.rope(k, rot)
+                if layer in narrowing:
+                    keep = self._most_deviating(layer, cache, selected, k, v, approximate[selected], narrowing[layer])
+                    selected, q, k, v, hidden = selected[keep], q[keep], k[keep], v[keep], hidden[keep]
+                cache.write(layer, selected, k, v)
+                keys, values = cache.layer(layer)
+                out = model.attend(layer, q, positions[selected], keys, values, positions)
+                hidden = model.finish_layer(layer, hidden, out)
+                computed_rows.append(int(approximate[selected].sum()))
+        finally:
+            loader.close()
+        logits = model.logits(hidden[-1:])[0]
+        elapsed = time.perf_counter() - started
+        return FusionResult(logits, cache, self._stats(plan, computed_rows, loader, elapsed))
+
+    def _place_stored(self, layer, stored, spans, rotary, cache) -> None:
+        """Write layer `layer`'s stored KV into the cache, keys rotated to their global positions."""
+        for span, (k, v) in zip([s for s in spans if s.load.numel()], stored):
+            rows = span.rows
+            cache.write(layer, rows, self.model.rope(k.to(self.model.dtype), rotary[rows]), v.to(self.model.dtype))
+
+    @staticmethod
+    def _most_deviating(layer, cache, selected, k, v, narrowable, budget) -> torch.Tensor:
+        """Indices into `selected` to keep: every row that is not narrowable, plus the `budget` narrowable rows
+        whose recomputed K and V are furthest (L2) from the stored ones. Order is preserved."""
+        stored_k, stored_v = cache.keys[layer][selected], cache.values[layer][selected]
+        deviation = (k - stored_k).square().sum((1, 2)) + (v - stored_v).square().sum((1, 2))
+        deviation[~narrowable] = float("inf")
+        keep_count = int((~narrowable).sum()) + min(budget, int(narrowable.sum()))
+        return deviation.topk(keep_count).indices.sort().values
+
+    def _stats(self, plan: FusionPlan, computed_rows: list[int], loader: LayerLoader, elapsed: float) -> dict:
+        total = plan.approximate_rows
+        return {
+            "method": plan.method,
+            "prompt_tokens": plan.num_rows,
+            "reused_tokens": sum(s.length for s in plan.reused),
+            "loaded_tokens": sum(int(s.load.numel()) for s in plan.reused),
+            "computed_tokens_layer0": int(plan.compute_rows.numel()),
+            # share of the reused chunk rows actually recomputed, averaged over layers
+            "recompute_share": sum(computed_rows) / (len(computed_rows) * total) if total else 0.0,
+            "bytes_loaded": loader.bytes_read,
+            "load_seconds": loader.read_seconds,
+            "load_wait_seconds": loader.wait_seconds,
+            "prefill_seconds": elapsed,
+        }

@@ -1,0 +1,144 @@
+"""The reuse methods, each a small policy that fills a fusion plan.
+
+    full            recompute everything (the quality reference)
+    prefix          reuse only the exact prefix; compute the rest (what vLLM's prefix caching gives)
+    naive           reuse every stored chunk as is; compute fresh tokens only
+    cacheblend:r    layer 0 in full, then keep recomputing the r share of chunk tokens whose KV deviates most
+                    (gradual filtering: a little more than r at the first check layer, r from the second on)
+    legolink:k      recompute the first k tokens of every chunk (their attention sinks), but a leading one
+    legolink0       chunks compiled behind dummy tokens, so they carry no sink; compute fresh tokens only
+    cachetune:r     recompute, from layer 0 on, the r share of each chunk's tokens ranked highest offline by
+                    its low-pass frequency score; transfer only the other rows (sparse transfer)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvreuse.fusion.plan import FusionPlan, Narrowing, PlacedSegment, plan_from_rows
+from kvreuse.fusion.segments import Request, SegmentKind
+from kvreuse.store.keys import compile_mode
+
+LEGOLINK0_DUMMY_TOKENS = 4
+DEFAULT_METHOD = "cacheblend:0.15"
+
+
+@dataclass(frozen=True)
+class Method:
+    """Base policy: the exact-prefix-aware plans share `plan_from_rows`; subclasses choose recomputed rows."""
+
+    name: str
+    compile_mode: str = "plain"
+    needs_ranking = False  # whether plans read the stored per-token ranking
+
+    def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
+        return plan_from_rows(self.name, request, placed, self.recompute(placed))
+
+    def recompute(self, placed: list[PlacedSegment]) -> dict[int, torch.Tensor]:
+        return {}
+
+
+@dataclass(frozen=True)
+class Full(Method):
+    def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
+        return plan_from_rows(self.name, request, placed, reuse=False)
+
+
+@dataclass(frozen=True)
+class PrefixOnly(Method):
+    def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
+        exact_only = [p if p.segment.kind == SegmentKind.PREFIX else PlacedSegment(p.segment) for p in placed]
+        return plan_from_rows(self.name, request, exact_only)
+
+
+def _chunk_hits(placed: list[PlacedSegment]) -> list[tuple[int, PlacedSegment]]:
+    return [(i, p) for i, p in enumerate(placed) if p.reusable and p.segment.kind == SegmentKind.CHUNK]
+
+
+@dataclass(frozen=True)
+class LegoLink(Method):
+    sink_tokens: int = 16
+
+    def recompute(self, placed: list[PlacedSegment]) -> dict[int, torch.Tensor]:
+        # A chunk starting the prompt sits where it was compiled: its sink is the real one.
+        return {
+            i: torch.arange(min(self.sink_tokens, len(p.segment.token_ids)))
+            for i, p in _chunk_hits(placed)
+            if p.segment.start > 0
+        }
+
+
+def _top_share(scores: torch.Tensor, ratio: float) -> torch.Tensor:
+    return scores.topk(round(ratio * scores.numel())).indices
+
+
+@dataclass(frozen=True)
+class CacheTune(Method):
+    ratio: float = 0.15
+    needs_ranking = True
+
+    def recompute(self, placed: list[PlacedSegment]) -> dict[int, torch.Tensor]:
+        missing = [p.segment.start for _, p in _chunk_hits(placed) if p.ranking is None]
+        if missing:
+            raise ValueError(f"cachetune needs the frequency ranking stored with each chunk (none at row {missing[0]})")
+        return {i: _top_share(p.ranking, self.ratio) for i, p in _chunk_hits(placed)}
+
+
+@dataclass(frozen=True)
+class CacheBlend(Method):
+    ratio: float = 0.15
+    check_layers: tuple[int, ...] = (1, 2)
+    first_check_factor: float = 1.5  # gradual filtering: keep this many times r at the first check layer
+
+    def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
+        every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
+        # layer 0 is recomputed in full, but the check layers compare against every stored row
+        return plan_from_rows(
+            self.name, request, placed, every_chunk_row, narrowing=self.schedule(), load_recomputed=True
+        )
+
+    def schedule(self) -> list[Narrowing]:
+        first = min(1.0, self.ratio * self.first_check_factor)
+        keeps = [first] + [self.ratio] * (len(self.check_layers) - 1)
+        return [Narrowing(layer, keep) for layer, keep in zip(self.check_layers, keeps)]
+
+
+def _ratio(name: str, text: str) -> float:
+    try:
+        ratio = float(text)
+    except ValueError:
+        raise ValueError(f"method {name}: ratio {text!r} is not a number") from None
+    if not 0 <= ratio <= 1:
+        raise ValueError(f"method {name}: ratio must be in [0, 1], got {ratio}")
+    return ratio
+
+
+def _count(name: str, text: str) -> int:
+    if not text.isdigit():
+        raise ValueError(f"method {name}: token count {text!r} must be a whole number >= 0")
+    return int(text)
+
+
+METHODS = {
+    "full": lambda spec, arg: Full(spec),
+    "prefix": lambda spec, arg: PrefixOnly(spec),
+    "naive": lambda spec, arg: Method(spec),
+    "legolink0": lambda spec, arg: Method(spec, compile_mode(LEGOLINK0_DUMMY_TOKENS)),
+    "legolink": lambda spec, arg: LegoLink(spec, sink_tokens=_count("legolink", arg or "16")),
+    "cacheblend": lambda spec, arg: CacheBlend(spec, ratio=_ratio("cacheblend", arg or "0.15")),
+    "cachetune": lambda spec, arg: CacheTune(spec, ratio=_ratio("cachetune", arg or "0.15")),
+}
+TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune"}
+
+
+def parse_method(spec: str | None) -> Method:
+    """'cacheblend:0.15' -> CacheBlend(ratio=0.15); the parameter may be omitted for its default."""
+    spec = (spec or DEFAULT_METHOD).strip()
+    name, _, arg = spec.partition(":")
+    if name not in METHODS:
+        raise ValueError(f"method: unknown method {name!r}; known: {', '.join(METHODS)}")
+    if arg and name not in TAKES_ARGUMENT:
+        raise ValueError(f"method: {name} takes no parameter, got {spec!r}")
+    return METHODS[name](spec, arg)

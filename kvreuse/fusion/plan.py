@@ -1,0 +1,105 @@
+"""A fusion plan: for every layer, which prompt rows are computed and which come from stored KV.
+
+Every method (full, prefix, naive, CacheBlend, LegoLink, CacheTune) is a policy that fills one of these; the
+executor runs any of them with the same layer loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from kvreuse.fusion.segments import Request, Segment, SegmentKind
+
+
+@dataclass
+class PlacedSegment:
+    """A segment of the request with what the store holds for it."""
+
+    segment: Segment
+    key: str | None = None  # store key of its stored KV (None: fresh, never stored)
+    hit: bool = False
+    ranking: torch.Tensor | None = None  # CacheTune's per-token score, when the entry has one
+
+    @property
+    def reusable(self) -> bool:
+        return self.hit and self.segment.kind in (SegmentKind.PREFIX, SegmentKind.CHUNK)
+
+
+@dataclass
+class ReusedSpan:
+    """Stored KV placed at `start`: rows `load` of the entry (indices into it) are read, for every layer."""
+
+    key: str
+    start: int
+    length: int  # tokens in the entry
+    load: torch.Tensor  # sorted entry rows to read; the others are recomputed, so never transferred
+    approximate: bool  # a chunk at a new position (narrowing may recompute it), not an exact prefix
+
+    @property
+    def rows(self) -> torch.Tensor:
+        return self.start + self.load
+
+
+@dataclass
+class Narrowing:
+    """After computing layer `layer`'s KV for the selected rows, keep recomputing only the `keep` share of the
+    approximate rows whose KV deviates most from the stored KV (CacheBlend's HKVD tokens); the rest keep their
+    stored KV. Selections are nested: a row dropped here is never computed again."""
+
+    layer: int
+    keep: float
+
+
+@dataclass
+class FusionPlan:
+    method: str
+    num_rows: int
+    reused: list[ReusedSpan]
+    compute_rows: torch.Tensor  # rows computed from layer 0 on, sorted; always includes the last row
+    narrowing: list[Narrowing] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.compute_rows.numel() == 0 or int(self.compute_rows[-1]) != self.num_rows - 1:
+            raise ValueError("a plan must compute the last prompt row: its hidden state gives the first token")
+        if self.narrowing and any(s.load.numel() != s.length for s in self.reused if s.approximate):
+            raise ValueError("narrowing compares recomputed KV with stored KV, so approximate spans load every row")
+
+    @property
+    def approximate_rows(self) -> int:
+        """Rows of reused chunks: what a recompute ratio is a share of."""
+        return sum(s.length for s in self.reused if s.approximate)
+
+
+def plan_from_rows(
+    method: str,
+    request: Request,
+    placed: list[PlacedSegment],
+    recompute: dict[int, torch.Tensor] | None = None,
+    reuse: bool = True,
+    narrowing: list[Narrowing] | None = None,
+    load_recomputed: bool = False,
+) -> FusionPlan:
+    """Build a plan: reusable hits are loaded (if `reuse`), except the rows `recompute[i]` (indices into
+    segment i) which are computed from layer 0 on along with every segment that is not reused. With
+    `load_recomputed`, those rows' stored KV is read too (narrowing compares against it)."""
+    recompute = recompute or {}
+    reused, compute = [], []
+    for i, p in enumerate(placed):
+        rows = torch.arange(len(p.segment.token_ids))
+        if not (reuse and p.reusable):
+            compute.append(p.segment.start + rows)
+            continue
+        chosen = recompute.get(i, torch.empty(0, dtype=torch.long))
+        if i == len(placed) - 1:  # the last prompt row is always computed: its hidden state gives the first token
+            chosen = torch.cat([chosen, rows[-1:]])
+        chosen = chosen.unique()
+        kept = torch.ones(rows.numel(), dtype=torch.bool)
+        if not load_recomputed:
+            kept[chosen] = False
+        approximate = p.segment.kind == SegmentKind.CHUNK
+        reused.append(ReusedSpan(p.key, p.segment.start, rows.numel(), rows[kept], approximate))
+        compute.append(p.segment.start + chosen)
+    compute_rows = torch.cat(compute).sort().values if compute else torch.empty(0, dtype=torch.long)
+    return FusionPlan(method, len(request), reused, compute_rows, narrowing or [])

@@ -1,0 +1,89 @@
+"""A request as segments: an exact prefix, reusable chunks, fresh tokens.
+
+The application says where the chunks are; each chunk is tokenized on its own, so its tokens (and so its cache
+key) never depend on the text around it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+
+class SegmentKind(str, Enum):
+    PREFIX = "prefix"  # exact: same tokens at the same positions as when stored (template header, system prompt)
+    CHUNK = "chunk"  # reusable at any position (documents, few-shot examples)
+    FRESH = "fresh"  # never cached (the question, the template tail)
+
+
+@dataclass
+class Segment:
+    kind: SegmentKind
+    token_ids: list[int]
+    start: int = 0  # first row (= global position) in the prompt; set by Request
+
+    @property
+    def rows(self) -> range:
+        return range(self.start, self.start + len(self.token_ids))
+
+
+@dataclass
+class Request:
+    segments: list[Segment]
+    token_ids: torch.Tensor = field(init=False)  # the whole prompt, [n]
+
+    def __post_init__(self) -> None:
+        if not self.segments or not self.segments[-1].token_ids:
+            raise ValueError("a request must end with at least one fresh or chunk token")
+        start = 0
+        for segment in self.segments:
+            if not segment.token_ids:
+                raise ValueError(f"empty {segment.kind.value} segment at position {start}")
+            segment.start = start
+            start += len(segment.token_ids)
+        self.token_ids = torch.tensor([t for s in self.segments for t in s.token_ids], dtype=torch.long)
+
+    def __len__(self) -> int:
+        return self.token_ids.numel()
+
+    def of_kind(self, kind: SegmentKind) -> list[Segment]:
+        return [s for s in self.segments if s.kind == kind]
+
+
+def split_template(tokenizer, system: str | None, sentinel: str = "\x00KVREUSE_CONTENT\x00") -> tuple[str, str]:
+    """The chat template's text before and after the user's content, found by rendering it around a sentinel
+    that cannot occur in real text (so the application never has to type a magic separator)."""
+    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": sentinel}]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    head, found, tail = rendered.partition(sentinel)
+    if not found:
+        raise ValueError("the chat template does not place the user's content verbatim")
+    return head, tail
+
+
+def build_request(
+    tokenizer,
+    chunks: list[str],
+    question: str,
+    system: str | None = None,
+    chunk_separator: str = "\n\n",
+) -> Request:
+    """Chat-templated request: [template head] [chunk]... [question + template tail].
+
+    Each chunk is tokenized alone (with `chunk_separator` appended, so chunks do not run into each other).
+    """
+    if any(not c.strip() for c in chunks):
+        raise ValueError("chunks: every chunk must contain text")
+    if not question.strip():
+        raise ValueError("question: must contain text")
+    head, tail = split_template(tokenizer, system)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    segments = [Segment(SegmentKind.PREFIX, encode(head))]
+    segments += [Segment(SegmentKind.CHUNK, encode(chunk + chunk_separator)) for chunk in chunks]
+    segments.append(Segment(SegmentKind.FRESH, encode(question + tail)))
+    return Request([s for s in segments if s.token_ids])

@@ -1,0 +1,252 @@
+"""The interface every tier and the tiered store share, and the code all byte-storing tiers share.
+
+Reads return None on a miss and on any damage (logged, counted in `stats()`), never wrong KV and never an
+exception for a fault; bad arguments (an invalid key, a layer range out of bounds) raise ValueError.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, ContextManager, Iterator, Sequence, TypeVar
+
+import torch
+
+from kvreuse.store.codec import ByteSource, EntryDamaged, EntryReader, encode
+from kvreuse.store.entry import EntryMeta, KVEntry
+from kvreuse.store.keys import check_key
+
+log = logging.getLogger("kvreuse.store")
+KV = tuple[torch.Tensor, torch.Tensor]
+Rows = Sequence[int] | torch.Tensor
+T = TypeVar("T")
+
+
+class KVStore(ABC):
+    """contains / get / get_layers / get_rows / put / delete / stats, plus listing for tooling."""
+
+    name: str
+    writes_are_cheap = False  # True where a put costs no I/O, so the tiered store does it inline
+
+    @abstractmethod
+    def contains(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def get(self, key: str) -> KVEntry | None: ...
+
+    @abstractmethod
+    def get_layers(self, key: str, start: int, stop: int) -> KV | None:
+        """K and V of layers [start, stop)."""
+
+    @abstractmethod
+    def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
+        """K and V of token `rows` (in the order given), for `layers` (default all)."""
+
+    @abstractmethod
+    def put(self, entry: KVEntry) -> bool:
+        """Store `entry`; True if it is stored (now or already), False if the write was skipped."""
+
+    @abstractmethod
+    def delete(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def keys(self) -> Iterator[str]: ...
+
+    @abstractmethod
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
+        """Metadata, or None; the per-token extras (ranking, boundary) only `with_extras`."""
+
+    @abstractmethod
+    def stats(self) -> dict[str, Any]: ...
+
+    def check_put(self, entry: KVEntry) -> None:  # noqa: B027 - a store that expects no model accepts all
+        """Raise ValueError if this store would refuse `entry` (another model or dtype than it holds)."""
+
+    def clear(self) -> int:
+        """Delete every entry; returns how many."""
+        return sum(self.delete(key) for key in list(self.keys()))
+
+    def close(self) -> None:  # noqa: B027 - most tiers hold nothing to release
+        pass
+
+
+@dataclass
+class TierStats:
+    hits: int = 0
+    misses: int = 0
+    damaged: int = 0  # entries that failed a check on read (checksum, truncation, layout, foreign key)
+    wrong_model: int = 0  # entries for another model fingerprint or dtype than the tier expects
+    unavailable: int = 0  # reads the backend could not serve (I/O error, server down)
+    puts: int = 0
+    duplicates: int = 0  # puts of a key already stored: content-addressed, so nothing is written
+    write_errors: int = 0  # skipped writes (disk full, over capacity, server down)
+    evictions: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+class Tier(KVStore):
+    """A single tier: counters, a lock for them, and the optional model/dtype it accepts."""
+
+    def __init__(self, name: str, *, model_fingerprint: str | None = None, dtype: str | None = None):
+        self.name = name
+        self.model_fingerprint = model_fingerprint
+        self.dtype = dtype
+        self.counters = TierStats()
+        self._stats_lock = threading.Lock()
+
+    def count(self, counter: str, n: int = 1) -> None:
+        with self._stats_lock:
+            setattr(self.counters, counter, getattr(self.counters, counter) + n)
+
+    def fault(self, counter: str, key: str, why: object) -> None:
+        log.warning("%s: %s on %s: %s", self.name, counter.replace("_", " "), key, why)
+        self.count(counter)
+
+    def _expects(self, model_fingerprint: str, dtype: str) -> bool:
+        return self.model_fingerprint in (None, model_fingerprint) and self.dtype in (None, dtype)
+
+    def accepts(self, key: str, model_fingerprint: str, dtype: str) -> bool:
+        """False (counted, logged) for an entry of another model or dtype than this tier expects."""
+        if not self._expects(model_fingerprint, dtype):
+            self.fault("wrong_model", key, f"entry is {model_fingerprint}/{dtype}")
+            return False
+        return True
+
+    def check_put(self, entry: KVEntry) -> None:
+        if not self._expects(entry.meta.model_fingerprint, entry.meta.dtype):
+            raise ValueError(
+                f"{self.name} holds {self.model_fingerprint}/{self.dtype} entries; "
+                f"got {entry.meta.model_fingerprint}/{entry.meta.dtype} for {entry.key}"
+            )
+
+    def usage(self) -> dict[str, int]:
+        """Entries and bytes held; tiers that track them cheaply override this."""
+        return {}
+
+    def stats(self) -> dict[str, Any]:
+        with self._stats_lock:
+            counters = asdict(self.counters)
+        return {"tier": self.name, **counters, **self.usage()}
+
+
+class BlobTier(Tier):
+    """A tier that keeps each entry as one encoded blob (disk file, Redis values) and reads byte ranges of it.
+
+    Subclasses implement storage only; this class owns encoding, checks, partial reads and fault handling.
+    `backend_errors` are the exceptions that mean "the backend failed", turned into misses or skipped writes.
+    """
+
+    backend_errors: tuple[type[BaseException], ...] = (OSError,)
+
+    def __init__(self, name: str, *, quantize: bool = False, **expect: str | None):
+        """quantize: keep entries in the lossy int8 form (about half the bytes of bf16); reads say so."""
+        super().__init__(f"{name} (int8)" if quantize else name, **expect)
+        self.quantize = quantize
+
+    @abstractmethod
+    def _open(self, key: str) -> ContextManager[ByteSource | None]:
+        """The stored bytes of `key`, or None if absent."""
+
+    @abstractmethod
+    def _write(self, key: str, data: bytes) -> None:
+        """Store `data` atomically under `key` (readers see the old blob or the new one, never a mix)."""
+
+    @abstractmethod
+    def _remove(self, key: str) -> bool: ...
+
+    @abstractmethod
+    def _exists(self, key: str) -> bool: ...
+
+    def _hit(self, key: str) -> None:
+        """Called on every successful read (replacement policies hook in here)."""
+
+    def _load(self, key: str, fn: Callable[[EntryReader], T]) -> T | None:
+        """fn applied to the checked entry, or None if it is absent, damaged, foreign or unreachable."""
+        check_key(key)
+        try:
+            with self._open(key) as source:
+                if source is None:
+                    return None
+                reader = EntryReader(source, key)
+                if not self.accepts(key, reader.info["model_fingerprint"], reader.info["dtype"]):
+                    return None
+                return fn(reader)
+        except EntryDamaged as e:
+            self.fault("damaged", key, e)
+            self._drop_damaged(key)
+        except self.backend_errors as e:
+            self.fault("unavailable", key, e)
+        return None
+
+    def _read(self, key: str, fn: Callable[[EntryReader], T]) -> T | None:
+        """_load for a request: counted as a hit or a miss, and a hit refreshes the key's replacement rank."""
+        result = self._load(key, fn)
+        if result is None:
+            self.count("misses")
+            return None
+        self.count("hits")
+        self.count("bytes_read", nbytes_of(result))
+        self._hit(key)
+        return result
+
+    def _drop_damaged(self, key: str) -> None:
+        # A damaged blob would otherwise block a good re-put forever (puts skip keys that exist).
+        with contextlib.suppress(*self.backend_errors):
+            self._remove(key)
+
+    def _unless_unavailable(self, key: str, op: Callable[[str], bool]) -> bool:
+        """op(key), or False (counted, logged) when the backend fails."""
+        check_key(key)
+        try:
+            return op(key)
+        except self.backend_errors as e:
+            self.fault("unavailable", key, e)
+            return False
+
+    def contains(self, key: str) -> bool:
+        return self._unless_unavailable(key, self._exists)
+
+    def get(self, key: str) -> KVEntry | None:
+        return self._read(key, lambda r: KVEntry(key, *r.read(), r.meta()))
+
+    def get_layers(self, key: str, start: int, stop: int) -> KV | None:
+        return self._read(key, lambda r: r.read(range(start, stop)))
+
+    def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
+        return self._read(key, lambda r: r.read(layers, rows))
+
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
+        # A look-up, not a read: neither a hit nor a use that protects the entry from eviction.
+        return self._load(key, lambda r: r.meta(with_extras=with_extras))
+
+    def put(self, entry: KVEntry) -> bool:
+        self.check_put(entry)
+        if self.contains(entry.key):
+            self.count("duplicates")
+            return True
+        data = encode(entry, quantize=self.quantize)
+        try:
+            self._write(entry.key, data)
+        except self.backend_errors as e:
+            self.fault("write_errors", entry.key, e)
+            return False
+        self.count("puts")
+        self.count("bytes_written", len(data))
+        return True
+
+    def delete(self, key: str) -> bool:
+        return self._unless_unavailable(key, self._remove)
+
+
+def nbytes_of(result: object) -> int:
+    """Bytes of tensor data in a read's result (an entry or a (k, v) pair)."""
+    if isinstance(result, KVEntry):
+        return result.nbytes
+    if isinstance(result, tuple):
+        return sum(t.numel() * t.element_size() for t in result)
+    return 0
+

@@ -1,0 +1,161 @@
+"""`kvreuse cache ls|stats|rm|clear|bench`: look after a store and measure its tiers.
+
+`add_commands(subparsers)` registers the commands on the main CLI's argparse subparsers; each sub-command sets
+`func`, which takes the parsed args and returns an exit code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import tempfile
+from typing import Iterator
+
+from rich.console import Console
+from rich.table import Table
+
+from kvreuse.store.bench import BenchResult, EntryShape, bench_tier, make_entries
+from kvreuse.store.disk import DiskTier
+from kvreuse.store.memory import MemoryTier
+from kvreuse.store.redis import RedisTier
+from kvreuse.store.redis_server import LocalRedis
+from kvreuse.store.spec import open_store
+from kvreuse.store.throttled import DEVICES, ThrottledTier
+from kvreuse.store.tiered import TieredStore
+
+STORE_ENV = "KVREUSE_STORE"
+
+
+def add_commands(subparsers: argparse._SubParsersAction) -> None:
+    cache = subparsers.add_parser("cache", help="list, inspect, clear and benchmark a KV store")
+    sub = cache.add_subparsers(dest="cache_command", required=True)
+    store_help = f"store spec, tiers top to bottom, e.g. memory:2GB,disk:/var/kv (default: ${STORE_ENV})"
+
+    def command(name: str, func, help: str) -> argparse.ArgumentParser:
+        p = sub.add_parser(name, help=help)
+        if name != "bench":
+            p.add_argument("--store", default=os.environ.get(STORE_ENV), help=store_help)
+        p.set_defaults(func=func)
+        return p
+
+    command("ls", cmd_ls, "list entries")
+    command("stats", cmd_stats, "entries, bytes and counters of each tier")
+    command("rm", cmd_rm, "delete entries by key").add_argument("keys", nargs="+", metavar="KEY")
+    command("clear", cmd_clear, "delete every entry")
+    bench = command("bench", cmd_bench, "measure each tier's read/write bandwidth and latency on this machine")
+    bench.add_argument("--dir", help="directory for the disk tier (default: a temp dir under /var/tmp)")
+    bench.add_argument("--redis", default="auto",
+                       help="'auto' starts a private redis-server on loopback; a URL uses that server; 'none' skips")
+    bench.add_argument("--entries", type=int, default=24)
+    bench.add_argument("--emulate", default="ssd,hdd,net10g", help="devices to emulate over memory ('' for none)")
+    bench.add_argument("--json", help="also write the results to this file (for the restoration controllers)")
+    for field in dataclasses.fields(EntryShape):
+        bench.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+
+
+def _console(stderr: bool = False) -> Console:
+    # Piped output (logs, docs) gets wide tables rather than rich's 80-column default.
+    console = Console(stderr=stderr)
+    return console if console.is_terminal else Console(stderr=stderr, width=200)
+
+
+@contextlib.contextmanager
+def _opened(args: argparse.Namespace) -> Iterator[TieredStore]:
+    if not args.store:
+        raise SystemExit(f"no store given: pass --store SPEC or set ${STORE_ENV}")
+    try:
+        store = open_store(args.store)
+    except ValueError as e:  # a bad spec: say what is wrong, no traceback
+        raise SystemExit(str(e)) from e
+    try:
+        yield store
+    finally:
+        store.close()
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    table = Table("key", "tiers", "layers", "tokens", "dtype", "compile mode", "model")
+    with _opened(args) as store:
+        for key in store.keys():
+            meta = store.meta(key)
+            if meta is None:
+                continue  # damaged or gone since listing: the warning says which
+            tiers = ",".join(str(i) for i, t in enumerate(store.tiers) if t.contains(key))
+            table.add_row(key, tiers, str(meta.num_layers), str(meta.num_tokens), meta.dtype, meta.compile_mode,
+                          meta.model_fingerprint)
+    _console().print(table)
+    return 0
+
+
+def cmd_stats(args: argparse.Namespace) -> int:
+    with _opened(args) as store:
+        tiers = store.stats()["tiers"]
+    table = Table("tier", "entries", "bytes", "capacity")
+    for t in tiers:
+        usage = (t.get("entries", "?"), t.get("bytes_used", "?"), t.get("capacity") or "-")
+        table.add_row(t["tier"], *map(str, usage))
+    _console().print(table)
+    return 0
+
+
+def cmd_rm(args: argparse.Namespace) -> int:
+    with _opened(args) as store:
+        missing = [key for key in args.keys if not store.delete(key)]
+    for key in missing:
+        _console(stderr=True).print(f"not found: {key}")
+    return 1 if missing else 0
+
+
+def cmd_clear(args: argparse.Namespace) -> int:
+    with _opened(args) as store:
+        _console().print(f"deleted {store.clear()} entries")
+    return 0
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    shape = EntryShape(**{f.name: getattr(args, f.name) for f in dataclasses.fields(EntryShape)})
+    entries = make_entries(shape, args.entries)
+    console = _console()
+    # Other work on the machine skews every figure: report the load next to them.
+    load = os.getloadavg()[0]
+    console.print(f"{args.entries} entries of {entries[0].nbytes / 1e6:.2f} MB ({shape.layers} layers x "
+                  f"{shape.tokens} tokens x {shape.heads} heads x {shape.head_dim}, {shape.dtype}); "
+                  f"{os.cpu_count()} CPUs, load average {load:.2f} before the run")
+    results: list[BenchResult] = []
+    with contextlib.ExitStack() as stack:
+        root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-bench-", dir="/var/tmp"))
+        disk = DiskTier(os.path.join(root, "store"))
+        results.append(bench_tier(MemoryTier(None), entries, "memory", "measured"))
+        results.append(bench_tier(disk, entries, "disk", f"measured, page cache warm ({root})"))
+        results.append(bench_tier(disk, entries, "disk", "measured, page cache cold (fadvise DONTNEED)", cold=True))
+        int8 = DiskTier(os.path.join(root, "int8"), quantize=True)
+        results.append(bench_tier(int8, entries, "disk int8", "measured, page cache warm; lossy 8-bit form"))
+        if args.redis != "none":
+            url = stack.enter_context(LocalRedis()).url if args.redis == "auto" else args.redis
+            redis_tier = RedisTier(url, prefix="kvreuse-bench")
+            results.append(bench_tier(redis_tier, entries, "redis", f"measured ({url})"))
+            redis_tier.close()
+        for name in filter(None, args.emulate.split(",")):
+            device = DEVICES[name]
+            tier = ThrottledTier(MemoryTier(None), device)
+            results.append(bench_tier(tier, entries, f"{name} (emulated)",
+                                      f"EMULATED over memory: {device.read_gbps:g} GB/s, {device.latency_ms:g} ms"))
+    console.print(_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"entry_shape": dataclasses.asdict(shape), "entries": args.entries,
+                       "load_average_before": load,
+                       "results": [dataclasses.asdict(r) for r in results]}, f, indent=2)
+    return 0
+
+
+def _table(results: list[BenchResult]) -> Table:
+    table = Table("tier", "write GB/s", "read GB/s", "get ms (p50)", "1 layer ms (p50)",
+                  "85% rows ms (p50)", "note", title="KV store tiers on this machine")
+    for r in results:
+        table.add_row(r.tier, f"{r.write_gbps:.2f}", f"{r.read_gbps:.2f}", f"{r.get_ms:.2f}", f"{r.layer_ms:.2f}",
+                      f"{r.rows_ms:.2f}", r.note)
+    return table

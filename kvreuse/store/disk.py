@@ -1,0 +1,140 @@
+"""Local disk tier: one safetensors file per entry under a directory, written atomically.
+
+Layout: ROOT/ab/abcdef....kv.safetensors (two-character fan-out keeps directories small). A write goes to a
+unique temp file in the same directory, is fsynced, then renamed over the final name, and the directory is
+fsynced: readers and concurrent writers of one key see one whole file, never a mix. Partial reads pread only
+the byte ranges they need. Capacity is enforced by a segmented LRU over the files this process knows (it
+scans the directory on open); several processes may share a directory, each keeping its own budget.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+import time
+import uuid
+from pathlib import Path
+from typing import Iterator
+
+from kvreuse.store.base import BlobTier
+from kvreuse.store.codec import ByteSource, Range
+from kvreuse.store.keys import KEY_PATTERN, check_key
+from kvreuse.store.policy import SegmentedLRU
+
+SUFFIX = ".kv.safetensors"
+TMP_PREFIX = ".tmp-"
+STALE_TMP_SECONDS = 3600  # a temp file this old belongs to a writer that died
+
+
+class FileSource(ByteSource):
+    def __init__(self, fd: int):
+        self.fd = fd
+        self.size = os.fstat(fd).st_size
+
+    def _fetch(self, spans: list[Range]) -> list[bytes]:
+        return [os.pread(self.fd, n, off) for off, n in spans]
+
+
+class DiskTier(BlobTier):
+    def __init__(self, root: str | os.PathLike, capacity: int | None = None, *, protected_share: float = 0.8,
+                 quantize: bool = False, **expect: str | None):
+        super().__init__(f"disk:{root}", quantize=quantize, **expect)
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.policy = SegmentedLRU(capacity, protected_share)
+        self.lock = threading.Lock()
+        self._scan()
+
+    def path(self, key: str) -> Path:
+        # check_key admits only [A-Za-z0-9_-], so a key can name no other directory.
+        check_key(key)
+        return self.root / key[:2] / (key + SUFFIX)
+
+    def _scan(self) -> None:
+        """Admit existing files oldest first (so LRU order survives restarts) and drop stale temp files."""
+        files = []
+        for path in self.root.glob("*/*"):
+            try:
+                st = path.stat()
+            except FileNotFoundError:  # removed by another process meanwhile
+                continue
+            if path.name.startswith(TMP_PREFIX):
+                if time.time() - st.st_mtime > STALE_TMP_SECONDS:
+                    path.unlink(missing_ok=True)
+            elif path.name.endswith(SUFFIX) and KEY_PATTERN.fullmatch(path.name[: -len(SUFFIX)]):
+                files.append((st.st_mtime, path.name[: -len(SUFFIX)], st.st_size))
+        for _, key, size in sorted(files):
+            if self.policy.fits(size):
+                self._evict(self.policy.admit(key, size))
+
+    def _evict(self, keys: list[str]) -> None:
+        for key in keys:
+            self.path(key).unlink(missing_ok=True)
+        self.count("evictions", len(keys))
+
+    @contextlib.contextmanager
+    def _open(self, key: str) -> Iterator[FileSource | None]:
+        try:
+            fd = os.open(self.path(key), os.O_RDONLY)
+        except FileNotFoundError:
+            yield None
+            return
+        try:
+            yield FileSource(fd)
+        finally:
+            os.close(fd)
+
+    def _hit(self, key: str) -> None:
+        with self.lock:
+            self.policy.touch(key)
+
+    def _exists(self, key: str) -> bool:
+        return self.path(key).exists()
+
+    def _write(self, key: str, data: bytes) -> None:
+        if not self.policy.fits(len(data)):
+            raise OSError(errno.ENOSPC, f"{len(data)} bytes exceed the tier's capacity {self.policy.capacity}")
+        final = self.path(key)
+        final.parent.mkdir(exist_ok=True)
+        tmp = final.parent / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, final)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        _fsync_dir(final.parent)
+        with self.lock:
+            evicted = self.policy.admit(key, len(data))
+        self._evict(evicted)
+
+    def _remove(self, key: str) -> bool:
+        with self.lock:
+            self.policy.remove(key)
+        try:
+            self.path(key).unlink()
+            return True
+        except FileNotFoundError:
+            return False
+
+    def keys(self) -> Iterator[str]:
+        for path in sorted(self.root.glob(f"*/*{SUFFIX}")):
+            yield path.name[: -len(SUFFIX)]
+
+    def usage(self) -> dict[str, int]:
+        return {"entries": len(self.policy), "bytes_used": self.policy.used, "capacity": self.policy.capacity or 0}
+
+
+def _fsync_dir(path: Path) -> None:
+    # Makes the rename itself durable; some filesystems refuse to fsync a directory, which is harmless.
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)

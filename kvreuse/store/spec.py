@@ -1,0 +1,71 @@
+"""`open_store(spec)`: a store from a textual description, tiers listed top (fastest) to bottom.
+
+Tier specs:
+  memory:SIZE                    e.g. memory:2GB
+  disk:PATH[:SIZE]               e.g. disk:/var/cache/kv:50GB (no SIZE: unlimited)
+  redis://HOST:PORT[/DB]         a Redis server (capacity: the server's maxmemory)
+  throttled:DEVICE:TIER          TIER slowed to an emulated DEVICE (ssd, hdd, net10g), for benchmarks
+  int8:TIER                      a disk or Redis TIER keeping entries in the lossy 8-bit form
+Sizes: B, KB/MB/GB/TB (powers of 1000) or KiB/MiB/GiB/TiB (powers of 1024).
+A spec is a list of tier specs, or one string of them joined by commas.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Sequence
+
+from kvreuse.store.base import KVStore
+from kvreuse.store.disk import DiskTier
+from kvreuse.store.memory import MemoryTier
+from kvreuse.store.redis import RedisTier
+from kvreuse.store.throttled import DEVICES, ThrottledTier
+from kvreuse.store.tiered import TieredStore
+
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    m = _SIZE.fullmatch(text)
+    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]) if m else 0
+    if size <= 0:
+        raise ValueError(f"bad size {text!r}: expected a positive number with an optional unit, e.g. 2GB or 512MiB")
+    return size
+
+
+def open_tier(spec: str, **expect: str | bool | None) -> KVStore:
+    kind, _, rest = spec.partition(":")
+    if kind == "int8":
+        if rest.partition(":")[0] not in ("disk", "redis", "rediss"):
+            raise ValueError(f"bad store spec {spec!r}: int8 applies to disk and redis tiers")
+        return open_tier(rest, quantize=True, **expect)
+    if kind in ("redis", "rediss"):
+        return RedisTier(spec, **expect)
+    if kind == "memory" and rest:
+        return MemoryTier(parse_size(rest), **expect)
+    if kind == "disk" and rest:
+        path, _, size = rest.rpartition(":")
+        if path and _SIZE.fullmatch(size):
+            return DiskTier(path, parse_size(size), **expect)
+        return DiskTier(rest, **expect)
+    if kind == "throttled":
+        device, _, inner = rest.partition(":")
+        if device not in DEVICES or not inner:
+            raise ValueError(f"bad store spec {spec!r}: expected throttled:DEVICE:TIER, DEVICE in {sorted(DEVICES)}")
+        return ThrottledTier(open_tier(inner, **expect), DEVICES[device])
+    raise ValueError(
+        f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
+        "throttled:DEVICE:TIER or int8:TIER"
+    )
+
+
+def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = None, dtype: str | None = None
+               ) -> TieredStore:
+    """Open the tiers named by `spec`. With model_fingerprint/dtype set, entries of any other model or dtype
+    read as misses (and putting one is an error)."""
+    specs = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    if not specs or not all(specs):
+        raise ValueError(f"bad store spec {spec!r}: no tiers named")
+    return TieredStore([open_tier(s, model_fingerprint=model_fingerprint, dtype=dtype) for s in specs])

@@ -1,0 +1,202 @@
+"""A stack of tiers, fastest first: promotion on hit, demotion on eviction, asynchronous write-back.
+
+- put: tiers whose writes cost no I/O (memory) are written inline; the others get the entry from a background
+  writer thread, so a request never waits for disk or network. The writer queue is bounded: when it is full a
+  write is dropped (counted), never blocking the caller.
+- get: the first tier that has the key serves it; the entry is then promoted into the tiers above it.
+- partial reads (get_layers, get_rows) are served from the first tier that has the key; a hit below the top
+  schedules a background promotion of the whole entry, which stays off the request's critical path.
+- an entry the memory tier evicts is demoted to the tier below if that tier lacks it.
+- dedup: keys name content, so a key any tier already holds is never written to it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from typing import Any, Callable, Iterator
+
+from kvreuse.store.base import KV, KVStore, Rows
+from kvreuse.store.entry import EntryMeta, KVEntry
+from kvreuse.store.memory import MemoryTier
+
+log = logging.getLogger("kvreuse.store")
+Job = Callable[[], None]
+
+
+class TieredStore(KVStore):
+    def __init__(self, tiers: list[KVStore], *, queue_size: int = 256):
+        if not tiers:
+            raise ValueError("a store needs at least one tier")
+        self.tiers = tiers
+        self.name = " > ".join(t.name for t in tiers)
+        self.counters = {"hits_by_tier": [0] * len(tiers), "misses": 0, "promotions": 0, "demotions": 0,
+                         "writeback_queued": 0, "writeback_dropped": 0, "writeback_errors": 0}
+        self._lock = threading.Lock()
+        self._pending: set[tuple[str, int, str]] = set()  # (what, tier index, key) of queued jobs
+        self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
+        self._writer = threading.Thread(target=self._write_loop, name="kvstore-writeback", daemon=True)
+        self._writer.start()
+        self._closed = False
+        for i, tier in enumerate(tiers[:-1]):
+            if isinstance(tier, MemoryTier):
+                tier.on_evict = lambda entry, below=i + 1: self._demote(entry, below)
+
+    # -- background writes -------------------------------------------------------------------------------
+    def _bump(self, counter: str, n: int = 1) -> None:
+        with self._lock:
+            self.counters[counter] += n
+
+    def _write_loop(self) -> None:
+        while (job := self._queue.get()) is not None:
+            try:
+                job()
+            except Exception:  # the writer thread must outlive any one bad write
+                log.exception("store write-back failed")
+                self._bump("writeback_errors")
+            finally:
+                self._queue.task_done()
+        self._queue.task_done()
+
+    def _submit(self, tag: tuple[str, int, str], job: Job) -> None:
+        """Queue `job`, tagged (what, tier index, key), unless the same job is pending or the queue is full."""
+        with self._lock:
+            if tag in self._pending:
+                return
+            self._pending.add(tag)
+
+        def run() -> None:
+            try:
+                job()
+            finally:
+                with self._lock:
+                    self._pending.discard(tag)
+
+        try:
+            self._queue.put_nowait(run)
+            self._bump("writeback_queued")
+        except queue.Full:
+            with self._lock:
+                self._pending.discard(tag)
+            log.warning("store write-back queue full: dropped a %s of %s (tier %d)", tag[0], tag[2], tag[1])
+            self._bump("writeback_dropped")
+
+    def _write(self, tier_index: int, entry: KVEntry) -> None:
+        tier = self.tiers[tier_index]
+        if tier.writes_are_cheap:
+            tier.put(entry)
+        else:
+            self._submit(("write", tier_index, entry.key), lambda: tier.put(entry))
+
+    def _demote(self, entry: KVEntry, below: int) -> None:
+        tier = self.tiers[below]
+
+        def demote() -> None:
+            if not tier.contains(entry.key) and tier.put(entry):
+                self._bump("demotions")
+
+        self._submit(("demote", below, entry.key), demote)
+
+    def _promote_later(self, key: str, source: int) -> None:
+        def promote() -> None:
+            entry = self.tiers[source].get(key)
+            if entry is not None:
+                self._promote(entry, source)
+
+        self._submit(("promote", source, key), promote)
+
+    def _promote(self, entry: KVEntry, source: int) -> None:
+        for i in range(source):
+            self._write(i, entry)
+        if source:
+            self._bump("promotions")
+
+    def flush(self) -> None:
+        """Wait until every queued write has been done."""
+        self._queue.join()
+
+    # -- the store interface -----------------------------------------------------------------------------
+    def put(self, entry: KVEntry) -> bool:
+        """Accept `entry` (True): written to cheap tiers now, queued for the others. Bad input raises here,
+        not later in the writer thread."""
+        if self._closed:
+            raise RuntimeError(f"store {self.name} is closed")
+        for tier in self.tiers:
+            tier.check_put(entry)
+        owned = entry.clone()  # the caller may reuse its tensors; async writes need a stable copy
+        for i in range(len(self.tiers)):
+            self._write(i, owned)
+        return True
+
+    def _first_hit(self, read: Callable[[KVStore], Any]) -> tuple[int, Any]:
+        for i, tier in enumerate(self.tiers):
+            result = read(tier)
+            if result is not None:
+                with self._lock:
+                    self.counters["hits_by_tier"][i] += 1
+                return i, result
+        self._bump("misses")
+        return -1, None
+
+    def get(self, key: str) -> KVEntry | None:
+        i, entry = self._first_hit(lambda t: t.get(key))
+        if i > 0:
+            # The caller owns `entry` and may write into it; the upper tiers get their own copy.
+            self._promote(entry.clone(), i)
+        return entry
+
+    def _partial(self, key: str, read: Callable[[KVStore], KV | None]) -> KV | None:
+        i, kv = self._first_hit(read)
+        if i > 0:
+            self._promote_later(key, i)
+        return kv
+
+    def get_layers(self, key: str, start: int, stop: int) -> KV | None:
+        return self._partial(key, lambda t: t.get_layers(key, start, stop))
+
+    def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
+        return self._partial(key, lambda t: t.get_rows(key, rows, layers))
+
+    def contains(self, key: str) -> bool:
+        return self.locate(key) is not None
+
+    def locate(self, key: str) -> int | None:
+        """Index of the first tier holding `key`, or None: what a planner needs to price loading it."""
+        return next((i for i, t in enumerate(self.tiers) if t.contains(key)), None)
+
+    def delete(self, key: str) -> bool:
+        self.flush()  # a queued write must not bring the key back
+        return any([t.delete(key) for t in self.tiers])
+
+    def clear(self) -> int:
+        """Empty every tier; returns the entry count of the fullest (tiers overlap, so no sum is right)."""
+        self.flush()
+        return max(t.clear() for t in self.tiers)
+
+    def keys(self) -> Iterator[str]:
+        seen: set[str] = set()
+        for tier in self.tiers:
+            for key in tier.keys():
+                if key not in seen:
+                    seen.add(key)
+                    yield key
+
+    def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
+        return next((m for t in self.tiers if (m := t.meta(key, with_extras)) is not None), None)
+
+    def stats(self) -> dict[str, Any]:
+        with self._lock:
+            counters = {k: list(v) if isinstance(v, list) else v for k, v in self.counters.items()}
+        return {**counters, "writeback_pending": self._queue.qsize(), "tiers": [t.stats() for t in self.tiers]}
+
+    def close(self) -> None:
+        """Finish queued writes and release the tiers; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+        self.flush()
+        self._queue.put(None)
+        self._writer.join()
+        for tier in self.tiers:
+            tier.close()

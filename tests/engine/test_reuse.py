@@ -1,0 +1,98 @@
+"""ReuseEngine on tiny models: write-back off the critical path, lost entries, the loader thread, bad input."""
+
+import threading
+import time
+
+import pytest
+import torch
+
+from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.segments import SegmentKind
+from kvreuse.store.spec import open_store
+
+TOLERANCE = dict(atol=1e-4, rtol=0)
+
+
+class SlowStore:
+    """Wraps a store: reads sleep a little (a slow device), writes wait for `release` (a stuck device)."""
+
+    def __init__(self, inner, read_delay: float = 0.0):
+        self.inner, self.read_delay = inner, read_delay
+        self.release = threading.Event()
+        self.release.set()
+        self.lost: set[str] = set()
+
+    def get_layers(self, key, start, stop):
+        time.sleep(self.read_delay)
+        return None if key in self.lost else self.inner.get_layers(key, start, stop)
+
+    def get_rows(self, key, rows, layers=None):
+        time.sleep(self.read_delay)
+        return None if key in self.lost else self.inner.get_rows(key, rows, layers)
+
+    def put(self, entry):
+        self.release.wait()
+        return self.inner.put(entry)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def slow_engine(tiny_model, make_engine):
+    store = SlowStore(open_store("memory:256MB"))
+    engine = make_engine(tiny_model, store)
+    yield engine, store
+    store.release.set()
+    engine.close()
+
+
+def test_missed_chunks_are_computed_and_written_back_without_waiting(slow_engine, rag_request):
+    engine, store = slow_engine
+    request = rag_request()
+    store.release.clear()  # every store write now blocks
+    first = engine.prefill(request, "naive")  # all chunks miss: computed as fresh tokens, so exact
+    torch.testing.assert_close(first.logits, engine.prefill(request, "full").logits, **TOLERANCE)
+    assert first.stats["chunk_hits"] == 0
+    store.release.set()
+    engine.wait_for_write_back()
+    second = engine.prefill(request, "naive")
+    assert second.stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK))
+    assert second.stats["loaded_tokens"] > 0
+
+
+def test_entry_lost_after_lookup_is_recomputed(slow_engine, rag_request):
+    engine, store = slow_engine
+    request = rag_request()
+    engine.compile(request, ["naive"])
+    reference = engine.prefill(request, "naive")
+    lost_chunk = next(p for p in engine._place(request, parse_method("naive"), set()) if p.key and p.segment.start)
+    store.lost.add(lost_chunk.key)  # still listed by meta(), but every read of it fails
+    out = engine.prefill(request, "naive")
+    assert out.stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK)) - 1
+    assert (out.logits - reference.logits).abs().max() > 0  # that chunk now sees its context
+
+
+def test_slow_loader_does_not_change_results(slow_engine, rag_request):
+    engine, store = slow_engine
+    request = rag_request()
+    engine.compile(request, ["cacheblend", "cachetune"])
+    for method in ["cacheblend:0.3", "cachetune:0.3", "naive"]:
+        fast = engine.prefill(request, method)
+        store.read_delay = 0.002
+        slow = engine.prefill(request, method)
+        store.read_delay = 0.0
+        assert torch.equal(fast.logits, slow.logits), method
+
+
+def test_prompt_longer_than_the_context_window_names_the_field(tiny_engine, rag_request):
+    window = tiny_engine.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"chunks\[1\]: .* exceed the context window"):
+        tiny_engine.prefill(rag_request(chunks=(10, window + 1)), "naive")
+    with pytest.raises(ValueError, match="prompt: .* exceed the context window"):
+        tiny_engine.prefill(rag_request(chunks=(window // 2, window // 2)), "naive")
+
+
+def test_empty_segments_are_refused(rag_request):
+    with pytest.raises(ValueError, match="empty chunk segment"):
+        rag_request(chunks=(10, 0, 5))

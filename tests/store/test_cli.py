@@ -1,0 +1,62 @@
+"""`kvreuse cache ...` through a local argparse runner (the main CLI calls the same add_commands)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from kvreuse.store.cli import add_commands
+from kvreuse.store.spec import open_store
+
+
+def run(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="kvreuse")
+    add_commands(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.fixture
+def disk_store(tmp_path, make_entry):
+    spec = f"disk:{tmp_path}/store"
+    store = open_store(spec)
+    entries = [make_entry(extras=True) for _ in range(3)]
+    for e in entries:
+        store.put(e)
+    store.close()
+    return spec, entries
+
+
+def test_ls_stats_rm_clear(disk_store, capsys, monkeypatch):
+    spec, entries = disk_store
+    assert run("cache", "ls", "--store", spec) == 0
+    out = capsys.readouterr().out
+    assert all(e.key in out for e in entries) and "test-model" in out
+    monkeypatch.setenv("KVREUSE_STORE", spec)  # the default store
+    assert run("cache", "stats") == 0
+    assert "disk:" in capsys.readouterr().out
+    assert run("cache", "rm", entries[0].key) == 0
+    assert run("cache", "rm", entries[0].key) == 1 and "not found" in capsys.readouterr().err
+    assert run("cache", "clear") == 0 and "deleted 2 entries" in capsys.readouterr().out
+    assert list(open_store(spec).keys()) == []
+
+
+def test_commands_name_bad_input(capsys, monkeypatch):
+    monkeypatch.delenv("KVREUSE_STORE", raising=False)
+    with pytest.raises(SystemExit, match="no store given"):
+        run("cache", "ls")
+    with pytest.raises(SystemExit, match="bad store spec 'nowhere'"):
+        run("cache", "ls", "--store", "nowhere")
+
+
+def test_bench_prints_measured_and_emulated_tiers(tmp_path, redis_server, capsys):
+    out_json = tmp_path / "bench.json"
+    assert run("cache", "bench", "--entries", "2", "--layers", "2", "--tokens", "32", "--dir", str(tmp_path),
+               "--redis", redis_server.url, "--emulate", "ssd", "--json", str(out_json)) == 0
+    out = capsys.readouterr().out
+    assert "write GB/s" in out and "ssd (emulated)" in out and "EMULATED over memory: 0.5 GB/s" in out
+    results = json.loads(out_json.read_text())["results"]
+    assert [r["tier"] for r in results] == ["memory", "disk", "disk", "disk int8", "redis", "ssd (emulated)"]
+    assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in results)

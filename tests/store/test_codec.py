@@ -1,0 +1,85 @@
+"""The entry format: standard safetensors, no pickle, and partial reads that read only what they need."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, decode, encode
+from kvreuse.store.entry import EntryMeta, KVEntry
+
+
+class CountingSource(BufferSource):
+    def __init__(self, data: bytes):
+        super().__init__(data)
+        self.bytes_read = 0
+
+    def _fetch(self, spans):
+        self.bytes_read += sum(n for _, n in spans)
+        return super()._fetch(spans)
+
+
+def test_file_is_plain_safetensors(tmp_path, make_entry):
+    entry = make_entry(dtype=torch.bfloat16, extras=True)
+    path = tmp_path / "e.safetensors"
+    path.write_bytes(encode(entry))
+    with safe_open(path, framework="pt") as f:
+        assert f.metadata()["format"] == "kvreuse-kv/1"
+        assert torch.equal(f.get_tensor("k.2"), entry.k[2])
+        assert torch.equal(f.get_tensor("ranking"), entry.meta.ranking)
+
+
+def test_partial_reads_read_only_what_they_need(make_entry):
+    entry = make_entry(layers=8, tokens=256)  # 4 row groups of 64 per tensor
+    data = encode(entry)
+    tensor_bytes = entry.k[0].numel() * 4
+
+    def bytes_for(read) -> int:
+        source = CountingSource(data)
+        read(EntryReader(source, entry.key))
+        return source.bytes_read
+
+    header = bytes_for(lambda r: None)
+    assert bytes_for(lambda r: r.read()) - header == 16 * tensor_bytes
+    assert bytes_for(lambda r: r.read(range(2, 4))) - header == 4 * tensor_bytes
+    # Rows 5 and 70 lie in two of the four row groups: half of each of the 16 tensors.
+    assert bytes_for(lambda r: r.read(None, [70, 5])) - header == 16 * tensor_bytes // 2
+    assert bytes_for(lambda r: r.read(range(7, 8), [255])) - header == 2 * tensor_bytes // 4
+
+
+def test_decode_checks_the_key(make_entry):
+    entry = make_entry()
+    assert torch.equal(decode(BufferSource(encode(entry)), entry.key).v, entry.v)
+    with pytest.raises(EntryDamaged, match="holds key"):
+        decode(BufferSource(encode(entry)), make_entry().key)
+
+
+@pytest.mark.parametrize("change,message", [
+    (dict(k=torch.zeros(4, 100, 2, 8)), "share a 4-d shape"),
+    (dict(k=torch.zeros(4, 100, 2, 16, dtype=torch.float16)), "dtypes"),
+    (dict(layers=3), "meta says"),
+    (dict(ranking=torch.zeros(5)), "ranking"),
+    (dict(ranking=torch.zeros(100, dtype=torch.float64)), "unsupported KV dtype"),
+    (dict(key="bad/key"), "invalid store key"),
+])
+def test_inconsistent_entries_are_refused(make_entry, change, message):
+    e = make_entry()
+    meta = EntryMeta("m", "float32", change.get("layers", 4), 100, ranking=change.get("ranking"))
+    with pytest.raises(ValueError, match=message):
+        KVEntry(change.get("key", e.key), change.get("k", e.k), e.v, meta)
+
+
+@pytest.mark.parametrize("header", [b"123", b"[]", b'{"__metadata__": 5}', b'{"__metadata__": {}}', b"\xff\xfe"])
+def test_malformed_headers_are_damage(make_entry, header):
+    data = len(header).to_bytes(8, "little") + header
+    with pytest.raises(EntryDamaged):
+        EntryReader(BufferSource(data), make_entry().key)
+
+
+def test_random_bytes_are_damage(make_entry):
+    gen = torch.Generator().manual_seed(0)
+    for size in (0, 7, 8, 100, 5000):
+        with pytest.raises(EntryDamaged):
+            decode(BufferSource(torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8).numpy().tobytes()),
+                   make_entry().key)

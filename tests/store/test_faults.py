@@ -1,0 +1,222 @@
+"""Damage and failures become misses or skipped writes, counted and logged: never an exception, never wrong KV."""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+from kvreuse.store.codec import BufferSource, EntryReader, encode
+from kvreuse.store.disk import DiskTier
+from kvreuse.store.keys import InvalidKey
+from kvreuse.store.memory import MemoryTier
+from kvreuse.store.redis import RedisTier
+from kvreuse.store.tiered import TieredStore
+
+
+def raw_bytes(tier, key: str) -> bytes:
+    with tier._open(key) as source:
+        return bytes(source.read_ranges([(0, source.size)])[0])
+
+
+def reads(tier, key: str) -> list:
+    """Every kind of read, including partial ones that touch the start, middle and end of the entry."""
+    return [tier.get(key), tier.get_layers(key, 0, 4), tier.get_layers(key, 3, 4),
+            tier.get_rows(key, [0, 99]), tier.get_rows(key, [70], range(2, 3))]
+
+
+@pytest.mark.parametrize("cut", [0, 7, 100, 0.5, -1])
+def test_truncated_entry_is_a_miss(blob_tier_maker, make_entry, cut, caplog):
+    tier = blob_tier_maker()
+    entry = make_entry()
+    tier.put(entry)
+    data = raw_bytes(tier, entry.key)
+    tier._write(entry.key, data[: int(len(data) * cut) if isinstance(cut, float) else cut % len(data)])
+    assert all(r is None for r in reads(tier, entry.key))
+    assert tier.stats()["damaged"] == 1 and "damaged" in caplog.text
+    # The damaged blob was dropped, so the entry can be stored again.
+    assert tier.put(entry) and torch.equal(tier.get(entry.key).k, entry.k)
+
+
+def test_flipped_byte_anywhere_is_a_miss(blob_tier_maker, make_entry):
+    tier = blob_tier_maker()
+    entry = make_entry(extras=True)
+    data = encode(entry)
+    positions = sorted({*range(0, len(data), len(data) // 50), len(data) - 1})
+    for pos in positions:
+        flipped = bytearray(data)
+        flipped[pos] ^= 0xFF
+        tier._write(entry.key, bytes(flipped))
+        assert tier.get(entry.key) is None, f"flip at byte {pos} of {len(data)} went unnoticed"
+    assert tier.stats()["damaged"] == len(positions)
+
+
+@pytest.mark.parametrize("tensor", ["k.1", "v.3"])
+def test_partial_reads_verify_what_they_read(blob_tier_maker, make_entry, tensor):
+    tier = blob_tier_maker()
+    entry = make_entry()
+    data = encode(entry)
+    layout = EntryReader(BufferSource(data), entry.key).tensors[tensor]
+    row_bytes = layout.nbytes // 100
+    rows, layers = [1, 64, 99], range(1, 4)
+    for row in range(0, 100, 7):
+        flipped = bytearray(data)
+        flipped[layout.start + row * row_bytes + 5] ^= 0x01
+        tier._write(entry.key, bytes(flipped))
+        kv = tier.get_rows(entry.key, rows, layers)
+        # Rows 1, 64 and 99 touch both 64-row checksum groups, so a flip in any row of a read layer is caught...
+        assert kv is None, f"flip in row {row} of {tensor} went unnoticed"
+        # ...while a read of a layer the flip is not in reads other bytes, and gets them exactly.
+        tier._write(entry.key, bytes(flipped))
+        k, v = tier.get_layers(entry.key, 0, 1)
+        assert torch.equal(k, entry.k[:1]) and torch.equal(v, entry.v[:1])
+
+
+def test_missing_piece_is_a_miss(blob_tier_maker, make_entry):
+    tier = blob_tier_maker()
+    entry = make_entry()
+    tier.put(entry)
+    if isinstance(tier, DiskTier):
+        tier.path(entry.key).unlink()
+    else:  # one part of a multi-part entry vanished (e.g. evicted by the server)
+        tier.client.delete(next(tier.client.scan_iter(match=f"{tier.prefix}:p:*:1")))
+    assert all(r is None for r in reads(tier, entry.key))
+    assert tier.stats()["misses"] == 5
+
+
+def test_entry_stored_under_another_key_is_a_miss(blob_tier_maker, make_entry):
+    tier = blob_tier_maker()
+    a, b = make_entry(), make_entry()
+    tier._write(b.key, encode(a))
+    assert tier.get(b.key) is None and tier.stats()["damaged"] == 1
+
+
+@pytest.mark.parametrize("expect", [{"model_fingerprint": "model-a"}, {"dtype": "float16"}])
+def test_entry_of_other_model_or_dtype_is_a_miss(blob_tier_maker, make_entry, expect):
+    writer, reader = blob_tier_maker(), blob_tier_maker(**expect)
+    entry = make_entry(model="model-b", dtype=torch.bfloat16)
+    writer.put(entry)
+    assert all(r is None for r in reads(reader, entry.key))
+    assert reader.stats()["wrong_model"] == 5 and reader.stats()["damaged"] == 0
+    assert writer.get(entry.key) is not None  # not damage: the entry stays for its own model
+
+
+@contextlib.contextmanager
+def backend_full(tier, monkeypatch):
+    """Disk: every fsync fails with ENOSPC. Redis: maxmemory 1 byte with no eviction, so writes get OOM."""
+    if isinstance(tier, DiskTier):
+        def no_space(fd):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(os, "fsync", no_space)
+        yield
+        monkeypatch.undo()
+    else:
+        tier.client.config_set("maxmemory-policy", "noeviction")
+        tier.client.config_set("maxmemory", 1)
+        try:
+            yield
+        finally:
+            tier.client.config_set("maxmemory", 0)
+
+
+def leftovers(tier) -> list:
+    if isinstance(tier, DiskTier):
+        return [p for p in tier.root.rglob("*") if p.is_file()]
+    return list(tier.client.scan_iter(match=f"{tier.prefix}:*"))
+
+
+def test_full_backend_skips_the_write(blob_tier_maker, make_entry, monkeypatch, caplog):
+    tier = blob_tier_maker()
+    entry = make_entry()
+    with backend_full(tier, monkeypatch):
+        assert tier.put(entry) is False
+    assert tier.stats()["write_errors"] == 1 and "write errors" in caplog.text
+    assert not tier.contains(entry.key) and leftovers(tier) == []
+    assert tier.put(entry) and tier.get(entry.key) is not None  # the backend recovered
+
+
+def test_disk_quota_skips_an_entry_that_cannot_fit(tmp_path, make_entry):
+    tier = DiskTier(tmp_path, capacity=1000)
+    assert tier.put(make_entry()) is False
+    assert tier.stats()["write_errors"] == 1 and leftovers(tier) == []
+
+
+def test_disk_read_error_is_a_miss(tmp_path, make_entry, monkeypatch):
+    tier = DiskTier(tmp_path)
+    entry = make_entry()
+    tier.put(entry)
+
+    def io_error(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "pread", io_error)
+    assert all(r is None for r in reads(tier, entry.key))
+    assert tier.stats()["unavailable"] == 5
+
+
+def test_concurrent_writers_of_one_key_leave_one_valid_entry(blob_tier_maker, make_entry):
+    tier = blob_tier_maker()
+    entry = make_entry()
+    data = encode(entry)
+    barrier = threading.Barrier(6)
+
+    def write() -> None:
+        barrier.wait()
+        for _ in range(5):
+            tier._write(entry.key, data)  # below put's dedup, so the writes really race
+
+    threads = [threading.Thread(target=write) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert torch.equal(tier.get(entry.key).v, entry.v)
+    if isinstance(tier, DiskTier):
+        assert len(leftovers(tier)) == 1
+    else:  # the manifest and its parts stay; every replaced part is on its way out
+        lasting = [name for name in leftovers(tier) if tier.client.ttl(name) == -1]
+        assert len(lasting) == 1 + -(-len(data) // tier.part_size)
+        assert all(0 < tier.client.ttl(name) <= 30 for name in set(leftovers(tier)) - set(lasting))
+
+
+def test_disk_keys_stay_inside_the_store_directory(tmp_path, make_entry):
+    tier = DiskTier(tmp_path / "store")
+    entry = make_entry()
+    assert tier.path(entry.key).resolve().is_relative_to((tmp_path / "store").resolve())
+    for bad in ("../escape", "/etc/passwd", "..", "a/../../b"):
+        with pytest.raises(InvalidKey):
+            tier.path(bad)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["store"]
+
+
+def test_killed_redis_server_turns_into_misses(own_redis_server, make_entry, caplog):
+    redis_tier = RedisTier(own_redis_server.url, timeout=0.5)
+    store = TieredStore([MemoryTier(1 << 20), redis_tier])
+    hot, cold, new = make_entry(), make_entry(), make_entry()
+    store.put(hot)
+    redis_tier.put(cold)
+    store.flush()
+    own_redis_server.stop()
+
+    assert store.get(cold.key) is None and redis_tier.stats()["unavailable"] >= 1
+    assert torch.equal(store.get(hot.key).k, hot.k)  # memory keeps serving
+    assert store.put(new)
+    store.flush()
+    assert redis_tier.stats()["write_errors"] == 1 and store.stats()["writeback_errors"] == 0
+    assert not redis_tier.contains(new.key) and "unavailable" in caplog.text
+    store.close()
+
+
+def test_redis_reader_of_a_replaced_version_still_reads_it(redis_server, make_entry):
+    tier = RedisTier(redis_server.url, prefix="replace-test", part_size=8192)
+    entry = make_entry()
+    data = encode(entry)
+    tier._write(entry.key, data)
+    with tier._open(entry.key) as old_version:
+        tier._write(entry.key, data)  # a concurrent writer swaps the manifest mid-read
+        assert bytes(old_version.read_ranges([(0, old_version.size)])[0]) == data
+    tier.clear()

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.store.disk import DiskTier
+from kvreuse.store.memory import MemoryTier
+from kvreuse.store.redis import RedisTier
+from kvreuse.store.spec import open_store, parse_size
+from kvreuse.store.throttled import ThrottledTier
+
+
+@pytest.mark.parametrize("text,size", [("2GB", 2 * 10**9), ("512MiB", 512 << 20), ("1.5 kb", 1500), ("100", 100)])
+def test_sizes(text, size):
+    assert parse_size(text) == size
+
+
+def test_a_spec_lists_tiers_top_to_bottom(tmp_path, redis_server):
+    store = open_store(f"memory:1MB, disk:{tmp_path}/a:5GB, {redis_server.url}, throttled:ssd:disk:{tmp_path}/b",
+                       model_fingerprint="m")
+    memory, disk, redis_tier, throttled = store.tiers
+    assert isinstance(memory, MemoryTier) and memory.policy.capacity == 10**6 and memory.model_fingerprint == "m"
+    assert isinstance(disk, DiskTier) and disk.root == tmp_path / "a" and disk.policy.capacity == 5 * 10**9
+    assert isinstance(redis_tier, RedisTier) and redis_tier.name == redis_server.url
+    assert isinstance(throttled, ThrottledTier) and "emulated" in throttled.name
+    assert isinstance(throttled.inner, DiskTier) and throttled.inner.policy.capacity is None
+    store.close()
+
+
+def test_list_form_keeps_commas_in_paths(tmp_path):
+    store = open_store([f"disk:{tmp_path}/with,comma"])
+    assert store.tiers[0].root == tmp_path / "with,comma"
+    store.close()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("memory", "memory:SIZE"),
+    ("memory:lots", "bad size 'lots'"),
+    ("memory:0GB", "bad size"),
+    ("disk:", "disk:PATH"),
+    ("ftp://host", "bad store spec 'ftp://host'"),
+    ("throttled:floppy:memory:1GB", "DEVICE in"),
+    ("", "no tiers"),
+    ("memory:1GB,,disk:/x", "no tiers"),
+])
+def test_bad_specs_say_what_is_wrong(spec, message):
+    with pytest.raises(ValueError, match=message):
+        open_store(spec)
