@@ -7,6 +7,7 @@ so the trade-off between fidelity to full prefill and speed reads off at a glanc
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 
@@ -62,22 +63,41 @@ def plot(summaries: list[MethodSummary], title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def machine() -> dict:
+    """What the TTFT figures were measured on: CPU timings on a busy machine say little, so say how busy."""
+    import torch
+
+    return {"cpus": os.cpu_count(), "torch_threads": torch.get_num_threads(), "load_average": os.getloadavg()}
+
+
+def _title(settings: RunSettings, summaries: list[MethodSummary]) -> str:
+    examples = summaries[0].examples if summaries else 0
+    return f"{settings.dataset}: {examples} examples, store {settings.store}, chunking {settings.chunking}"
+
+
+def _heading(settings: RunSettings, summaries: list[MethodSummary], host: dict) -> str:
+    load = ", ".join(f"{x:.1f}" for x in host["load_average"])
+    return (
+        f"# {_title(settings, summaries)}\n\nmodel {settings.model}, greedy, at most {settings.max_tokens} new "
+        f"tokens; {host['cpus']} CPUs, load average {load} (1, 5, 15 min) when written\n\n"
+    )
+
+
 def write_report(
     out_dir: Path, settings: RunSettings, task: str, summaries: list[MethodSummary], results: list[MethodResult]
 ) -> list[Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = [out_dir / "results.json", out_dir / "results.md", out_dir / "quality_vs_ttft.png"]
+    host = machine()
     document = {
         "settings": asdict(settings),
+        "machine": host,
         "task": task,
         "score": SCORE_NAMES[task],
         "methods": [asdict(s) for s in summaries],
         "examples": [asdict(r) for r in results],
     }
     paths[0].write_text(json.dumps(document, indent=2) + "\n", encoding="utf-8")
-    examples = summaries[0].examples if summaries else 0
-    title = f"{settings.dataset}: {examples} examples, store {settings.store}, chunking {settings.chunking}"
-    heading = f"# {title}\n\nmodel {settings.model}, greedy, at most {settings.max_tokens} new tokens\n\n"
-    paths[1].write_text(heading + markdown_table(summaries, task), encoding="utf-8")
-    plot(summaries, title, paths[2])
+    paths[1].write_text(_heading(settings, summaries, host) + markdown_table(summaries, task), encoding="utf-8")
+    plot(summaries, _title(settings, summaries), paths[2])
     return paths

@@ -24,6 +24,7 @@ def test_write_report_writes_json_markdown_and_a_plot(tmp_path):
     paths = write_report(tmp_path / "out", SETTINGS, "summary", SUMMARIES, results=[])
     document = json.loads(paths[0].read_text())
     assert [m["method"] for m in document["methods"]] == ["full", "naive"] and document["score"] == "Rouge-L"
+    assert document["machine"]["cpus"] >= 1 and len(document["machine"]["load_average"]) == 3
     assert "| Rouge-L |" in paths[1].read_text()
     with Image.open(paths[2]) as image:
         assert image.format == "PNG" and image.size[0] > image.size[1] > 300
