@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -163,30 +162,54 @@ def run(
     assert methods[0] == REFERENCE, "full prefill must run first: it is every other method's reference"
     results: list[MethodResult] = []
     warmed = False
-    for prompt in _track(dataset.prompts, progress, f"eval {dataset.name}"):
-        keys = {m: ResultCache.key(settings, prompt.id, m) for m in methods}
-        todo = [m for m in methods if cache.get(keys[m]) is None]
-        if todo:
-            example = ExampleRun(engine, prompt, dataset, settings.max_tokens)
-            engine.compile(example.request, methods=todo)
-            if not warmed:  # the first prefill of a process pays one-off costs; keep them out of TTFT
-                engine.prefill(example.request, method=REFERENCE)
-                warmed = True
-            if REFERENCE not in todo:  # otherwise measuring full, first in `todo`, sets the reference
-                example.use_cached_reference(cache.get(keys[REFERENCE]))
-            for method in todo:
-                cache.put(keys[method], example.measure(method))
-        results += [cache.get(keys[m]) for m in methods]
+    with ProgressBar(progress, f"eval {dataset.name}", len(dataset.prompts) * len(methods)) as bar:
+        for prompt in dataset.prompts:
+            keys = {m: ResultCache.key(settings, prompt.id, m) for m in methods}
+            todo = [m for m in methods if cache.get(keys[m]) is None]
+            bar.advance(len(methods) - len(todo), f"{prompt.id}: cached")
+            if todo:
+                bar.advance(0, f"{prompt.id}: compile")
+                example = ExampleRun(engine, prompt, dataset, settings.max_tokens)
+                engine.compile(example.request, methods=todo)
+                if not warmed:  # the first prefill of a process pays one-off costs; keep them out of TTFT
+                    engine.prefill(example.request, method=REFERENCE)
+                    warmed = True
+                if REFERENCE not in todo:  # otherwise measuring full, first in `todo`, sets the reference
+                    example.use_cached_reference(cache.get(keys[REFERENCE]))
+                for method in todo:
+                    bar.advance(0, f"{prompt.id}: {method}")
+                    cache.put(keys[method], example.measure(method))
+                    bar.advance(1)
+            results += [cache.get(keys[m]) for m in methods]
     return results
 
 
-def _track(items: list, enabled: bool, description: str) -> Iterable:
-    if not enabled:
-        return items
-    from rich.console import Console
-    from rich.progress import track
+class ProgressBar:
+    """A rich progress bar on stderr, advanced per (example, method) since one example can take minutes;
+    a no-op when disabled."""
 
-    return track(items, description=description, console=Console(stderr=True))
+    def __init__(self, enabled: bool, description: str, total: int):
+        self.bar, self.description = None, description
+        if enabled:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(stderr=True))
+            self.task = self.bar.add_task(description, total=total)
+
+    def __enter__(self) -> ProgressBar:
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.stop()
+
+    def advance(self, steps: int, status: str | None = None) -> None:
+        if self.bar:
+            description = f"{self.description} {status}" if status else None
+            self.bar.update(self.task, advance=steps, description=description)
 
 
 @dataclass

@@ -98,3 +98,9 @@ def test_aggregate_ttft_statistics():
     assert naive.ttft_mean == pytest.approx(0.4) and naive.ttft_median == pytest.approx(0.3)
     assert naive.ttft_p90 == pytest.approx(0.76)  # linear interpolation between 0.4 and 1.0
     assert naive.speedup == pytest.approx(1.0 / 0.3)
+
+
+def test_progress_bar_names_the_example_and_method(tmp_path, capsys):
+    run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(tmp_path / "r.jsonl"), progress=True)
+    err = capsys.readouterr().err
+    assert "eval toy q0: cacheblend:0.15" in err and "100%" in err
