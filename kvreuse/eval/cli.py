@@ -17,15 +17,16 @@ def _positive_int(text: str) -> int:
 
 def add_commands(subparsers) -> None:
     ev = subparsers.add_parser("eval", help="compare reuse methods with full prefill on a benchmark JSONL file")
-    ev.add_argument("--dataset", required=True, type=Path, help="normalised JSONL file (QA, SAMSum or Multi-News)")
-    ev.add_argument("--methods", default=DEFAULT_METHODS, help="comma-separated; full always runs first")
-    ev.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
-    ev.add_argument("--limit", type=_positive_int, default=None, help="first N examples only")
-    ev.add_argument("--chunking", default="passage", help="'passage' (one chunk per passage) or 'fixed:N' tokens")
-    ev.add_argument("--store", default=None, help="KV store spec, e.g. memory:4GB or disk:PATH (default: the engine's)")
-    ev.add_argument("--out", type=Path, default=Path("eval-results"), help="output directory (also the resume cache)")
-    ev.add_argument("--max-tokens", type=_positive_int, default=None, help="default: 32 QA, 128 SAMSum, 512 Multi-News")
-    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    add = ev.add_argument
+    add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file (QA, SAMSum, Multi-News)")
+    add("--methods", default=DEFAULT_METHODS, metavar="LIST", help="comma-separated; full always runs, first")
+    add("--model", default=None, metavar="DIR", help="HF directory or .gguf file (default: embedded SmolLM2)")
+    add("--limit", type=_positive_int, default=None, metavar="N", help="the first N examples only")
+    add("--chunking", default="passage", metavar="passage|fixed:N", help="one chunk per passage, or N-token pieces")
+    add("--store", default=None, metavar="SPEC", help="KV store, e.g. memory:4GB or disk:PATH (default: the engine's)")
+    add("--out", type=Path, default=Path("eval-results"), metavar="DIR", help="output directory and resume cache")
+    add("--max-tokens", type=_positive_int, default=None, metavar="N", help="default 32 QA, 128 SAMSum, 512 Multi-News")
+    add("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
 
 
