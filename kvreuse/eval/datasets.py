@@ -12,7 +12,7 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 Task = Literal["qa", "summary"]
 
@@ -73,32 +73,33 @@ def fixed_chunks(text: str, size: int, tokenizer) -> list[str]:
     return [p for p in pieces if p]
 
 
-def _rechunk(pieces: list[str], chunking: Chunking, tokenizer) -> list[str]:
+def _chunk(pieces: list[str], chunking: Chunking, tokenizer) -> list[str]:
+    """Natural pieces as they are, or all of them joined and cut into fixed-size token pieces."""
     if chunking.size is None:
         return pieces
-    if tokenizer is None:
-        raise DatasetError("fixed-size chunking needs a tokenizer")
     return fixed_chunks("\n\n".join(pieces), chunking.size, tokenizer)
 
 
-def _qa_prompts(rows: list[dict], chunking: Chunking, tokenizer) -> list[ChunkedPrompt]:
+class _Example(NamedTuple):
+    id: str
+    pieces: list[str]  # the context's natural pieces: passages, solved examples, a whole document
+    question: str
+    answers: list[str]
+
+
+def _qa_examples(rows: list[dict]) -> list[_Example]:
     return [
-        ChunkedPrompt(
-            id=row["id"],
-            chunks=_rechunk(
-                [f"Passage {i}: {p['title']}\n{p['text']}" for i, p in enumerate(row["passages"], 1)],
-                chunking,
-                tokenizer,
-            ),
-            question=f"{QA_INSTRUCTION}\n\nQuestion: {row['question']}\nAnswer:",
-            answers=list(row["answers"]),
-            task="qa",
+        _Example(
+            row["id"],
+            [f"Passage {i}: {p['title']}\n{p['text']}" for i, p in enumerate(row["passages"], 1)],
+            f"{QA_INSTRUCTION}\n\nQuestion: {row['question']}\nAnswer:",
+            list(row["answers"]),
         )
         for row in rows
     ]
 
 
-def _samsum_prompts(rows: list[dict], chunking: Chunking, tokenizer) -> list[ChunkedPrompt]:
+def _samsum_examples(rows: list[dict]) -> list[_Example]:
     """Test dialogue k gets the solved examples k*SHOTS .. k*SHOTS+SHOTS-1 of the train+validation pool
     (wrapping around): fixed, yet not the same few shots for every question."""
     shots = [f"Dialogue: {r['dialogue']}\nSummary: {r['summary']}" for r in rows if r["split"] != "test"]
@@ -106,32 +107,21 @@ def _samsum_prompts(rows: list[dict], chunking: Chunking, tokenizer) -> list[Chu
     if len(shots) < SAMSUM_SHOTS:
         raise DatasetError(f"SAMSum needs at least {SAMSUM_SHOTS} train/validation rows, found {len(shots)}")
     return [
-        ChunkedPrompt(
-            id=row["id"],
-            chunks=_rechunk(
-                [shots[(k * SAMSUM_SHOTS + j) % len(shots)] for j in range(SAMSUM_SHOTS)], chunking, tokenizer
-            ),
-            question=f"{SAMSUM_INSTRUCTION}\n\nDialogue: {row['dialogue']}\nSummary:",
-            answers=[row["summary"]],
-            task="summary",
+        _Example(
+            row["id"],
+            [shots[(k * SAMSUM_SHOTS + j) % len(shots)] for j in range(SAMSUM_SHOTS)],
+            f"{SAMSUM_INSTRUCTION}\n\nDialogue: {row['dialogue']}\nSummary:",
+            [row["summary"]],
         )
         for k, row in enumerate(tests)
     ]
 
 
-def _multinews_prompts(rows: list[dict], chunking: Chunking, tokenizer) -> list[ChunkedPrompt]:
+def _multinews_examples(rows: list[dict]) -> list[_Example]:
     """The articles of a cluster are concatenated without a separator, so 'passage' chunking keeps the
     whole document as one chunk; 'fixed:N' is the useful setting here."""
-    return [
-        ChunkedPrompt(
-            id=row["id"],
-            chunks=_rechunk([row["document"]], chunking, tokenizer),
-            question=f"{MULTINEWS_INSTRUCTION}\n\nSummary:",
-            answers=[row["summary"]],
-            task="summary",
-        )
-        for row in rows
-    ]
+    question = f"{MULTINEWS_INSTRUCTION}\n\nSummary:"
+    return [_Example(row["id"], [row["document"]], question, [row["summary"]]) for row in rows]
 
 
 @dataclass(frozen=True)
@@ -140,14 +130,14 @@ class _Schema:
     task: Task
     max_tokens: int
     first_line: bool
-    build: Callable[[list[dict], Chunking, object], list[ChunkedPrompt]]
+    examples: Callable[[list[dict]], list[_Example]]
 
 
 # Recognised by the fields of the first row; the most specific schema comes first.
 SCHEMAS = {
-    "qa": _Schema(frozenset({"id", "question", "answers", "passages"}), "qa", 32, True, _qa_prompts),
-    "samsum": _Schema(frozenset({"id", "split", "dialogue", "summary"}), "summary", 128, True, _samsum_prompts),
-    "multinews": _Schema(frozenset({"id", "document", "summary"}), "summary", 512, False, _multinews_prompts),
+    "qa": _Schema(frozenset({"id", "question", "answers", "passages"}), "qa", 32, True, _qa_examples),
+    "samsum": _Schema(frozenset({"id", "split", "dialogue", "summary"}), "summary", 128, True, _samsum_examples),
+    "multinews": _Schema(frozenset({"id", "document", "summary"}), "summary", 512, False, _multinews_examples),
 }
 
 
@@ -188,7 +178,10 @@ def load_dataset(
     if missing:
         line, keys = missing[0]
         raise DatasetError(f"{path}:{line}: row lacks field(s) {', '.join(keys)}")
-    prompts = schema.build(rows, chunking, tokenizer)
-    if limit is not None:
-        prompts = prompts[:limit]
+    if chunking.size is not None and tokenizer is None:
+        raise DatasetError("fixed-size chunking needs a tokenizer")
+    prompts = [
+        ChunkedPrompt(e.id, _chunk(e.pieces, chunking, tokenizer), e.question, e.answers, schema.task)
+        for e in schema.examples(rows)[:limit]
+    ]
     return Dataset(path.stem, schema.task, prompts, schema.max_tokens, schema.first_line)
