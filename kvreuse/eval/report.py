@@ -35,6 +35,20 @@ def markdown_table(summaries: list[MethodSummary], task: str) -> str:
     return "\n".join(rows) + "\n"
 
 
+MARKERS = "osD^vP*X"
+
+
+def _styles(methods: list[str]) -> list[dict]:
+    """One colour per method family and one marker per setting within it (cacheblend:0.05 and :0.15 share
+    a colour), so a family's settings read as a curve."""
+    families = [m.split(":")[0] for m in methods]
+    order = list(dict.fromkeys(families))
+    return [
+        {"color": f"C{order.index(f) % 10}", "marker": MARKERS[families[:i].count(f) % len(MARKERS)]}
+        for i, f in enumerate(families)
+    ]
+
+
 def plot(summaries: list[MethodSummary], title: str, path: Path) -> None:
     import matplotlib
 
@@ -45,19 +59,15 @@ def plot(summaries: list[MethodSummary], title: str, path: Path) -> None:
         ("agreement", "agreement with full prefill (token F1, higher is better)"),
         ("first_token_kl", "first-token KL from full prefill (nats, lower is better)"),
     ]
-    # one colour per method family (cacheblend:0.05 and cacheblend:0.15 alike), so ratios read as a curve
-    families = list(dict.fromkeys(s.method.split(":")[0] for s in summaries))
-    colours = [plt.get_cmap("tab10")(families.index(s.method.split(":")[0]) % 10) for s in summaries]
-    fig, axes = plt.subplots(1, 2, figsize=(12, 4.8), constrained_layout=True)
-    ttft_ms = [s.ttft_median * 1000 for s in summaries]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5.4), layout="constrained")
     for ax, (field, label) in zip(axes, panels):
-        values = [getattr(s, field) for s in summaries]
-        ax.scatter(ttft_ms, values, s=40, c=colours, zorder=3)
-        for s, x, y in zip(summaries, ttft_ms, values):
-            ax.annotate(s.method, (x, y), textcoords="offset points", xytext=(5, 4), fontsize=8)
+        # a legend, not labels beside the points: methods often land on the same spot
+        for s, style in zip(summaries, _styles([s.method for s in summaries])):
+            ax.scatter(s.ttft_median * 1000, getattr(s, field), s=60, label=s.method, zorder=3, **style)
         ax.set_xlabel("median TTFT (ms)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
+    fig.legend(*axes[0].get_legend_handles_labels(), loc="outside lower center", ncols=min(len(summaries), 5))
     fig.suptitle(title)
     fig.savefig(path, dpi=120)
     plt.close(fig)

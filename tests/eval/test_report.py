@@ -2,7 +2,7 @@ import json
 
 from PIL import Image
 
-from kvreuse.eval.report import markdown_table, write_report
+from kvreuse.eval.report import _styles, markdown_table, write_report
 from kvreuse.eval.runner import MethodSummary, RunSettings
 
 SETTINGS = RunSettings(model="fake-model", dataset="toy", chunking="passage", max_tokens=8, store="memory")
@@ -28,3 +28,9 @@ def test_write_report_writes_json_markdown_and_a_plot(tmp_path):
     assert "| Rouge-L |" in paths[1].read_text()
     with Image.open(paths[2]) as image:
         assert image.format == "PNG" and image.size[0] > image.size[1] > 300
+
+
+def test_a_family_shares_a_colour_and_its_settings_differ_by_marker():
+    full, blend15, naive, blend05 = _styles(["full", "cacheblend:0.15", "naive", "cacheblend:0.05"])
+    assert blend15["color"] == blend05["color"] and blend15["marker"] != blend05["marker"]
+    assert len({full["color"], naive["color"], blend15["color"]}) == 3
