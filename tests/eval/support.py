@@ -30,6 +30,7 @@ class Output:
 class FakeEngine:
     fingerprint: str = "fake-model"
     calls: Counter = field(default_factory=Counter)
+    generation_slowdown: float = 1.0  # the generation's prefill takes this times as long as the timed one
 
     def build_request(self, chunks, question, system=None):
         return (tuple(chunks), question)
@@ -47,7 +48,9 @@ class FakeEngine:
 
     def generate(self, request, method, sampling):
         self.calls[("generate", method)] += 1
-        return self._output(method)
+        output = self._output(method)
+        output.ttft *= self.generation_slowdown
+        return output
 
     def answer_logprobs(self, request, method, answer_text):
         return torch.tensor([-1.0, -2.0]) * (1 + BEHAVIOUR[method][3])

@@ -46,6 +46,13 @@ def test_run_measures_every_method_against_full(tmp_path):
     assert (blend.ttft, blend.recompute_share) == (0.2, 0.15)
 
 
+@pytest.mark.parametrize("slowdown, expected", [(3.0, 0.1), (0.5, 0.05)])
+def test_ttft_is_the_faster_of_the_two_prefills(tmp_path, slowdown, expected):
+    engine = FakeEngine(generation_slowdown=slowdown)
+    naive = run(engine, toy_dataset(1), ["full", "naive"], SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)[1]
+    assert naive.ttft == pytest.approx(expected)
+
+
 def test_run_resumes_from_the_cache_file(tmp_path):
     path = tmp_path / "r.jsonl"
     first = run(FakeEngine(), toy_dataset(), METHODS, SETTINGS, ResultCache(path), False)
