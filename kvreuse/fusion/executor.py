@@ -36,23 +36,28 @@ class FusionResult:
 
 
 class LayerLoader:
-    """Fetches each layer's stored KV for all reused spans, one layer ahead of the compute.
+    """Fetches each layer's stored KV for all reused spans, one layer ahead of the compute, as one tensor pair
+    whose rows follow the spans' order (the plan's `loaded_rows`).
 
-    It holds at most one layer beyond the one being consumed: it waits for the consumer to take layer i before
-    it reads layer i+1.
+    At most one layer of stored KV is alive at a time: the loader reads layer i+1 once the consumer has placed
+    layer i in the request's KV cache (`placed`), so it reads while layer i computes.
     """
 
     def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int):
-        self.store, self.spans, self.num_layers = store, spans, num_layers
+        self.store, self.num_layers = store, num_layers
+        self.spans = [s for s in spans if s.load.numel()]
         self.read_seconds = 0.0
         self.wait_seconds = 0.0
         self.bytes_read = 0
+        self.peak_layers_held = 0  # measured, not assumed: layers read and not yet placed
+        self._held = 0
+        self._lock = threading.Lock()
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
-        self._layers: list[list[tuple[torch.Tensor, torch.Tensor]] | BaseException | None] = [None] * num_layers
+        self._layers: list[tuple[torch.Tensor, torch.Tensor] | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(1)
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kv-loader", daemon=True)
-        if spans:
+        if self.spans:
             self._thread.start()
 
     def _read(self, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -71,9 +76,13 @@ class LayerLoader:
                 return
             start = time.perf_counter()
             try:
-                kv = [self._read(span, layer) for span in self.spans if span.load.numel()]
+                kv = [self._read(span, layer) for span in self.spans]
                 self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
-                self._layers[layer] = kv
+                self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
+                del kv
+                with self._lock:
+                    self._held += 1
+                    self.peak_layers_held = max(self.peak_layers_held, self._held)
             except BaseException as e:  # handed to the consumer, which raises it on its own thread
                 self._layers[layer] = e
             self.read_seconds += time.perf_counter() - start
@@ -81,17 +90,22 @@ class LayerLoader:
             if isinstance(self._layers[layer], BaseException):
                 return
 
-    def take(self, layer: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.spans:
-            return []
+            return None
         start = time.perf_counter()
         self._ready[layer].wait()
         self.wait_seconds += time.perf_counter() - start
         kv, self._layers[layer] = self._layers[layer], None
-        self._may_read.release()
         if isinstance(kv, BaseException):
             raise kv
         return kv
+
+    def placed(self) -> None:
+        """The consumer has copied the layer it took into the request's KV cache and dropped it."""
+        with self._lock:
+            self._held -= 1
+        self._may_read.release()
 
     def close(self) -> None:
         # Unblock a loader still waiting for its turn, so that it stops.
@@ -116,19 +130,28 @@ class FusionExecutor:
         approximate[-1] = False  # the last row always runs to the end
         narrowing = {n.layer: round(n.keep * plan.approximate_rows) for n in plan.narrowing}
 
+        loaded_rows = plan.loaded_rows
+        loaded_rotary = rotary[loaded_rows]  # deferred RoPE: the same rotation for every layer's stored keys
         selected = plan.compute_rows
+        selected_rotary = rotary[selected]
         hidden = model.embed(token_ids[selected])
         computed_rows = []
         loader = LayerLoader(self.store, plan.reused, model.num_layers)
         try:
             for layer in range(model.num_layers):
-                self._place_stored(layer, loader.take(layer), plan.reused, rotary, cache)
+                stored = loader.take(layer)
+                if stored is not None:
+                    keys, values = stored
+                    cache.write(layer, loaded_rows, model.rope(keys.to(model.dtype), loaded_rotary),
+                                values.to(model.dtype))
+                    del stored, keys, values
+                    loader.placed()
                 q, k, v = model.qkv(layer, hidden)
-                rot = rotary[selected]
-                q, k = model.rope(q, rot), model.rope(k, rot)
+                q, k = model.rope(q, selected_rotary), model.rope(k, selected_rotary)
                 if layer in narrowing:
                     keep = self._most_deviating(layer, cache, selected, k, v, approximate[selected], narrowing[layer])
                     selected, q, k, v, hidden = selected[keep], q[keep], k[keep], v[keep], hidden[keep]
+                    selected_rotary = selected_rotary[keep]
                 cache.write(layer, selected, k, v)
                 keys, values = cache.layer(layer)
                 out = model.attend(layer, q, positions[selected], keys, values, positions)
@@ -139,12 +162,6 @@ class FusionExecutor:
         logits = model.logits(hidden[-1:])[0]
         elapsed = time.perf_counter() - started
         return FusionResult(logits, cache, self._stats(plan, computed_rows, loader, elapsed))
-
-    def _place_stored(self, layer, stored, spans, rotary, cache) -> None:
-        """Write layer `layer`'s stored KV into the cache, keys rotated to their global positions."""
-        for span, (k, v) in zip([s for s in spans if s.load.numel()], stored):
-            rows = span.rows
-            cache.write(layer, rows, self.model.rope(k.to(self.model.dtype), rotary[rows]), v.to(self.model.dtype))
 
     @staticmethod
     def _most_deviating(layer, cache, selected, k, v, narrowable, budget) -> torch.Tensor:
@@ -167,6 +184,7 @@ class FusionExecutor:
             # share of the reused chunk rows actually recomputed, averaged over layers
             "recompute_share": sum(computed_rows) / (len(computed_rows) * total) if total else 0.0,
             "bytes_loaded": loader.bytes_read,
+            "peak_stored_layers_held": loader.peak_layers_held,
             "load_seconds": loader.read_seconds,
             "load_wait_seconds": loader.wait_seconds,
             "prefill_seconds": elapsed,

@@ -67,6 +67,12 @@ class FusionPlan:
             raise ValueError("narrowing compares recomputed KV with stored KV, so approximate spans load every row")
 
     @property
+    def loaded_rows(self) -> torch.Tensor:
+        """Prompt rows whose stored KV is read, in the loader's order (span by span)."""
+        rows = [s.rows for s in self.reused if s.load.numel()]
+        return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+    @property
     def approximate_rows(self) -> int:
         """Rows of reused chunks: what a recompute ratio is a share of."""
         return sum(s.length for s in self.reused if s.approximate)

@@ -112,6 +112,10 @@ def test_keys_meta_and_clear(tier, make_entry):
     assert sorted(tier.keys()) == sorted(e.key for e in entries)
     meta = tier.meta(entries[0].key)
     assert (meta.num_layers, meta.num_tokens, meta.dtype) == (4, 100, "float32")
+    assert meta.ranking is None and meta.boundary is None  # listing reads no per-token tensors
+    with_extras = tier.meta(entries[0].key, with_extras=True)
+    assert_same(with_extras.ranking, entries[0].meta.ranking)
+    assert_same(with_extras.boundary, entries[0].meta.boundary)
     assert tier.meta(make_entry().key) is None
     assert tier.clear() == 3
     assert list(tier.keys()) == []
