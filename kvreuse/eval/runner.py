@@ -88,11 +88,12 @@ class ResultCache:
         self.records: dict[str, MethodResult] = {}
         if path.is_file():
             for line in path.read_text(encoding="utf-8").splitlines():
+                # a line cut by a run killed mid-write, or of an older layout, is recomputed
                 try:
                     entry = json.loads(line)
-                except json.JSONDecodeError:  # the last line of a run killed mid-write
+                    self.records[entry["key"]] = MethodResult(**entry["result"])
+                except (json.JSONDecodeError, KeyError, TypeError):
                     continue
-                self.records[entry["key"]] = MethodResult(**entry["result"])
 
     @staticmethod
     def key(settings: RunSettings, example_id: str, method: str) -> str:

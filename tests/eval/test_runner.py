@@ -57,6 +57,7 @@ def test_run_resumes_from_the_cache_file(tmp_path):
     path = tmp_path / "r.jsonl"
     first = run(FakeEngine(), toy_dataset(), METHODS, SETTINGS, ResultCache(path), False)
     with path.open("a") as f:
+        f.write('{"key": "older layout", "result": {"score": 1}}\n')
         f.write('{"key": "half a line')  # a run killed mid-write
 
     again = FakeEngine()
