@@ -6,6 +6,8 @@ import argparse
 import sys
 
 from kvreuse.eval.cli import add_commands as add_eval_commands
+from kvreuse.bench.fusion import add_arguments as add_fusion_arguments
+from kvreuse.bench.fusion import main as run_fusion_bench
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
 from kvreuse.store.cli import add_commands as add_cache_commands
@@ -104,6 +106,9 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
     prefill.add_argument("--repeats", type=int, default=3)
     prefill.set_defaults(func=cmd_bench_prefill)
+    fusion = benches.add_parser("fusion", help="chunk-reuse TTFT per method and tier, speedup over full, limit")
+    add_fusion_arguments(fusion)
+    fusion.set_defaults(func=run_fusion_bench)
 
     add_cache_commands(commands)
     add_eval_commands(commands)

@@ -156,7 +156,7 @@ class FusionExecutor:
                 keys, values = cache.layer(layer)
                 out = model.attend(layer, q, positions[selected], keys, values, positions)
                 hidden = model.finish_layer(layer, hidden, out)
-                computed_rows.append(int(approximate[selected].sum()))
+                computed_rows.append((int(approximate[selected].sum()), selected.numel()))
         finally:
             loader.close()
         logits = model.logits(hidden[-1:])[0]
@@ -173,8 +173,9 @@ class FusionExecutor:
         keep_count = int((~narrowable).sum()) + min(budget, int(narrowable.sum()))
         return deviation.topk(keep_count).indices.sort().values
 
-    def _stats(self, plan: FusionPlan, computed_rows: list[int], loader: LayerLoader, elapsed: float) -> dict:
-        total = plan.approximate_rows
+    def _stats(self, plan: FusionPlan, computed_rows: list[tuple[int, int]], loader: LayerLoader, elapsed: float
+               ) -> dict:
+        total, layers = plan.approximate_rows, len(computed_rows)
         return {
             "method": plan.method,
             "prompt_tokens": plan.num_rows,
@@ -182,7 +183,9 @@ class FusionExecutor:
             "loaded_tokens": sum(int(s.load.numel()) for s in plan.reused),
             "computed_tokens_layer0": int(plan.compute_rows.numel()),
             # share of the reused chunk rows actually recomputed, averaged over layers
-            "recompute_share": sum(computed_rows) / (len(computed_rows) * total) if total else 0.0,
+            "recompute_share": sum(c for c, _ in computed_rows) / (layers * total) if total else 0.0,
+            # all rows computed per layer (fresh ones included), averaged over layers: the compute actually run
+            "computed_rows_mean": sum(n for _, n in computed_rows) / layers,
             "bytes_loaded": loader.bytes_read,
             "peak_stored_layers_held": loader.peak_layers_held,
             "load_seconds": loader.read_seconds,
