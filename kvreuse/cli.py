@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvreuse.eval.cli import add_commands as add_eval_commands
+from kvreuse.bench.fusion import add_arguments as add_fusion_arguments
+from kvreuse.bench.fusion import main as run_fusion_bench
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
 from kvreuse.restore.cli import add_commands as add_restore_commands
@@ -24,20 +27,30 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from kvreuse.engine.generate import chat_prompt_ids, generate
-    from kvreuse.engine.sampling import SamplingParams
-    from kvreuse.model.loader import load_model
+    from pathlib import Path
 
-    loaded = load_model(args.model, args.dtype)
+    from kvreuse.engine.reuse import ReuseEngine
+    from kvreuse.engine.sampling import SamplingParams
+
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop
     )
-    prompt_ids = chat_prompt_ids(loaded.tokenizer, [{"role": "user", "content": args.prompt}])
-    result = generate(loaded, prompt_ids, params)
+    documents = [Path(p).read_text() for p in args.document]
+    engine = ReuseEngine.load(args.model, args.store, args.dtype)
+    try:
+        request = engine.build_request(documents, args.prompt)
+        if args.warm:
+            engine.compile(request, [args.method])
+        result = engine.generate(request, args.method, params)
+    finally:
+        engine.close()
     print(result.text)
+    stats = result.stats
     print(
-        f"[{loaded.name}] prompt {result.prompt_tokens} tokens, generated {len(result.token_ids)} "
-        f"({result.finish_reason}); TTFT {result.ttft * 1000:.0f} ms, total {result.total_seconds:.2f} s",
+        f"[{engine.loaded.name}] {stats['method']}: prompt {result.prompt_tokens} tokens "
+        f"({stats['loaded_tokens']} loaded, {stats['computed_tokens_layer0']} computed), generated "
+        f"{len(result.token_ids)} ({result.finish_reason}); TTFT {result.ttft * 1000:.0f} ms, "
+        f"total {result.total_seconds:.2f} s",
         file=sys.stderr,
     )
     return 0
@@ -70,7 +83,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     gen = commands.add_parser("generate", help="generate a chat answer with full prefill, print text and TTFT")
     _add_model_args(gen)
-    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--prompt", required=True, help="the question or instruction (fresh text)")
+    gen.add_argument("--document", action="append", default=[], metavar="FILE",
+                     help="a text file placed before the prompt as a reusable chunk (repeatable)")
+    gen.add_argument("--method", default=None, help="reuse method, e.g. cacheblend:0.15 (default), naive, full")
+    gen.add_argument("--store", default="memory:4GB", help="store spec, e.g. disk:/var/cache/kvreuse")
+    gen.add_argument("--warm", action="store_true", help="compile the documents into the store before timing")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -89,9 +107,13 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
     prefill.add_argument("--repeats", type=int, default=3)
     prefill.set_defaults(func=cmd_bench_prefill)
+    fusion = benches.add_parser("fusion", help="chunk-reuse TTFT per method and tier, speedup over full, limit")
+    add_fusion_arguments(fusion)
+    fusion.set_defaults(func=run_fusion_bench)
 
     add_cache_commands(commands)
     add_restore_commands(commands, benches)
+    add_eval_commands(commands)
     return parser
 
 
@@ -99,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except (ModelLoadError, UnsupportedModelError, ValueError) as e:
+    except (ModelLoadError, UnsupportedModelError, ValueError, OSError) as e:
         print(f"kvreuse: error: {e}", file=sys.stderr)
         return 2
 

@@ -146,3 +146,31 @@ def _rag_request(prefix: int = 6, chunks: tuple[int, ...] = (30, 23, 17), fresh:
 def rag_request():
     """Factory of token-id requests: [prefix] chunks... [fresh], random tokens, deterministic."""
     return _rag_request
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory):
+    """A tiny random-weight Llama with the embedded model's real tokenizer, saved as a Hugging Face directory,
+    so commands that take `--model DIR` run end to end in seconds (plumbing only: its outputs mean nothing)."""
+    from transformers import AutoTokenizer
+
+    from kvreuse.model.loader import resolve_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
+    config = AutoConfig.for_model(
+        "llama",
+        **{
+            **TINY_COMMON,
+            "vocab_size": len(tokenizer),
+            "num_hidden_layers": 2,
+            "max_position_embeddings": 8192,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id,
+        },
+    )
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("tiny-llama")
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -1,10 +1,11 @@
 """ReuseEngine: the Python API a RAG developer uses.
 
     engine = ReuseEngine.load()                                   # embedded model, in-memory store
-    request = engine.build_request(chunks=docs, question=q)
-    engine.compile(request)                                       # optional: warm the store ahead of time
-    out = engine.generate(request, method="cacheblend:0.15")
-    print(out.text, out.ttft, out.stats)
+    out = engine.ask(chunks=docs, question=q, method="cacheblend:0.15")
+    print(out.text, out.ttft, out.stats)                          # stats: tokens loaded/recomputed, seconds
+
+or, step by step: `request = engine.build_request(...)`, `engine.compile(request)` to warm the store ahead of
+time, `engine.generate(request, method)`.
 
 A request's chunks are looked up in the store; the method turns hits and misses into a plan; one executor runs
 it. Chunks that missed are computed with the request and compiled for next time in the background: a request
@@ -157,6 +158,12 @@ class ReuseEngine:
         generation = decode(self.loaded, fused.logits, fused.cache, sampling, started, len(request))
         generation.stats = fused.stats
         return generation
+
+    def ask(self, chunks: list[str], question: str, system: str | None = None, method: str | None = None,
+            max_tokens: int = 128) -> Generation:
+        """Answer `question` over reusable `chunks` (documents), reusing whatever the store holds of them."""
+        request = self.build_request(chunks, question, system)
+        return self.generate(request, method, SamplingParams(max_tokens=max_tokens))
 
     @torch.inference_mode()
     def answer_logprobs(self, request: Request, method: str | None, answer: str) -> torch.Tensor:

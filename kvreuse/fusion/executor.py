@@ -39,8 +39,8 @@ class LayerLoader:
     """Fetches each layer's stored KV for all reused spans, one layer ahead of the compute, as one tensor pair
     whose rows follow the spans' order (the plan's `loaded_rows`).
 
-    It holds at most one layer beyond the one being consumed: it waits for the consumer to take layer i before
-    it reads layer i+1.
+    At most one layer of stored KV is alive at a time: the loader reads layer i+1 once the consumer has placed
+    layer i in the request's KV cache (`placed`), so it reads while layer i computes.
     """
 
     def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int):
@@ -49,6 +49,9 @@ class LayerLoader:
         self.read_seconds = 0.0
         self.wait_seconds = 0.0
         self.bytes_read = 0
+        self.peak_layers_held = 0  # measured, not assumed: layers read and not yet placed
+        self._held = 0
+        self._lock = threading.Lock()
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(1)
@@ -76,6 +79,10 @@ class LayerLoader:
                 kv = [self._read(span, layer) for span in self.spans]
                 self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
                 self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
+                del kv
+                with self._lock:
+                    self._held += 1
+                    self.peak_layers_held = max(self.peak_layers_held, self._held)
             except BaseException as e:  # handed to the consumer, which raises it on its own thread
                 self._layers[layer] = e
             self.read_seconds += time.perf_counter() - start
@@ -90,10 +97,15 @@ class LayerLoader:
         self._ready[layer].wait()
         self.wait_seconds += time.perf_counter() - start
         kv, self._layers[layer] = self._layers[layer], None
-        self._may_read.release()
         if isinstance(kv, BaseException):
             raise kv
         return kv
+
+    def placed(self) -> None:
+        """The consumer has copied the layer it took into the request's KV cache and dropped it."""
+        with self._lock:
+            self._held -= 1
+        self._may_read.release()
 
     def close(self) -> None:
         # Unblock a loader still waiting for its turn, so that it stops.
@@ -132,6 +144,8 @@ class FusionExecutor:
                     keys, values = stored
                     cache.write(layer, loaded_rows, model.rope(keys.to(model.dtype), loaded_rotary),
                                 values.to(model.dtype))
+                    del stored, keys, values
+                    loader.placed()
                 q, k, v = model.qkv(layer, hidden)
                 q, k = model.rope(q, selected_rotary), model.rope(k, selected_rotary)
                 if layer in narrowing:
@@ -142,7 +156,7 @@ class FusionExecutor:
                 keys, values = cache.layer(layer)
                 out = model.attend(layer, q, positions[selected], keys, values, positions)
                 hidden = model.finish_layer(layer, hidden, out)
-                computed_rows.append(int(approximate[selected].sum()))
+                computed_rows.append((int(approximate[selected].sum()), selected.numel()))
         finally:
             loader.close()
         logits = model.logits(hidden[-1:])[0]
@@ -159,8 +173,9 @@ class FusionExecutor:
         keep_count = int((~narrowable).sum()) + min(budget, int(narrowable.sum()))
         return deviation.topk(keep_count).indices.sort().values
 
-    def _stats(self, plan: FusionPlan, computed_rows: list[int], loader: LayerLoader, elapsed: float) -> dict:
-        total = plan.approximate_rows
+    def _stats(self, plan: FusionPlan, computed_rows: list[tuple[int, int]], loader: LayerLoader, elapsed: float
+               ) -> dict:
+        total, layers = plan.approximate_rows, len(computed_rows)
         return {
             "method": plan.method,
             "prompt_tokens": plan.num_rows,
@@ -168,8 +183,11 @@ class FusionExecutor:
             "loaded_tokens": sum(int(s.load.numel()) for s in plan.reused),
             "computed_tokens_layer0": int(plan.compute_rows.numel()),
             # share of the reused chunk rows actually recomputed, averaged over layers
-            "recompute_share": sum(computed_rows) / (len(computed_rows) * total) if total else 0.0,
+            "recompute_share": sum(c for c, _ in computed_rows) / (layers * total) if total else 0.0,
+            # all rows computed per layer (fresh ones included), averaged over layers: the compute actually run
+            "computed_rows_mean": sum(n for _, n in computed_rows) / layers,
             "bytes_loaded": loader.bytes_read,
+            "peak_stored_layers_held": loader.peak_layers_held,
             "load_seconds": loader.read_seconds,
             "load_wait_seconds": loader.wait_seconds,
             "prefill_seconds": elapsed,

@@ -83,6 +83,8 @@ def test_slow_loader_does_not_change_results(slow_engine, rag_request):
         slow = engine.prefill(request, method)
         store.read_delay = 0.0
         assert torch.equal(fast.logits, slow.logits), method
+        # the executor never holds more than one layer of stored KV beyond the request's own cache
+        assert fast.stats["peak_stored_layers_held"] == slow.stats["peak_stored_layers_held"] == 1
 
 
 def test_prompt_longer_than_the_context_window_names_the_field(tiny_engine, rag_request):

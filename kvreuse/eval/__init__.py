@@ -1,0 +1,1 @@
+"""Evaluation harness: datasets as chunked prompts, quality metrics, a resumable runner, reports."""

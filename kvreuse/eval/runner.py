@@ -1,0 +1,258 @@
+"""Run every method on every example, full prefill first as the reference; resumable; aggregate per method.
+
+Chunks are compiled (computed and stored) before any method runs and outside the timed region, as in the
+papers: TTFT measures the online path only, including every load from the store.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from kvreuse.engine.sampling import SamplingParams
+from kvreuse.eval.datasets import ChunkedPrompt, Dataset
+from kvreuse.eval.metrics import agreement, first_line, first_token_kl, mean_log_likelihood, task_score
+from kvreuse.fusion.methods import parse_method
+
+REFERENCE = "full"
+
+
+class MethodSpecError(ValueError):
+    """The --methods list cannot be parsed."""
+
+
+class Engine(Protocol):
+    """What the runner needs of `kvreuse.engine.reuse.ReuseEngine`."""
+
+    fingerprint: str
+
+    def build_request(self, chunks: list[str], question: str, system: str | None = None) -> Any: ...
+    def compile(self, request: Any, methods: list[str]) -> Any: ...
+    def prefill(self, request: Any, method: str) -> Any: ...  # .logits, .ttft, .stats
+    def generate(self, request: Any, method: str, sampling: Any) -> Any: ...  # .text, .ttft
+    def answer_logprobs(self, request: Any, method: str, answer_text: str) -> torch.Tensor: ...
+
+
+def parse_methods(spec: str) -> list[str]:
+    """'naive,cacheblend:0.15' -> ['full', 'naive', 'cacheblend:0.15']: full is always there, and first.
+    Each name is checked by the engine's own method parser, so a typo fails before any model loads."""
+    methods = [m.strip() for m in spec.split(",")]
+    for method in methods:
+        if not method:
+            raise MethodSpecError(f"--methods: empty entry in {spec!r}; expected e.g. full,naive,cacheblend:0.15")
+        try:
+            parse_method(method)
+        except ValueError as e:
+            raise MethodSpecError(f"--methods: {e}") from None
+    duplicates = sorted({m for m in methods if methods.count(m) > 1})
+    if duplicates:
+        raise MethodSpecError(f"--methods: {', '.join(duplicates)} listed more than once")
+    return [REFERENCE] + [m for m in methods if m != REFERENCE]
+
+
+@dataclass(frozen=True)
+class RunSettings:
+    """Everything a result depends on besides the example and the method: part of every cache key."""
+
+    model: str  # the engine's fingerprint
+    dataset: str
+    chunking: str
+    max_tokens: int
+    store: str
+
+
+@dataclass
+class MethodResult:
+    example_id: str
+    method: str
+    score: float  # F1 or Rouge-L against gold
+    agreement: float  # token F1 with full prefill's output
+    gold_loglik: float  # mean log-probability of the (first) gold answer's tokens
+    first_token_kl: float  # KL(full || method), nats
+    ttft: float  # seconds: the faster of the timed prefill and the generation's
+    recompute_share: float | None  # as reported by the engine
+    output: str
+    stats: dict = field(default_factory=dict)
+
+
+class ResultCache:
+    """Per-example results, one JSON line each, appended as they come so an interrupted run resumes."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.records: dict[str, MethodResult] = {}
+        if path.is_file():
+            for line in path.read_text(encoding="utf-8").splitlines():
+                # a line cut by a run killed mid-write, or of an older layout, is recomputed
+                try:
+                    entry = json.loads(line)
+                    self.records[entry["key"]] = MethodResult(**entry["result"])
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    continue
+
+    @staticmethod
+    def key(settings: RunSettings, example_id: str, method: str) -> str:
+        return json.dumps({**asdict(settings), "id": example_id, "method": method}, sort_keys=True)
+
+    def get(self, key: str) -> MethodResult | None:
+        return self.records.get(key)
+
+    def put(self, key: str, result: MethodResult) -> None:
+        self.records[key] = result
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps({"key": key, "result": asdict(result)}) + "\n")
+
+
+def _scalar_stats(stats: dict) -> dict:
+    return {k: v for k, v in (stats or {}).items() if isinstance(v, (int, float, str, bool)) or v is None}
+
+
+class ExampleRun:
+    """One example: its request, compiled once, and the reference (full prefill) every method is compared to."""
+
+    def __init__(self, engine: Engine, prompt: ChunkedPrompt, dataset: Dataset, max_tokens: int):
+        self.engine, self.prompt, self.dataset = engine, prompt, dataset
+        self.sampling = SamplingParams(max_tokens=max_tokens)
+        self.request = engine.build_request(chunks=prompt.chunks, question=prompt.question)
+        self.reference_logits: torch.Tensor | None = None
+        self.reference_output: str | None = None
+
+    def use_cached_reference(self, cached: MethodResult) -> None:
+        """Full prefill's first-token logits are not cached (a vocabulary-sized vector per example), so they
+        are recomputed whenever another method of this example still has to run."""
+        self.reference_logits = self.engine.prefill(self.request, method=REFERENCE).logits
+        self.reference_output = cached.output
+
+    def measure(self, method: str) -> MethodResult:
+        out = self.engine.prefill(self.request, method=method)
+        generation = self.engine.generate(self.request, method=method, sampling=self.sampling)
+        output = first_line(generation.text) if self.dataset.first_line else generation.text.strip()
+        if method == REFERENCE:
+            self.reference_logits, self.reference_output = out.logits, output
+        logprobs = self.engine.answer_logprobs(self.request, method, self.prompt.answers[0])
+        stats = _scalar_stats(out.stats)
+        return MethodResult(
+            example_id=self.prompt.id,
+            method=method,
+            score=task_score(self.prompt.task, output, self.prompt.answers),
+            agreement=agreement(self.reference_output, output),
+            gold_loglik=mean_log_likelihood(logprobs),
+            first_token_kl=first_token_kl(self.reference_logits, out.logits),
+            # the better of the two prefills run anyway: one stall of a busy machine does not make the figure
+            ttft=min(float(out.ttft), float(generation.ttft)),
+            recompute_share=stats.get("recompute_share"),
+            output=output,
+            stats=stats,
+        )
+
+
+def run(
+    engine: Engine,
+    dataset: Dataset,
+    methods: list[str],
+    settings: RunSettings,
+    cache: ResultCache,
+    progress: bool = True,
+) -> list[MethodResult]:
+    """Evaluate `methods` (full first) on every prompt, skipping what `cache` holds already."""
+    assert methods[0] == REFERENCE, "full prefill must run first: it is every other method's reference"
+    results: list[MethodResult] = []
+    warmed = False
+    with ProgressBar(progress, f"eval {dataset.name}", len(dataset.prompts) * len(methods)) as bar:
+        for prompt in dataset.prompts:
+            keys = {m: ResultCache.key(settings, prompt.id, m) for m in methods}
+            todo = [m for m in methods if cache.get(keys[m]) is None]
+            bar.advance(len(methods) - len(todo), f"{prompt.id}: cached")
+            if todo:
+                bar.advance(0, f"{prompt.id}: compile")
+                example = ExampleRun(engine, prompt, dataset, settings.max_tokens)
+                engine.compile(example.request, methods=todo)
+                if not warmed:  # the first prefill of a process pays one-off costs; keep them out of TTFT
+                    engine.prefill(example.request, method=REFERENCE)
+                    warmed = True
+                if REFERENCE not in todo:  # otherwise measuring full, first in `todo`, sets the reference
+                    example.use_cached_reference(cache.get(keys[REFERENCE]))
+                for method in todo:
+                    bar.advance(0, f"{prompt.id}: {method}")
+                    cache.put(keys[method], example.measure(method))
+                    bar.advance(1)
+            results += [cache.get(keys[m]) for m in methods]
+    return results
+
+
+class ProgressBar:
+    """A rich progress bar on stderr, advanced per (example, method) since one example can take minutes;
+    a no-op when disabled."""
+
+    def __init__(self, enabled: bool, description: str, total: int):
+        self.bar, self.description = None, description
+        if enabled:
+            from rich.console import Console
+            from rich.progress import Progress
+
+            self.bar = Progress(console=Console(stderr=True))
+            self.task = self.bar.add_task(description, total=total)
+
+    def __enter__(self) -> ProgressBar:
+        if self.bar:
+            self.bar.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar:
+            self.bar.stop()
+
+    def advance(self, steps: int, status: str | None = None) -> None:
+        if self.bar:
+            description = f"{self.description} {status}" if status else None
+            self.bar.update(self.task, advance=steps, description=description)
+
+
+@dataclass
+class MethodSummary:
+    method: str
+    examples: int
+    score: float
+    agreement: float
+    gold_loglik: float
+    first_token_kl: float
+    recompute_share: float | None
+    ttft_mean: float
+    ttft_median: float
+    ttft_p90: float
+    speedup: float  # full's median TTFT / this method's, over the same examples of the same run
+
+
+def _percentile(values: list[float], q: float) -> float:
+    return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
+
+
+def aggregate(results: list[MethodResult], methods: list[str]) -> list[MethodSummary]:
+    by_method = {m: [r for r in results if r.method == m] for m in methods}
+    reference_median = statistics.median(r.ttft for r in by_method[REFERENCE])
+    summaries = []
+    for method, rows in by_method.items():
+        shares = [r.recompute_share for r in rows if r.recompute_share is not None]
+        ttfts = [r.ttft for r in rows]
+        summaries.append(
+            MethodSummary(
+                method=method,
+                examples=len(rows),
+                score=statistics.fmean(r.score for r in rows),
+                agreement=statistics.fmean(r.agreement for r in rows),
+                gold_loglik=statistics.fmean(r.gold_loglik for r in rows),
+                first_token_kl=statistics.fmean(r.first_token_kl for r in rows),
+                recompute_share=statistics.fmean(shares) if shares else None,
+                ttft_mean=statistics.fmean(ttfts),
+                ttft_median=statistics.median(ttfts),
+                ttft_p90=_percentile(ttfts, 0.9),
+                speedup=reference_median / statistics.median(ttfts),
+            )
+        )
+    return summaries

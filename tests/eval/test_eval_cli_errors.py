@@ -1,0 +1,38 @@
+"""Bad input to `kvreuse eval` fails fast, before any model loads, with a message naming what is wrong."""
+
+import pytest
+
+from kvreuse.cli import main
+
+from .support import DATASETS
+
+QA_FILE = str(DATASETS / "2wikimqa.jsonl")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--dataset", "no/such/file.jsonl"], "dataset file 'no/such/file.jsonl' does not exist"),
+        (["--dataset", QA_FILE, "--methods", "full,,naive"], "--methods: empty entry in 'full,,naive'"),
+        (["--dataset", QA_FILE, "--methods", "cacheblend=0.15"], "unknown method 'cacheblend=0.15'"),
+        (["--dataset", QA_FILE, "--chunking", "fixed:abc"], "chunking 'fixed:abc' is neither"),
+    ],
+)
+def test_bad_input_is_a_clear_error(argv, message, capsys):
+    assert main(["eval", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvreuse: error: ") and message in err and "Traceback" not in err
+
+
+def test_unknown_schema_is_named(tmp_path, capsys):
+    odd = tmp_path / "odd.jsonl"
+    odd.write_text('{"id": "1", "prompt": "hello"}\n')
+    assert main(["eval", "--dataset", str(odd)]) == 2
+    assert "unknown dataset schema" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("option", ["--limit", "--max-tokens"])
+def test_counts_must_be_positive(option, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["eval", "--dataset", QA_FILE, option, "0"])
+    assert exit_info.value.code == 2 and "expected a whole number >= 1, got '0'" in capsys.readouterr().err

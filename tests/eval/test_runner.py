@@ -1,0 +1,114 @@
+import pytest
+import torch
+
+from kvreuse.eval.datasets import ChunkedPrompt, Dataset
+from kvreuse.eval.runner import MethodResult, MethodSpecError, ResultCache, RunSettings, aggregate, parse_methods, run
+
+from .support import FakeEngine
+
+METHODS = ["full", "naive", "cacheblend:0.15"]
+SETTINGS = RunSettings(model="fake-model", dataset="toy", chunking="passage", max_tokens=8, store="memory")
+
+
+def toy_dataset(n: int = 2) -> Dataset:
+    prompts = [
+        ChunkedPrompt(f"q{i}", ["Passage 1: A\na", "Passage 2: B\nb"], "Question: ?\nAnswer:", ["Free Guy"], "qa")
+        for i in range(n)
+    ]
+    return Dataset("toy", "qa", prompts, max_tokens=32, first_line=True)
+
+
+def test_parse_methods_puts_full_first():
+    assert parse_methods("naive,cacheblend:0.15,full,legolink0") == ["full", "naive", "cacheblend:0.15", "legolink0"]
+    assert parse_methods("naive") == ["full", "naive"]
+
+
+@pytest.mark.parametrize(
+    "spec", ["", "naive,,full", "cacheblend:x", "cacheblend:2", "naive:3", "Naive", "blend:0.1", "naive,naive"]
+)
+def test_parse_methods_rejects_bad_lists(spec):
+    with pytest.raises(MethodSpecError, match="--methods"):
+        parse_methods(spec)
+
+
+def test_run_measures_every_method_against_full(tmp_path):
+    results = run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)
+    full, naive, blend = results
+    assert [r.method for r in results] == METHODS
+    assert (full.output, full.agreement, full.first_token_kl, full.score) == ("Free Guy", 1.0, 0.0, 1.0)
+    assert (naive.agreement, naive.score) == (0.0, 0.0)
+    assert blend.agreement == pytest.approx(0.8)  # "free guy film" vs "Free Guy"
+    # KL(full || naive): full is softmax([2, 0, 0]), naive is uniform over 3 tokens
+    p = torch.softmax(torch.tensor([2.0, 0.0, 0.0], dtype=torch.float64), 0)
+    assert naive.first_token_kl == pytest.approx(float((p * (p * 3).log()).sum()))
+    assert blend.first_token_kl > 0
+    assert full.gold_loglik == pytest.approx(-3.0) and naive.gold_loglik == pytest.approx(-1.5)
+    assert (blend.ttft, blend.recompute_share) == (0.2, 0.15)
+
+
+@pytest.mark.parametrize("slowdown, expected", [(3.0, 0.1), (0.5, 0.05)])
+def test_ttft_is_the_faster_of_the_two_prefills(tmp_path, slowdown, expected):
+    engine = FakeEngine(generation_slowdown=slowdown)
+    naive = run(engine, toy_dataset(1), ["full", "naive"], SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)[1]
+    assert naive.ttft == pytest.approx(expected)
+
+
+def test_run_resumes_from_the_cache_file(tmp_path):
+    path = tmp_path / "r.jsonl"
+    first = run(FakeEngine(), toy_dataset(), METHODS, SETTINGS, ResultCache(path), False)
+    with path.open("a") as f:
+        f.write('{"key": "older layout", "result": {"score": 1}}\n')
+        f.write('{"key": "half a line')  # a run killed mid-write
+
+    again = FakeEngine()
+    assert run(again, toy_dataset(), METHODS, SETTINGS, ResultCache(path), False) == first
+    assert sum(again.calls.values()) == 0
+
+
+def test_a_method_added_later_runs_alone_against_recomputed_reference_logits(tmp_path):
+    path = tmp_path / "r.jsonl"
+    complete = run(FakeEngine(), toy_dataset(), METHODS, SETTINGS, ResultCache(tmp_path / "complete.jsonl"), False)
+    run(FakeEngine(), toy_dataset(), ["full", "naive"], SETTINGS, ResultCache(path), False)
+
+    later = FakeEngine()
+    assert run(later, toy_dataset(), METHODS, SETTINGS, ResultCache(path), False) == complete
+    generated = {key[1] for key in later.calls if key[0] == "generate"}
+    assert generated == {"cacheblend:0.15"}
+    assert later.calls[("prefill", "full")] >= 2  # full's logits, once per example (plus one warm-up)
+
+
+def test_a_changed_setting_is_a_new_key(tmp_path):
+    path = tmp_path / "r.jsonl"
+    run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(path), False)
+    engine = FakeEngine()
+    changed = RunSettings(**{**SETTINGS.__dict__, "max_tokens": 16})
+    run(engine, toy_dataset(1), METHODS, changed, ResultCache(path), False)
+    assert engine.calls[("generate", "naive")] == 1
+
+
+def test_aggregate_per_method(tmp_path):
+    results = run(FakeEngine(), toy_dataset(), METHODS, SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)
+    summary = {s.method: s for s in aggregate(results, METHODS)}
+    assert summary["full"].examples == 2 and summary["full"].agreement == 1.0
+    assert summary["naive"].speedup == pytest.approx(4.0)  # 0.4 s / 0.1 s
+    assert summary["cacheblend:0.15"].speedup == pytest.approx(2.0)
+    assert summary["cacheblend:0.15"].recompute_share == pytest.approx(0.15)
+    assert summary["cacheblend:0.15"].agreement == pytest.approx(0.8)
+
+
+def test_aggregate_ttft_statistics():
+    def result(method, ttft, score):
+        return MethodResult("q", method, score, 1.0, -1.0, 0.0, ttft, None, "", {})
+
+    results = [result("full", 1.0, 0.5)] + [result("naive", t, i % 2) for i, t in enumerate([0.1, 0.2, 0.3, 0.4, 1.0])]
+    naive = aggregate(results, ["full", "naive"])[1]
+    assert (naive.examples, naive.score, naive.recompute_share) == (5, pytest.approx(0.4), None)
+    assert naive.ttft_mean == pytest.approx(0.4) and naive.ttft_median == pytest.approx(0.3)
+    assert naive.ttft_p90 == pytest.approx(0.76)  # linear interpolation between 0.4 and 1.0
+    assert naive.speedup == pytest.approx(1.0 / 0.3)
+
+
+def test_progress_bar_names_the_example_and_method(tmp_path, capsys):
+    run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(tmp_path / "r.jsonl"), progress=True)
+    err = capsys.readouterr().err
+    assert "eval toy q0: cacheblend:0.15" in err and "100%" in err
