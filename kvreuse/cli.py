@@ -81,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvreuse", description="Reuse KV caches of long prompts.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    gen = commands.add_parser("generate", help="generate a chat answer with full prefill, print text and TTFT")
+    gen = commands.add_parser(
+        "generate", help="answer a prompt, optionally over reusable documents; print the text and its TTFT"
+    )
     _add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="the question or instruction (fresh text)")
     gen.add_argument("--document", action="append", default=[], metavar="FILE",
