@@ -56,6 +56,12 @@ def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     return q_pos.shape == k_pos.shape and bool(torch.equal(q_pos, k_pos)) and bool((q_pos.diff() > 0).all())
 
 
+def _keys_are_positions(k_pos: torch.Tensor) -> bool:
+    """Key row i holds position i (a prompt laid out in order), so a query's position is also its row."""
+    n = k_pos.numel()
+    return int(k_pos[0]) == 0 and int(k_pos[-1]) == n - 1 and bool((k_pos.diff() == 1).all())
+
+
 class LayerwiseModel:
     def __init__(self, hf_model: nn.Module):
         self.hf_model = hf_model.eval()
@@ -109,11 +115,19 @@ class LayerwiseModel:
         """Rotated queries [n, Hq, D] over rotated keys/values [m, Hkv, D], exact causal mask by global
         position whatever the row order; returns [n, Hq * D]."""
         window = self.windows[layer]
-        mask, causal = None, False
         if window is None and _is_plain_causal(q_pos, k_pos):
-            causal = True
-        elif window is not None or bool(k_pos.max() > q_pos.min()):
-            mask = attention_mask(q_pos, k_pos, window)
+            return self._sdpa(layer, q, keys, values, None, True)
+        if window is None and 2 * q.shape[0] > keys.shape[0] and _keys_are_positions(k_pos):
+            # Many queries over a prompt in order: SDPA's causal kernel skips the masked blocks, which a general
+            # mask cannot, so place the queries at their rows and take them back out afterwards.
+            padded = q.new_zeros((keys.shape[0], *q.shape[1:]))
+            padded[q_pos] = q
+            return self._sdpa(layer, padded, keys, values, None, True)[q_pos]
+        visible_to_all = window is None and bool(k_pos.max() <= q_pos.min())  # e.g. decoding
+        mask = None if visible_to_all else attention_mask(q_pos, k_pos, window)
+        return self._sdpa(layer, q, keys, values, mask, False)
+
+    def _sdpa(self, layer, q, keys, values, mask, causal) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],
             keys.transpose(0, 1)[None],

@@ -68,8 +68,9 @@ def store_in_context_kv(engine, request: Request, method: str, ranking_seed: int
     engine.store.flush()
 
 
-@pytest.mark.parametrize("method", ["cachetune:0.3", "cacheblend:0.3", "legolink:5"])
+@pytest.mark.parametrize("method", ["cachetune:0.3", "cachetune:0.8", "cacheblend:0.3", "legolink:5"])
 def test_scattered_recomputed_rows_use_an_exact_causal_mask(tiny_engine, rag_request, method):
+    # cachetune:0.8 selects over half the rows: attention then runs SDPA's causal kernel on padded queries
     request = rag_request()
     store_in_context_kv(tiny_engine, request, method, ranking_seed=7)
     out = tiny_engine.prefill(request, method)
