@@ -48,7 +48,7 @@ def _tier_specs(tiers: list[str], scratch: str) -> dict[str, str]:
 
 def _read_all_seconds(engine: ReuseEngine, request: Request, method: str) -> tuple[float, int]:
     """Time to read every stored entry of the request whole from this tier: the load side of the limit."""
-    keys = [p.key for p in engine._place(request, parse_method(method), set()) if p.hit]
+    keys = [p.key for p in engine.lookup(request, parse_method(method)) if p.hit]
     start = time.perf_counter()
     entries = [engine.store.get(k) for k in keys]
     elapsed = time.perf_counter() - start

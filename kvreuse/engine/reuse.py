@@ -73,19 +73,21 @@ class ReuseEngine:
 
     # ---- store lookups and compilation ----------------------------------------------------------------
 
-    def _key(self, segment: Segment, method: Method) -> str:
+    def key_of(self, segment: Segment, method: Method) -> str:
         # The exact prefix is always compiled plainly at offset 0, which is where it sits: its KV is exact.
         mode = method.compile_mode if segment.kind == SegmentKind.CHUNK else "plain"
         space = KeySpace(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint, self.salt, mode)
         return chunk_key(segment.token_ids, space)
 
-    def _place(self, request: Request, method: Method, lost: set[str]) -> list[PlacedSegment]:
+    def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset()) -> list[PlacedSegment]:
+        """Each segment of `request` with its store key and whether the store holds it (keys in `lost` are
+        treated as misses: entries found unreadable during this request)."""
         placed = []
         for segment in request.segments:
             if segment.kind == SegmentKind.FRESH:
                 placed.append(PlacedSegment(segment))
                 continue
-            key = self._key(segment, method)
+            key = self.key_of(segment, method)
             meta = None if key in lost else self.store.meta(key, with_extras=method.needs_ranking)
             placed.append(PlacedSegment(segment, key, meta is not None, None if meta is None else meta.ranking))
         return placed
@@ -100,7 +102,7 @@ class ReuseEngine:
         methods need; returns how many entries were written. Waits until they are readable."""
         written = 0
         for method in {parse_method(m).compile_mode: parse_method(m) for m in methods or [None]}.values():
-            for p in self._place(request, method, lost=set()):
+            for p in self.lookup(request, method):
                 if p.key is not None and not p.hit:
                     self._compile(p.segment, p.key, method)
                     written += 1
@@ -136,7 +138,7 @@ class ReuseEngine:
         started = time.perf_counter()
         lost: set[str] = set()
         while True:
-            placed = self._place(request, policy, lost)
+            placed = self.lookup(request, policy, lost)
             try:
                 result: FusionResult = self.executor.run(
                     policy.plan(request, placed), request.token_ids, extra_capacity

@@ -66,7 +66,7 @@ def test_entry_lost_after_lookup_is_recomputed(slow_engine, rag_request):
     request = rag_request()
     engine.compile(request, ["naive"])
     reference = engine.prefill(request, "naive")
-    lost_chunk = next(p for p in engine._place(request, parse_method("naive"), set()) if p.key and p.segment.start)
+    lost_chunk = next(p for p in engine.lookup(request, parse_method("naive")) if p.key and p.segment.start)
     store.lost.add(lost_chunk.key)  # still listed by meta(), but every read of it fails
     out = engine.prefill(request, "naive")
     assert out.stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK)) - 1
