@@ -43,6 +43,12 @@ class PrefillResult:
     values: torch.Tensor | None = None
 
 
+# Query groups for attention of scattered rows: enough groups to skip most masked-out keys, each big enough
+# for the attention kernel to run efficiently.
+MAX_QUERY_GROUPS = 8
+MIN_QUERIES_PER_GROUP = 16
+
+
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
     """Boolean [n_q, n_k]: a query at position p sees keys at positions <= p (and > p - window, if any)."""
     allowed = k_pos[None, :] <= q_pos[:, None]
@@ -117,15 +123,33 @@ class LayerwiseModel:
         window = self.windows[layer]
         if window is None and _is_plain_causal(q_pos, k_pos):
             return self._sdpa(layer, q, keys, values, None, True)
-        if window is None and 2 * q.shape[0] > keys.shape[0] and _keys_are_positions(k_pos):
-            # Many queries over a prompt in order: SDPA's causal kernel skips the masked blocks, which a general
-            # mask cannot, so place the queries at their rows and take them back out afterwards.
-            padded = q.new_zeros((keys.shape[0], *q.shape[1:]))
-            padded[q_pos] = q
-            return self._sdpa(layer, padded, keys, values, None, True)[q_pos]
         visible_to_all = window is None and bool(k_pos.max() <= q_pos.min())  # e.g. decoding
-        mask = None if visible_to_all else attention_mask(q_pos, k_pos, window)
-        return self._sdpa(layer, q, keys, values, mask, False)
+        if visible_to_all:
+            return self._sdpa(layer, q, keys, values, None, False)
+        if _keys_are_positions(k_pos) and bool((q_pos.diff() > 0).all()):
+            if window is None and 2 * q.shape[0] > keys.shape[0]:
+                # Many queries over a prompt in order: SDPA's causal kernel skips the masked blocks, which a
+                # general mask cannot, so place the queries at their rows and take them back out afterwards.
+                padded = q.new_zeros((keys.shape[0], *q.shape[1:]))
+                padded[q_pos] = q
+                return self._sdpa(layer, padded, keys, values, None, True)[q_pos]
+            return self._attend_in_groups(layer, q, q_pos, keys, values, window)
+        return self._sdpa(layer, q, keys, values, attention_mask(q_pos, k_pos, window), False)
+
+    def _attend_in_groups(self, layer, q, q_pos, keys, values, window) -> torch.Tensor:
+        """Few sorted queries scattered over a prompt in order: a masked kernel would score every query against
+        every key, twice the work causality needs on average. Groups of neighbouring queries attend only the
+        key rows they can see (rows are positions here), which cuts most of that waste."""
+        groups = max(1, min(MAX_QUERY_GROUPS, q.shape[0] // MIN_QUERIES_PER_GROUP))
+        bounds = torch.linspace(0, q.shape[0], groups + 1).long().tolist()
+        outputs = []
+        for first, end in zip(bounds, bounds[1:]):
+            group_pos = q_pos[first:end]
+            lo = 0 if window is None else max(0, int(group_pos[0]) - window + 1)
+            hi = int(group_pos[-1]) + 1
+            mask = attention_mask(group_pos, torch.arange(lo, hi, device=q_pos.device), window)
+            outputs.append(self._sdpa(layer, q[first:end], keys[lo:hi], values[lo:hi], mask, False))
+        return torch.cat(outputs)
 
     def _sdpa(self, layer, q, keys, values, mask, causal) -> torch.Tensor:
         out = F.scaled_dot_product_attention(

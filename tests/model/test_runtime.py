@@ -46,6 +46,27 @@ def test_scattered_query_rows_see_only_earlier_positions(tiny_model, prompt_ids)
     torch.testing.assert_close(subset, everything[rows], atol=1e-5, rtol=0)
 
 
+@torch.inference_mode()
+def test_few_sorted_query_rows_attend_in_groups_exactly(tiny_model):
+    """Sorted scattered rows, fewer than half the prompt: the grouped path (each group of queries attends only
+    the keys up to its last position, or its window) must equal one masked attention over every key."""
+    model = tiny_model
+    ids = torch.randint(3, 256, (200,), generator=torch.Generator().manual_seed(2))
+    full = model.prefill(ids)
+    positions = torch.arange(ids.numel())
+    # 70 rows: several groups, and fewer than half the prompt (more would take the padded causal path)
+    rows = torch.randperm(ids.numel() - 1, generator=torch.Generator().manual_seed(3))[:70].sort().values
+    hidden = model.embed(ids[rows])
+    for layer in range(model.num_layers):
+        keys, values = full.cache.layer(layer)
+        q, _, _ = model.qkv(layer, hidden)
+        q = model.rope(q, model.rotary(rows))
+        out = model.attend(layer, q, rows, keys, values, positions)
+        mask = attention_mask(rows, positions, model.windows[layer])
+        torch.testing.assert_close(out, model._sdpa(layer, q, keys, values, mask, False), atol=1e-5, rtol=0)
+        hidden = model.finish_layer(layer, hidden, out)
+
+
 def test_attention_mask_is_causal_by_position_and_windowed():
     q_pos = torch.tensor([5, 1])
     k_pos = torch.tensor([0, 1, 2, 5, 6])
