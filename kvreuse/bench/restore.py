@@ -78,11 +78,25 @@ def stored_prompt(bench: BenchModel, stores: dict[str, TieredStore], prefix: int
     return ids
 
 
-def ideal_seconds(compute: dict, load: dict, remainder: float) -> float:
-    """min over split points k of max(compute of blocks < k, load of blocks >= k), plus the remainder."""
-    c = [compute[u] for u in sorted(compute) if u >= 0]
-    ld = [load[u] for u in sorted(load)]
-    return min(max(sum(c[:k]), sum(ld[k:])) for k in range(len(c) + 1)) + remainder
+def ideal_seconds(compute_spans: list, load_spans: list, remainder: float) -> float:
+    """min over split points x of max(compute of positions < x, load of positions >= x), plus the remainder.
+    Spans are [start, stop, seconds] of the same axis; a span's time is spread evenly over its positions, so
+    both sides are piecewise linear in x and the minimum lies at an edge or where the two cross."""
+
+    def before(spans: list, x: float) -> float:
+        return sum(t * min(1.0, max(0.0, (x - a) / (b - a))) for a, b, t in spans)
+
+    total_load = sum(t for _, _, t in load_spans)
+    edges = sorted({e for a, b, _ in compute_spans + load_spans for e in (a, b)})
+
+    def gap(x: float) -> float:  # compute before x minus load after x: rises with x
+        return before(compute_spans, x) - (total_load - before(load_spans, x))
+
+    candidates = list(edges)
+    for a, b in zip(edges, edges[1:]):
+        if gap(a) < 0 < gap(b):
+            candidates.append(a + (b - a) * -gap(a) / (gap(b) - gap(a)))
+    return min(max(before(compute_spans, x), total_load - before(load_spans, x)) for x in candidates) + remainder
 
 
 def _median(runs: list[dict], key: str = "total_seconds") -> float:
@@ -109,7 +123,6 @@ def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repea
                 for tier, strategy in variants[r % len(variants):] + variants[: r % len(variants)]:
                     restorer = restorers[tiers[0] if tier == "*" else tier]
                     runs.setdefault((tier, strategy), []).append(restorer.restore(ids, strategy).stats)
-                    restorer.quiesce()
             rows += [_length_row(bench, length, tier, runs, repeats) for tier in tiers]
             print(f"  {length} tokens done", flush=True)
     finally:
@@ -121,14 +134,13 @@ def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repea
 def _length_row(bench: BenchModel, length: int, tier: str, runs: dict, repeats: int) -> dict:
     compute, load = runs[("*", "compute")], runs[(tier, "load")]
     ideal = statistics.median(
-        ideal_seconds(c["compute_seconds"], ld["load_seconds"], c["total_seconds"] - c["restore_seconds"])
+        ideal_seconds(c["compute_spans"], ld["load_spans"], c["total_seconds"] - c["restore_seconds"])
         for c, ld in zip(compute, load)
     )
     row = {"tier": tier, "prefix": length, "ideal": ideal, "compute": _median(compute), "load": _median(load),
            "cake": _median(runs[(tier, "cake")]), "layerwise": _median(runs[(tier, "layerwise")]),
-           "cake_blocks_computed": statistics.median(r["units_computed"] for r in runs[(tier, "cake")]),
-           "blocks": compute[0]["units_computed"],
-           "layerwise_layers_computed": statistics.median(r["units_computed"] for r in runs[(tier, "layerwise")])}
+           "cake_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "cake")]),
+           "layerwise_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "layerwise")])}
     row["cacheflow_strategy"] = cacheflow_choice(bench.space, tier, length)
     row["cacheflow"] = row[row["cacheflow_strategy"]]
     return row
@@ -145,7 +157,6 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
     def per_request() -> list[float]:
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: restorer.restore(p, "cake"), prompts))
-        restorer.quiesce()
         return [r.stats["total_seconds"] for r in results]
 
     def batch_aware() -> list[float]:
@@ -180,7 +191,6 @@ def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: i
             runs: dict[str, list[dict]] = {"cake": [], "layerwise": []}
             for strategy in itertools.islice(itertools.cycle(runs), 2 * repeats):
                 runs[strategy].append(restorer.restore(ids, strategy).stats)
-                restorer.quiesce()
             token[length], layer[length] = _median(runs["cake"]), _median(runs["layerwise"])
     finally:
         stores[tier].close()
@@ -197,22 +207,24 @@ def _console() -> Console:
 
 def print_lengths(rows: list[dict], title: str) -> None:
     table = Table(title=title)
-    columns = ["tier", "prefix", "blocks", "ideal", "load-only", "compute-only", "cake", "layer-wise", "cacheflow",
-               "cake/ideal", "cacheflow/ideal", "cake/best base", "cake blocks computed", "layers computed"]
+    columns = ["tier", "prefix", "ideal", "load-only", "compute-only", "cake", "layer-wise", "cacheflow",
+               "cake/ideal", "cacheflow/ideal", "cake/best base", "cacheflow/best base", "cake tokens computed",
+               "layer-wise tokens computed"]
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         best = min(row["load"], row["compute"])
         table.add_row(
-            _tier_label(row["tier"]), str(row["prefix"]), str(row["blocks"]),
+            _tier_label(row["tier"]), str(row["prefix"]),
             *(f"{row[k] * 1e3:.0f}" for k in ("ideal", "load", "compute", "cake", "layerwise")),
             f"{row['cacheflow'] * 1e3:.0f} ({row['cacheflow_strategy'][:5]})",
             f"{row['cake'] / row['ideal']:.2f}", f"{row['cacheflow'] / row['ideal']:.2f}", f"{row['cake'] / best:.2f}",
-            f"{row['cake_blocks_computed']:g}", f"{row['layerwise_layers_computed']:g}",
+            f"{row['cacheflow'] / best:.2f}", f"{row['cake_tokens_computed']:g}",
+            f"{row['layerwise_tokens_computed']:g}",
         )
     _console().print(table)
     print("times: TTFT in ms (restore the prefix, compute the fresh turn, first-token logits), medians. "
-          "ideal = min over split points of max(compute of the first k blocks, load of the rest) + the fresh turn, "
+          "ideal = min over split points of max(compute of the prefix before it, load of the rest) + the fresh turn, "
           "from the same repeat's compute-only and load-only per-block times. best base = min(load-only, compute-only).")
 
 

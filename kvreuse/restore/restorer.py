@@ -17,7 +17,6 @@ Pipeline-stage restoration runs one process per stage: see `stages.restore_stage
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -28,7 +27,7 @@ from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import profile
 from kvreuse.restore.job import Block, Capture, HiddenSource, IOChannels, LayerAxis, PrefixJob, TokenAxis
-from kvreuse.restore.units import UnitLog, two_pointer
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, UnitLog, two_pointer
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, prefix_block_keys
@@ -72,14 +71,18 @@ class PrefixRestorer:
         *,
         boundary_stages: Sequence[int] = (2,),
         channels: IOChannels | None = None,
+        compute_run: int = DEFAULT_COMPUTE_RUN,
     ):
         """boundary_stages: the stage counts whose boundary activations are stored with each block, so that
-        a deployment with that many pipeline stages can restore every stage at once."""
+        a deployment with that many pipeline stages can restore every stage at once. compute_run: tokens' worth
+        of work the compute side claims at a time (the I/O side claims stored blocks)."""
+        if compute_run < 1:
+            raise ValueError(f"compute_run must be at least 1 token, got {compute_run}")
         self.model, self.store, self.key_space, self.block_size = model, store, key_space, block_size
+        self.compute_run = compute_run
         starts = {s for n in boundary_stages for s in stage_starts(model.num_layers, n)}
         self.boundary_layers = sorted(starts - {0})  # layer 0's input is the embedding: never stored
         self.channels = channels or IOChannels()
-        self._workers: list[threading.Thread] = []
 
     # ---- lookup ---------------------------------------------------------------------------------------
 
@@ -149,9 +152,7 @@ class PrefixRestorer:
         blocks = self.plan(ids)
         strategy = self.choose(strategy, blocks)
         job = self.new_job(ids, blocks, cache_capacity)
-        axis, compute, load = STRATEGIES[strategy]
-        log = two_pointer(axis(job), compute=compute, load=load)
-        self._workers = [w for w in self._workers + log.workers if w.is_alive()]
+        axis, log = self.run_strategy(strategy, job)
         restored = time.perf_counter()
         capture = Capture(self.boundary_layers) if write_back else None
         remainder = slice(job.prefix_length, len(ids))
@@ -159,15 +160,14 @@ class PrefixRestorer:
         logits = self.model.logits(hidden[-1:])[0]
         done = time.perf_counter()
         written = self._write_back(ids, remainder, capture) if capture else 0
-        stats = restore_stats(strategy, job, log, restore=restored - started, total=done - started)
+        stats = restore_stats(strategy, job, axis, log, restore=restored - started, total=done - started)
         return RestoreResult(logits, job.cache, dict(stats, blocks_written=written))
 
-    def quiesce(self) -> None:
-        """Wait for the workers that lost a race for a last unit to stop (they write nothing, but use a core):
-        for benchmarks, so that one run's leftovers do not slow the next."""
-        for worker in self._workers:
-            worker.join()
-        self._workers = []
+    def run_strategy(self, strategy: str, job: PrefixJob) -> tuple[Axis, UnitLog]:
+        """Bring `job`'s prefix into its cache with `strategy` (not auto); returns the axis it ran along."""
+        axis_type, compute, load = STRATEGIES[strategy]
+        axis = axis_type(job)
+        return axis, two_pointer(axis, compute=compute, load=load, compute_run=self.compute_run)
 
     # ---- storing --------------------------------------------------------------------------------------
 
@@ -205,13 +205,13 @@ class PrefixRestorer:
         return KVEntry(key, k.cpu().contiguous(), v.cpu().contiguous(), meta)
 
 
-def restore_stats(strategy: str, job: PrefixJob, log: UnitLog, **seconds: float) -> dict:
+def restore_stats(strategy: str, job: PrefixJob, axis: Axis, log: UnitLog, **seconds: float) -> dict:
     return {
         "strategy": strategy,
         "prompt_tokens": len(job.token_ids),
         "prefix_tokens": job.prefix_length,
         "bytes_loaded": job.bytes_loaded,
-        **log.summary(),
+        **log.summary(axis),
         **{f"{name}_seconds": value for name, value in seconds.items()},
     }
 
