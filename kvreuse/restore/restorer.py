@@ -43,6 +43,23 @@ STRATEGIES = {
 
 
 @dataclass
+class PrefixRestoration:
+    """A stored prefix brought back into a new cache of the whole prompt (row r at position r): rows
+    [0, rows) hold every layer's exact KV, the later rows are for the caller to fill."""
+
+    job: PrefixJob
+    stats: dict
+
+    @property
+    def cache(self) -> KVCache:
+        return self.job.cache
+
+    @property
+    def rows(self) -> int:
+        return self.job.prefix_length
+
+
+@dataclass
 class RestoreResult:
     logits: torch.Tensor  # [vocab]: next-token logits after the last prompt token
     cache: KVCache  # the whole prompt's KV, row r at position r, ready for decoding
@@ -108,9 +125,12 @@ class PrefixRestorer:
         """Length in tokens of the longest stored prefix of `token_ids` (whole blocks)."""
         return len(self.stored_blocks(token_ids)) * self.block_size
 
-    def plan(self, token_ids: Sequence[int] | torch.Tensor) -> list[Block]:
-        """The stored blocks a restoration uses, clipped so that the last prompt token is always computed."""
+    def plan(self, token_ids: Sequence[int] | torch.Tensor, max_tokens: int | None = None) -> list[Block]:
+        """The stored blocks a restoration uses, clipped so that the last prompt token is always computed;
+        whole blocks within the first `max_tokens` tokens only, if given."""
         end = len(token_ids) - 1
+        if max_tokens is not None:
+            token_ids = token_ids[: max_tokens - max_tokens % self.block_size]
         blocks = []
         for i, (key, tier) in enumerate(self.stored_blocks(token_ids)):
             start = i * self.block_size
@@ -142,26 +162,36 @@ class PrefixRestorer:
                          layers=layers or range(self.model.num_layers), hidden_in=hidden_in)
 
     @torch.inference_mode()
+    def restore_prefix(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto",
+                       cache_capacity: int | None = None, *, max_tokens: int | None = None) -> PrefixRestoration:
+        """Bring back the longest stored prefix of `token_ids` (whole blocks within `max_tokens`, never the
+        last token) into a new cache for the whole prompt; the rows after it are left to the caller."""
+        started = time.perf_counter()
+        ids = _as_ids(token_ids, self.model.device)
+        blocks = self.plan(ids, max_tokens)
+        strategy = self.choose(strategy, blocks)
+        job = self.new_job(ids, blocks, cache_capacity)
+        axis, log = self.run_strategy(strategy, job)
+        return PrefixRestoration(job, restore_stats(strategy, job, axis, log, restore=time.perf_counter() - started))
+
+    @torch.inference_mode()
     def restore(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto",
                 cache_capacity: int | None = None, *, write_back: bool = False) -> RestoreResult:
         """Restore the stored prefix of `token_ids` and compute the rest; the last token is always computed.
 
         write_back: store the prompt's whole blocks that were not stored (computed here anyway)."""
         started = time.perf_counter()
-        ids = _as_ids(token_ids, self.model.device)
-        blocks = self.plan(ids)
-        strategy = self.choose(strategy, blocks)
-        job = self.new_job(ids, blocks, cache_capacity)
-        axis, log = self.run_strategy(strategy, job)
-        restored = time.perf_counter()
+        restoration = self.restore_prefix(token_ids, strategy, cache_capacity)
+        job = restoration.job
+        ids = job.token_ids
         capture = Capture(self.boundary_layers) if write_back else None
         remainder = slice(job.prefix_length, len(ids))
         hidden = job.compute_rows(remainder, capture)
         logits = self.model.logits(hidden[-1:])[0]
         done = time.perf_counter()
         written = self._write_back(ids, remainder, capture) if capture else 0
-        stats = restore_stats(strategy, job, axis, log, restore=restored - started, total=done - started)
-        return RestoreResult(logits, job.cache, dict(stats, blocks_written=written))
+        stats = dict(restoration.stats, total_seconds=done - started, blocks_written=written)
+        return RestoreResult(logits, job.cache, stats)
 
     def run_strategy(self, strategy: str, job: PrefixJob) -> tuple[Axis, UnitLog]:
         """Bring `job`'s prefix into its cache with `strategy` (not auto); returns the axis it ran along."""
@@ -171,17 +201,10 @@ class PrefixRestorer:
 
     # ---- storing --------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def store_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> int:
-        """Compute `token_ids` and store each whole block the store lacks, with its boundary activations;
-        returns how many blocks were written."""
-        ids = _as_ids(token_ids, self.model.device)
-        job = self.new_job(ids, [])
-        capture = Capture(self.boundary_layers)
-        rows = slice(0, len(ids) - len(ids) % self.block_size)
-        if rows.stop:
-            job.compute_rows(rows, capture)
-        return self._write_back(ids, rows, capture)
+        """Store each whole block of `token_ids` the store lacks, with its boundary activations: the stored
+        prefix is loaded, the rest computed. Returns how many blocks were written."""
+        return self.restore(token_ids, "load", write_back=True).stats["blocks_written"]
 
     def _write_back(self, ids: torch.Tensor, rows: slice, capture: Capture) -> int:
         """Put the whole blocks inside `rows` (whose KV and boundaries `capture` holds) that are not stored."""
@@ -206,12 +229,15 @@ class PrefixRestorer:
 
 
 def restore_stats(strategy: str, job: PrefixJob, axis: Axis, log: UnitLog, **seconds: float) -> dict:
+    summary = log.summary(axis)
+    for side in ("tokens_computed_by_tier", "tokens_loaded_by_tier"):
+        summary[side] = {profile.tier_label(job.store, tier): tokens for tier, tokens in summary[side].items()}
     return {
         "strategy": strategy,
         "prompt_tokens": len(job.token_ids),
         "prefix_tokens": job.prefix_length,
         "bytes_loaded": job.bytes_loaded,
-        **log.summary(axis),
+        **summary,
         **{f"{name}_seconds": value for name, value in seconds.items()},
     }
 

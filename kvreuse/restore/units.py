@@ -188,17 +188,22 @@ class UnitLog:
             self.recovery_seconds = time.perf_counter() - start
 
     def summary(self, axis: Axis) -> dict:
-        def tokens(spans: list[Span]) -> float:
-            return sum(len(s) for s in spans) / axis.positions_per_token
+        """Tokens computed and loaded (in whole-token equivalents on the layer axis), also per store tier."""
 
-        loaded_by_tier: dict[int, float] = {}
-        for span, _ in self.loaded:
-            tier = axis.tier(span.start)
-            loaded_by_tier[tier] = loaded_by_tier.get(tier, 0) + len(span) / axis.positions_per_token
+        def by_tier(spans: list[Span]) -> dict[int, float]:
+            positions: dict[int, int] = {}
+            for span in spans:
+                tier = axis.tier(span.start)
+                positions[tier] = positions.get(tier, 0) + len(span)
+            return {tier: n / axis.positions_per_token for tier, n in sorted(positions.items())}
+
+        computed = [s for s, _ in self.computed] + self.failed
+        loaded = [s for s, _ in self.loaded]
         return {
-            "tokens_computed": tokens([s for s, _ in self.computed] + self.failed),
-            "tokens_loaded": tokens([s for s, _ in self.loaded]),
-            "tokens_loaded_by_tier": dict(sorted(loaded_by_tier.items())),
+            "tokens_computed": sum(len(s) for s in computed) / axis.positions_per_token,
+            "tokens_loaded": sum(len(s) for s in loaded) / axis.positions_per_token,
+            "tokens_computed_by_tier": by_tier(computed),
+            "tokens_loaded_by_tier": by_tier(loaded),
             "spans_computed": len(self.computed),
             "spans_loaded": len(self.loaded),
             "spans_failed": [[s.start, s.stop] for s in sorted(self.failed, key=lambda s: s.start)],
