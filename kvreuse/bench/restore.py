@@ -78,6 +78,13 @@ def stored_prompt(bench: BenchModel, stores: dict[str, TieredStore], prefix: int
     return ids
 
 
+def warm_up(restorer: PrefixRestorer, ids: list[int]) -> None:
+    """Unmeasured runs of both two-pointer strategies: they also give the restorer the compute and load rates
+    its first claims are sized by, as a serving engine's earlier requests would."""
+    for strategy in ("cake", "layerwise"):
+        restorer.restore(ids, strategy)
+
+
 def ideal_seconds(compute_spans: list, load_spans: list, remainder: float) -> float:
     """min over split points x of max(compute of positions < x, load of positions >= x), plus the remainder.
     Spans are [start, stop, seconds] of the same axis; a span's time is spread evenly over its positions, so
@@ -109,16 +116,18 @@ def cacheflow_choice(space: KeySpace, tier: str, prefix: int) -> str:
 
 
 def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repeats: int, block: int,
-                  tmp: str) -> list[dict]:
+                  compute_run: int, tmp: str) -> list[dict]:
     stores = open_tiers(tiers, tmp)
-    restorers = {t: PrefixRestorer(bench.model, s, bench.space, block) for t, s in stores.items()}
+    restorers = {t: PrefixRestorer(bench.model, s, bench.space, block, compute_run=compute_run)
+                 for t, s in stores.items()}
     rows = []
     try:
         for length in lengths:
             ids = stored_prompt(bench, stores, length, seed=length, block=block)
             runs: dict[tuple[str, str], list[dict]] = {}
             variants = [("*", "compute")] + [(t, s) for t in tiers for s in ("load", "cake", "layerwise")]
-            restorers[tiers[0]].restore(ids, "cake")  # warm-up
+            for restorer in restorers.values():
+                warm_up(restorer, ids)
             for r in range(repeats):
                 for tier, strategy in variants[r % len(variants):] + variants[: r % len(variants)]:
                     restorer = restorers[tiers[0] if tier == "*" else tier]
@@ -146,12 +155,14 @@ def _length_row(bench: BenchModel, length: int, tier: str, runs: dict, repeats: 
     return row
 
 
-def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str,
-                compute_workers: int) -> dict:
+def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
+                tmp: str, compute_workers: int) -> dict:
     """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once."""
     stores = open_tiers([tier], tmp)
-    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block)
+    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
     prompts = [stored_prompt(bench, stores, n, seed=1000 + n, block=block) for n in lengths]
+    for prompt in prompts:
+        warm_up(restorer, prompt)
     times: dict[str, list[list[float]]] = {"per-request cake": [], "batch-aware": []}
 
     def per_request() -> list[float]:
@@ -179,15 +190,16 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
     return {"tier": tier, "lengths": lengths, "compute_workers": compute_workers, **summary}
 
 
-def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str
-                    ) -> tuple[int, dict, dict]:
+def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
+                    tmp: str) -> tuple[int, dict, dict]:
     """Token-wise and layer-wise TTFT medians per prefix length on `tier`; saves and returns L_delta."""
     stores = open_tiers([tier], tmp)
-    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block)
+    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
     token, layer = {}, {}
     try:
         for length in lengths:
             ids = stored_prompt(bench, stores, length, seed=length, block=block)
+            warm_up(restorer, ids)
             runs: dict[str, list[dict]] = {"cake": [], "layerwise": []}
             for strategy in itertools.islice(itertools.cycle(runs), 2 * repeats):
                 runs[strategy].append(restorer.restore(ids, strategy).stats)
@@ -244,22 +256,22 @@ def print_batch(result: dict) -> None:
 
 
 def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
-        batch_tier: str | None, batch_lengths: list[int], batch_compute_workers: int, json_out: str | None
-        ) -> dict:
+        compute_run: int, batch_tier: str | None, batch_lengths: list[int], batch_compute_workers: int,
+        json_out: str | None) -> dict:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvreuse-restore-bench-", dir="/var/tmp") as tmp:
-        rows = bench_lengths(bench, tiers, lengths, repeats, block, tmp)
-        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, tmp, batch_compute_workers) \
-            if batch_tier else None
-    print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, {threads} torch thread(s), "
-                        f"median of {repeats}")
+        rows = bench_lengths(bench, tiers, lengths, repeats, block, compute_run, tmp)
+        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, compute_run, tmp,
+                            batch_compute_workers) if batch_tier else None
+    print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, compute run {compute_run}, "
+                        f"{threads} torch thread(s), median of {repeats}")
     if batch:
         print_batch(batch)
     print(f"total bench time {time.perf_counter() - started:.0f} s")
-    result = {"model": bench.name, "block": block, "threads": threads, "repeats": repeats, "rows": rows,
-              "batch": batch}
+    result = {"model": bench.name, "block": block, "compute_run": compute_run, "threads": threads,
+              "repeats": repeats, "rows": rows, "batch": batch}
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
@@ -267,12 +279,12 @@ def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, 
 
 
 def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int,
-                threads: int) -> None:
+                threads: int, compute_run: int) -> None:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
     with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as tmp:
         for tier in tiers:
-            l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, tmp)
+            l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, compute_run, tmp)
             cells = ", ".join(f"{n}: {token[n] * 1e3:.0f}/{layer[n] * 1e3:.0f}" for n in sorted(token))
             print(f"{bench.name} on {_tier_label(tier)}: L_delta = {l_delta} tokens "
                   f"(token-wise/layer-wise ms by prefix length: {cells})")

@@ -27,7 +27,7 @@ from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import profile
 from kvreuse.restore.job import Block, Capture, HiddenSource, IOChannels, LayerAxis, PrefixJob, TokenAxis
-from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, UnitLog, two_pointer
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Rates, UnitLog, two_pointer
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, prefix_block_keys
@@ -100,6 +100,7 @@ class PrefixRestorer:
         starts = {s for n in boundary_stages for s in stage_starts(model.num_layers, n)}
         self.boundary_layers = sorted(starts - {0})  # layer 0's input is the embedding: never stored
         self.channels = channels or IOChannels()
+        self._rates: dict[tuple[str, int], Rates] = {}  # (axis, tier) -> rates earlier restorations achieved
 
     # ---- lookup ---------------------------------------------------------------------------------------
 
@@ -197,7 +198,21 @@ class PrefixRestorer:
         """Bring `job`'s prefix into its cache with `strategy` (not auto); returns the axis it ran along."""
         axis_type, compute, load = STRATEGIES[strategy]
         axis = axis_type(job)
-        return axis, two_pointer(axis, compute=compute, load=load, compute_run=self.compute_run)
+        log = two_pointer(axis, compute=compute, load=load, compute_run=self.compute_run,
+                          prior=self.prior_rates(axis, job))
+        self.remember_rates(axis, job, log.rates)
+        return axis, log
+
+    def _rates_key(self, axis: Axis, job: PrefixJob) -> tuple[str, int]:
+        return type(axis).__name__, max((b.tier for b in job.blocks), default=-1)
+
+    def prior_rates(self, axis: Axis, job: PrefixJob) -> Rates:
+        """The compute and load rates earlier restorations along this axis from this tier achieved."""
+        return self._rates.get(self._rates_key(axis, job), Rates())
+
+    def remember_rates(self, axis: Axis, job: PrefixJob, rates: Rates) -> None:
+        old = self.prior_rates(axis, job)
+        self._rates[self._rates_key(axis, job)] = Rates(rates.compute or old.compute, rates.load or old.load)
 
     # ---- storing --------------------------------------------------------------------------------------
 

@@ -20,7 +20,7 @@ import torch
 
 from kvreuse.restore.job import PrefixJob
 from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
-from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Span, TwoPointer, UnitLog
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Rates, Span, TwoPointer, UnitLog
 
 
 @dataclass(eq=False)
@@ -32,13 +32,14 @@ class Restoration:
     strategy: str
     future: Future
     compute_run: int = DEFAULT_COMPUTE_RUN
+    prior: Rates = Rates()
     pointers: TwoPointer = field(init=False)
     log: UnitLog = field(default_factory=UnitLog)
     admitted: float = field(default_factory=time.perf_counter)
     busy: bool = False  # a compute worker is on one of its spans (they are computed in order)
 
     def __post_init__(self) -> None:
-        self.pointers = TwoPointer(self.axis, self.compute_run)
+        self.pointers = TwoPointer(self.axis, self.compute_run, self.prior)
 
     def remaining_work(self) -> int:
         """Token-layers not yet claimed by either side."""
@@ -84,7 +85,8 @@ class BatchRestorer:
         blocks = restorer.plan(ids)
         strategy = restorer.choose(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
-        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run)
+        axis = STRATEGIES[strategy][0](job)
+        request = Restoration(job, axis, strategy, Future(), restorer.compute_run, restorer.prior_rates(axis, job))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")
@@ -162,6 +164,7 @@ class BatchRestorer:
     def _finish(self, request: Restoration) -> None:
         job = request.job
         request.log.recompute_failed(request.axis)
+        self.restorer.remember_rates(request.axis, job, request.pointers.rates())
         restored = time.perf_counter()
         hidden = job.compute_rows(slice(job.prefix_length, len(job.token_ids)))
         logits = job.model.logits(hidden[-1:])[0]

@@ -10,8 +10,10 @@ The two sides claim at different granularities. The I/O side claims what the sto
 stored block (of one layer, on the layer axis), clipped at the compute side's pointer, since a block can be
 read in part. The compute side claims short runs of rows, so that the meeting point can fall inside a block:
 with whole blocks on both sides, a restoration could never be faster than computing one block, which on a CPU
-is often slower than loading every block. Near the end the compute side claims no more than its share of the
-gap at the two sides' measured rates, so it does not hold the I/O side up with a run it could not finish first.
+is often slower than loading every block. The compute side claims no more than its share of the gap at the
+two sides' rates (measured in this restoration, or in earlier ones until both sides have finished a span), and
+stops when that share is under a quarter run: it would hold the I/O side up with a span it could not finish
+first.
 """
 
 from __future__ import annotations
@@ -84,11 +86,19 @@ class Rate:
         return self.positions / self.seconds
 
 
+@dataclass(frozen=True)
+class Rates:
+    """Positions per second of each side (None: not measured), carried from one restoration to the next."""
+
+    compute: float | None = None
+    load: float | None = None
+
+
 class TwoPointer:
     """Front and back pointers over an axis's positions, and how many positions are settled. Thread-safe."""
 
-    def __init__(self, axis: Axis, compute_run: int):
-        self.axis, self.compute_run = axis, compute_run
+    def __init__(self, axis: Axis, compute_run: int, prior: Rates = Rates()):
+        self.axis, self.compute_run, self.prior = axis, compute_run, prior
         self.front, self.back = 0, axis.length
         self.placed = 0  # positions computed or loaded
         self.failed: list[Span] = []
@@ -97,22 +107,28 @@ class TwoPointer:
 
     def claim_front(self) -> Span | None:
         with self._cond:
-            if self.front >= self.back:
+            size = self._size() if self.front < self.back else None
+            if size is None:
                 return None
-            stop = self.axis.compute_stop(self.front, self._size(), self.back)
+            stop = self.axis.compute_stop(self.front, size, self.back)
             span, self.front = Span(self.front, stop), stop
             return span
 
-    def _size(self) -> int:
-        """Positions the compute side claims next: `compute_run` tokens' worth of work, or near the end no
-        more than its share of the gap at both sides' measured rates (a quarter run at least: every span has a
-        fixed cost)."""
+    def _size(self) -> int | None:
+        """Positions the compute side claims next: `compute_run` tokens' worth of work, or no more than its
+        share of the gap at both sides' rates; None (stop) if that share is under a quarter run, since every
+        span has a fixed cost."""
         run = self.compute_run * self.axis.positions_per_token
-        if not (self.compute_rate.known and self.load_rate.known):
+        compute, load = self.rates().compute, self.rates().load
+        if compute is None or load is None:
             return run
-        compute, load = self.compute_rate.value, self.load_rate.value
         share = (self.back - self.front) * compute / (compute + load)
-        return max(run // 4, 1, min(run, round(share)))
+        return min(run, round(share)) if share >= max(1, run // 4) else None
+
+    def rates(self) -> Rates:
+        """Each side's rate measured so far in this restoration, else the prior's."""
+        return Rates(self.compute_rate.value if self.compute_rate.known else self.prior.compute,
+                     self.load_rate.value if self.load_rate.known else self.prior.load)
 
     def claim_back(self) -> Span | None:
         with self._cond:
@@ -157,6 +173,7 @@ class UnitLog:
     loaded: list[tuple[Span, float]] = field(default_factory=list)
     failed: list[Span] = field(default_factory=list)  # loads that failed; recomputed
     recovery_seconds: float = 0.0
+    rates: Rates = Rates()  # both sides' rates at the end, for the next restoration's first claims
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def compute(self, axis: Axis, pointers: TwoPointer, span: Span) -> None:
@@ -216,15 +233,16 @@ class UnitLog:
 DEFAULT_COMPUTE_RUN = 32  # tokens' worth of work per compute span
 
 
-def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True, compute_run: int = DEFAULT_COMPUTE_RUN
-                ) -> UnitLog:
+def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True, compute_run: int = DEFAULT_COMPUTE_RUN,
+                prior: Rates = Rates()) -> UnitLog:
     """Restore every position of `axis`: a compute thread from the front (spans of `compute_run` tokens' work),
     an I/O thread from the back (stored blocks); returns once both are done.
 
     compute=False is load-only, load=False compute-only: the baselines run through the same code. Failed loads
-    are recomputed on the caller's thread once every other position is in place.
+    are recomputed on the caller's thread once every other position is in place. `prior`: the rates earlier
+    restorations achieved (sizes the compute side's spans until this one has measured both sides).
     """
-    pointers, log = TwoPointer(axis, compute_run), UnitLog()
+    pointers, log = TwoPointer(axis, compute_run, prior if compute and load else Rates()), UnitLog()
     errors: list[BaseException] = []
 
     def worker(claim: Callable[[], Span | None], work: Callable[[Span], None]) -> None:
@@ -247,4 +265,5 @@ def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True, compute_
         raise errors[0]
     with torch.inference_mode():
         log.recompute_failed(axis)
+    log.rates = pointers.rates()
     return log

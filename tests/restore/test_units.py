@@ -2,7 +2,7 @@
 short runs, the I/O side whole stored blocks clipped at the compute side's pointer, so the two meet inside a
 block; near the end the compute side claims no more than its share of the gap."""
 
-from kvreuse.restore.units import Span, TwoPointer
+from kvreuse.restore.units import Rates, Span, TwoPointer
 
 
 class BlockAxis:
@@ -42,6 +42,15 @@ def test_near_the_end_the_compute_side_claims_its_share_of_the_gap():
     pointers.claim_back()  # 200..300
     # gap 136: share 27 of the 32-position run
     assert pointers.claim_front() == Span(64, 91)
+
+
+def test_the_compute_side_stops_when_its_share_is_under_a_quarter_run():
+    # earlier restorations: loading is 100x faster than computing: a share of 400 / 101 ~ 4 < 32 / 4 positions
+    pointers = TwoPointer(BlockAxis(400, 100), compute_run=32, prior=Rates(compute=1000.0, load=100_000.0))
+    assert pointers.claim_front() is None
+    assert pointers.claim_back() == Span(300, 400)  # the I/O side takes it all
+    # comparable rates: the compute side claims a whole run
+    assert TwoPointer(BlockAxis(400, 100), 32, Rates(1000.0, 2000.0)).claim_front() == Span(0, 32)
 
 
 def test_a_failed_load_counts_as_settled_for_recomputation():
