@@ -46,8 +46,9 @@ def add_commands(commands: argparse._SubParsersAction, benches: argparse._SubPar
     bench.add_argument("--batch-tier", default="hdd", choices=TIER_CHOICES + ["none"],
                        help="tier of the batch experiment ('none' skips it)")
     bench.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    bench.add_argument("--batch-compute-workers", type=int, default=1,
-                       help="compute workers of the batch-aware scheduler (per-request Cake has one per request)")
+    bench.add_argument("--batch-compute-workers", type=int, default=2,
+                       help="compute workers of the batch-aware scheduler: one per core of this 2-core CPU "
+                            "(per-request Cake has one per request)")
     bench.add_argument("--json", help="also write the figures to this file")
     bench.set_defaults(func=cmd_bench_restore)
 

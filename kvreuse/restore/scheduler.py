@@ -20,7 +20,7 @@ import torch
 
 from kvreuse.restore.job import PrefixJob
 from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
-from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Rates, Span, TwoPointer, UnitLog
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Span, TwoPointer, UnitLog
 
 
 @dataclass(eq=False)
@@ -32,14 +32,13 @@ class Restoration:
     strategy: str
     future: Future
     compute_run: int = DEFAULT_COMPUTE_RUN
-    prior: Rates = Rates()
     pointers: TwoPointer = field(init=False)
     log: UnitLog = field(default_factory=UnitLog)
     admitted: float = field(default_factory=time.perf_counter)
     busy: bool = False  # a compute worker is on one of its spans (they are computed in order)
 
     def __post_init__(self) -> None:
-        self.pointers = TwoPointer(self.axis, self.compute_run, self.prior)
+        self.pointers = TwoPointer(self.axis, self.compute_run, by_rates=False)
 
     def remaining_work(self) -> int:
         """Token-layers not yet claimed by either side."""
@@ -63,7 +62,6 @@ class BatchRestorer:
         give each core one)."""
         self.restorer = restorer
         self._active: list[Restoration] = []
-        self._turn = 0  # round-robin position of the compute workers
         self._cond = threading.Condition()
         self._closed = False
         self._io_workers: dict[int, threading.Thread] = {}
@@ -85,8 +83,7 @@ class BatchRestorer:
         blocks = restorer.plan(ids)
         strategy = restorer.choose(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
-        axis = STRATEGIES[strategy][0](job)
-        request = Restoration(job, axis, strategy, Future(), restorer.compute_run, restorer.prior_rates(axis, job))
+        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")
@@ -109,14 +106,13 @@ class BatchRestorer:
     # ---- workers --------------------------------------------------------------------------------------
 
     def _next_compute(self) -> tuple[Restoration, Span | None] | None:
-        """In turn, the next request with a span to compute, or whose positions are all settled (None: finish)."""
-        for i in range(len(self._active)):
-            request = self._active[(self._turn + i) % len(self._active)]
-            if request.busy:
-                continue
+        """A request whose positions are all settled is finished first (span None); else a span of the request
+        with the least restoration work left, while I/O serves the one with the most: the two sides work
+        from the two ends of the batch, as they do from the two ends of a prefix."""
+        idle = [r for r in self._active if not r.busy]
+        for request in sorted(idle, key=lambda r: (not r.pointers.settled, r.remaining_work())):
             span = request.pointers.claim_front()
             if span is not None or request.pointers.settled:
-                self._turn = (self._turn + i + 1) % len(self._active)
                 request.busy = True
                 return request, span
         return None
@@ -164,7 +160,6 @@ class BatchRestorer:
     def _finish(self, request: Restoration) -> None:
         job = request.job
         request.log.recompute_failed(request.axis)
-        self.restorer.remember_rates(request.axis, job, request.pointers.rates())
         restored = time.perf_counter()
         hidden = job.compute_rows(slice(job.prefix_length, len(job.token_ids)))
         logits = job.model.logits(hidden[-1:])[0]

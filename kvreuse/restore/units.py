@@ -97,8 +97,10 @@ class Rates:
 class TwoPointer:
     """Front and back pointers over an axis's positions, and how many positions are settled. Thread-safe."""
 
-    def __init__(self, axis: Axis, compute_run: int, prior: Rates = Rates()):
-        self.axis, self.compute_run, self.prior = axis, compute_run, prior
+    def __init__(self, axis: Axis, compute_run: int, prior: Rates = Rates(), *, by_rates: bool = True):
+        """by_rates=False: whole runs always (in a batch, how much of the I/O channel a request gets is not its
+        own to measure)."""
+        self.axis, self.compute_run, self.prior, self.by_rates = axis, compute_run, prior, by_rates
         self.front, self.back = 0, axis.length
         self.placed = 0  # positions computed or loaded
         self.failed: list[Span] = []
@@ -120,7 +122,7 @@ class TwoPointer:
         span has a fixed cost."""
         run = self.compute_run * self.axis.positions_per_token
         compute, load = self.rates().compute, self.rates().load
-        if compute is None or load is None:
+        if compute is None or load is None or not self.by_rates:
             return run
         share = (self.back - self.front) * compute / (compute + load)
         return min(run, round(share)) if share >= max(1, run // 4) else None

@@ -8,6 +8,7 @@ import torch
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
 from kvreuse.restore.scheduler import BatchRestorer, Restoration, most_remaining
+from kvreuse.restore.units import Span
 from kvreuse.store import KeySpace, open_store
 
 TOLERANCE = dict(atol=1e-4, rtol=0)
@@ -73,3 +74,17 @@ def test_io_goes_to_the_request_with_the_most_work_left():
     assert most_remaining([short, long_, other_tier], tier=0) is short
     assert most_remaining([short, long_, other_tier], tier=1) is other_tier
     assert most_remaining([short], tier=1) is None
+
+
+def test_compute_goes_to_the_request_with_the_least_work_left_and_finishing_comes_first():
+    def request(length: int) -> Restoration:
+        return Restoration(job=None, axis=FakeAxis(length), strategy="cake", future=None, compute_run=256)
+
+    batch = BatchRestorer(restorer=None, compute_workers=0)  # no worker threads: the choice alone
+    short, long_, done = request(512), request(1536), request(256)
+    done.pointers.settle(done.pointers.claim_back(), seconds=0.01, computed=False)
+    batch._active = [long_, short, done]
+    assert batch._next_compute() == (done, None)  # all in place: its remainder is computed first
+    assert batch._next_compute() == (short, Span(0, 256))
+    assert batch._next_compute() == (long_, Span(0, 256))  # short is busy: a worker is on it
+    assert batch._next_compute() is None
