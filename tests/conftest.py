@@ -108,14 +108,15 @@ def own_redis_server():
     server.stop()
 
 
-def make_tiny_engine(model: LayerwiseModel, store=None):
-    """A ReuseEngine over a tiny model; requests are built from token ids directly (no tokenizer needed)."""
+def make_tiny_engine(model: LayerwiseModel, store=None, **options):
+    """A ReuseEngine over a tiny model; requests are built from token ids directly (no tokenizer needed).
+    options: ReuseEngine's keyword options (prefix_block_size, prefix_strategy)."""
     from kvreuse.engine.reuse import ReuseEngine
     from kvreuse.model.loader import LoadedModel
     from kvreuse.store.spec import open_store
 
     loaded = LoadedModel(model, None, "tiny", None, fingerprint="tiny-model", tokenizer_fingerprint="tiny-tok")
-    return ReuseEngine(loaded, store or open_store("memory:256MB"))
+    return ReuseEngine(loaded, store or open_store("memory:256MB"), **options)
 
 
 @pytest.fixture(scope="session")

@@ -78,11 +78,32 @@ def stored_prompt(bench: BenchModel, stores: dict[str, TieredStore], prefix: int
     return ids
 
 
-def ideal_seconds(compute: dict, load: dict, remainder: float) -> float:
-    """min over split points k of max(compute of blocks < k, load of blocks >= k), plus the remainder."""
-    c = [compute[u] for u in sorted(compute) if u >= 0]
-    ld = [load[u] for u in sorted(load)]
-    return min(max(sum(c[:k]), sum(ld[k:])) for k in range(len(c) + 1)) + remainder
+def warm_up(restorer: PrefixRestorer, ids: list[int]) -> None:
+    """Unmeasured runs of both two-pointer strategies: they also give the restorer the compute and load rates
+    its first claims are sized by, as a serving engine's earlier requests would."""
+    for strategy in ("cake", "layerwise"):
+        restorer.restore(ids, strategy)
+
+
+def ideal_seconds(compute_spans: list, load_spans: list, remainder: float) -> float:
+    """min over split points x of max(compute of positions < x, load of positions >= x), plus the remainder.
+    Spans are [start, stop, seconds] of the same axis; a span's time is spread evenly over its positions, so
+    both sides are piecewise linear in x and the minimum lies at an edge or where the two cross."""
+
+    def before(spans: list, x: float) -> float:
+        return sum(t * min(1.0, max(0.0, (x - a) / (b - a))) for a, b, t in spans)
+
+    total_load = sum(t for _, _, t in load_spans)
+    edges = sorted({e for a, b, _ in compute_spans + load_spans for e in (a, b)})
+
+    def gap(x: float) -> float:  # compute before x minus load after x: rises with x
+        return before(compute_spans, x) - (total_load - before(load_spans, x))
+
+    candidates = list(edges)
+    for a, b in zip(edges, edges[1:]):
+        if gap(a) < 0 < gap(b):
+            candidates.append(a + (b - a) * -gap(a) / (gap(b) - gap(a)))
+    return min(max(before(compute_spans, x), total_load - before(load_spans, x)) for x in candidates) + remainder
 
 
 def _median(runs: list[dict], key: str = "total_seconds") -> float:
@@ -95,21 +116,22 @@ def cacheflow_choice(space: KeySpace, tier: str, prefix: int) -> str:
 
 
 def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repeats: int, block: int,
-                  tmp: str) -> list[dict]:
+                  compute_run: int, tmp: str) -> list[dict]:
     stores = open_tiers(tiers, tmp)
-    restorers = {t: PrefixRestorer(bench.model, s, bench.space, block) for t, s in stores.items()}
+    restorers = {t: PrefixRestorer(bench.model, s, bench.space, block, compute_run=compute_run)
+                 for t, s in stores.items()}
     rows = []
     try:
         for length in lengths:
             ids = stored_prompt(bench, stores, length, seed=length, block=block)
             runs: dict[tuple[str, str], list[dict]] = {}
             variants = [("*", "compute")] + [(t, s) for t in tiers for s in ("load", "cake", "layerwise")]
-            restorers[tiers[0]].restore(ids, "cake")  # warm-up
+            for restorer in restorers.values():
+                warm_up(restorer, ids)
             for r in range(repeats):
                 for tier, strategy in variants[r % len(variants):] + variants[: r % len(variants)]:
                     restorer = restorers[tiers[0] if tier == "*" else tier]
                     runs.setdefault((tier, strategy), []).append(restorer.restore(ids, strategy).stats)
-                    restorer.quiesce()
             rows += [_length_row(bench, length, tier, runs, repeats) for tier in tiers]
             print(f"  {length} tokens done", flush=True)
     finally:
@@ -121,31 +143,31 @@ def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repea
 def _length_row(bench: BenchModel, length: int, tier: str, runs: dict, repeats: int) -> dict:
     compute, load = runs[("*", "compute")], runs[(tier, "load")]
     ideal = statistics.median(
-        ideal_seconds(c["compute_seconds"], ld["load_seconds"], c["total_seconds"] - c["restore_seconds"])
+        ideal_seconds(c["compute_spans"], ld["load_spans"], c["total_seconds"] - c["restore_seconds"])
         for c, ld in zip(compute, load)
     )
     row = {"tier": tier, "prefix": length, "ideal": ideal, "compute": _median(compute), "load": _median(load),
            "cake": _median(runs[(tier, "cake")]), "layerwise": _median(runs[(tier, "layerwise")]),
-           "cake_blocks_computed": statistics.median(r["units_computed"] for r in runs[(tier, "cake")]),
-           "blocks": compute[0]["units_computed"],
-           "layerwise_layers_computed": statistics.median(r["units_computed"] for r in runs[(tier, "layerwise")])}
+           "cake_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "cake")]),
+           "layerwise_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "layerwise")])}
     row["cacheflow_strategy"] = cacheflow_choice(bench.space, tier, length)
     row["cacheflow"] = row[row["cacheflow_strategy"]]
     return row
 
 
-def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str,
-                compute_workers: int) -> dict:
+def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
+                tmp: str, compute_workers: int) -> dict:
     """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once."""
     stores = open_tiers([tier], tmp)
-    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block)
+    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
     prompts = [stored_prompt(bench, stores, n, seed=1000 + n, block=block) for n in lengths]
+    for prompt in prompts:
+        warm_up(restorer, prompt)
     times: dict[str, list[list[float]]] = {"per-request cake": [], "batch-aware": []}
 
     def per_request() -> list[float]:
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: restorer.restore(p, "cake"), prompts))
-        restorer.quiesce()
         return [r.stats["total_seconds"] for r in results]
 
     def batch_aware() -> list[float]:
@@ -168,19 +190,19 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
     return {"tier": tier, "lengths": lengths, "compute_workers": compute_workers, **summary}
 
 
-def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, tmp: str
-                    ) -> tuple[int, dict, dict]:
+def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
+                    tmp: str) -> tuple[int, dict, dict]:
     """Token-wise and layer-wise TTFT medians per prefix length on `tier`; saves and returns L_delta."""
     stores = open_tiers([tier], tmp)
-    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block)
+    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
     token, layer = {}, {}
     try:
         for length in lengths:
             ids = stored_prompt(bench, stores, length, seed=length, block=block)
+            warm_up(restorer, ids)
             runs: dict[str, list[dict]] = {"cake": [], "layerwise": []}
             for strategy in itertools.islice(itertools.cycle(runs), 2 * repeats):
                 runs[strategy].append(restorer.restore(ids, strategy).stats)
-                restorer.quiesce()
             token[length], layer[length] = _median(runs["cake"]), _median(runs["layerwise"])
     finally:
         stores[tier].close()
@@ -197,22 +219,24 @@ def _console() -> Console:
 
 def print_lengths(rows: list[dict], title: str) -> None:
     table = Table(title=title)
-    columns = ["tier", "prefix", "blocks", "ideal", "load-only", "compute-only", "cake", "layer-wise", "cacheflow",
-               "cake/ideal", "cacheflow/ideal", "cake/best base", "cake blocks computed", "layers computed"]
+    columns = ["tier", "prefix", "ideal", "load-only", "compute-only", "cake", "layer-wise", "cacheflow",
+               "cake/ideal", "cacheflow/ideal", "cake/best base", "cacheflow/best base", "cake tokens computed",
+               "layer-wise tokens computed"]
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         best = min(row["load"], row["compute"])
         table.add_row(
-            _tier_label(row["tier"]), str(row["prefix"]), str(row["blocks"]),
+            _tier_label(row["tier"]), str(row["prefix"]),
             *(f"{row[k] * 1e3:.0f}" for k in ("ideal", "load", "compute", "cake", "layerwise")),
             f"{row['cacheflow'] * 1e3:.0f} ({row['cacheflow_strategy'][:5]})",
             f"{row['cake'] / row['ideal']:.2f}", f"{row['cacheflow'] / row['ideal']:.2f}", f"{row['cake'] / best:.2f}",
-            f"{row['cake_blocks_computed']:g}", f"{row['layerwise_layers_computed']:g}",
+            f"{row['cacheflow'] / best:.2f}", f"{row['cake_tokens_computed']:g}",
+            f"{row['layerwise_tokens_computed']:g}",
         )
     _console().print(table)
     print("times: TTFT in ms (restore the prefix, compute the fresh turn, first-token logits), medians. "
-          "ideal = min over split points of max(compute of the first k blocks, load of the rest) + the fresh turn, "
+          "ideal = min over split points of max(compute of the prefix before it, load of the rest) + the fresh turn, "
           "from the same repeat's compute-only and load-only per-block times. best base = min(load-only, compute-only).")
 
 
@@ -232,22 +256,22 @@ def print_batch(result: dict) -> None:
 
 
 def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
-        batch_tier: str | None, batch_lengths: list[int], batch_compute_workers: int, json_out: str | None
-        ) -> dict:
+        compute_run: int, batch_tier: str | None, batch_lengths: list[int], batch_compute_workers: int,
+        json_out: str | None) -> dict:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvreuse-restore-bench-", dir="/var/tmp") as tmp:
-        rows = bench_lengths(bench, tiers, lengths, repeats, block, tmp)
-        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, tmp, batch_compute_workers) \
-            if batch_tier else None
-    print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, {threads} torch thread(s), "
-                        f"median of {repeats}")
+        rows = bench_lengths(bench, tiers, lengths, repeats, block, compute_run, tmp)
+        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, compute_run, tmp,
+                            batch_compute_workers) if batch_tier else None
+    print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, compute run {compute_run}, "
+                        f"{threads} torch thread(s), median of {repeats}")
     if batch:
         print_batch(batch)
     print(f"total bench time {time.perf_counter() - started:.0f} s")
-    result = {"model": bench.name, "block": block, "threads": threads, "repeats": repeats, "rows": rows,
-              "batch": batch}
+    result = {"model": bench.name, "block": block, "compute_run": compute_run, "threads": threads,
+              "repeats": repeats, "rows": rows, "batch": batch}
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)
@@ -255,12 +279,12 @@ def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, 
 
 
 def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int,
-                threads: int) -> None:
+                threads: int, compute_run: int) -> None:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
     with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as tmp:
         for tier in tiers:
-            l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, tmp)
+            l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, compute_run, tmp)
             cells = ", ".join(f"{n}: {token[n] * 1e3:.0f}/{layer[n] * 1e3:.0f}" for n in sorted(token))
             print(f"{bench.name} on {_tier_label(tier)}: L_delta = {l_delta} tokens "
                   f"(token-wise/layer-wise ms by prefix length: {cells})")

@@ -7,9 +7,12 @@
 or, step by step: `request = engine.build_request(...)`, `engine.compile(request)` to warm the store ahead of
 time, `engine.generate(request, method)`.
 
-A request's chunks are looked up in the store; the method turns hits and misses into a plan; one executor runs
-it. Chunks that missed are computed with the request and compiled for next time in the background: a request
-never waits for a store write.
+A request's exact prefix (chat header, system prompt, earlier turns) is restored first: the longest stored run
+of its blocks (block-chained keys, any tier) is brought back by a `PrefixRestorer` (load, compute or both at
+once; strategy "auto" picks Cake or CacheFlow's layer-wise by the profiled L_delta). Its chunks are looked up in
+the store; the method turns hits and misses into a plan; one executor runs it on top of the restored rows.
+Prefix blocks and chunks that missed are computed with the request and stored for next time in the background:
+a request never waits for a store write, and a conversation whose history grows reuses its stored part.
 """
 
 from __future__ import annotations
@@ -30,8 +33,9 @@ from kvreuse.fusion.plan import PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
+from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.store.base import KVStore
-from kvreuse.store.keys import KeySpace, chunk_key
+from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
 from kvreuse.store.spec import open_store
 
 log = logging.getLogger(__name__)
@@ -47,18 +51,29 @@ class FusedPrefill:
 
 
 class ReuseEngine:
-    def __init__(self, loaded: LoadedModel, store: KVStore, salt: str | None = None):
+    def __init__(self, loaded: LoadedModel, store: KVStore, salt: str | None = None, *,
+                 prefix_block_size: int = DEFAULT_BLOCK_SIZE, prefix_strategy: str = "auto"):
+        """prefix_block_size: tokens per stored prefix block; prefix_strategy: how a stored prefix is restored
+        (auto, load, compute, cake, layerwise: see kvreuse.restore)."""
+        if prefix_strategy != "auto" and prefix_strategy not in STRATEGIES:
+            raise ValueError(f"prefix_strategy: unknown strategy {prefix_strategy!r}; known: auto, "
+                             f"{', '.join(STRATEGIES)}")
+        if prefix_block_size < 1:
+            raise ValueError(f"prefix_block_size: must be at least 1 token, got {prefix_block_size}")
         self.loaded, self.store, self.salt = loaded, store, salt
         self.model = loaded.runtime
         self.executor = FusionExecutor(self.model, store)
+        self.restorer = PrefixRestorer(self.model, store, self._key_space("plain"), prefix_block_size)
+        self.prefix_strategy = prefix_strategy
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
         self._pending: dict[str, Future] = {}
 
     @classmethod
     def load(cls, model: str | None = None, store: str = DEFAULT_STORE, dtype: str = "float32",
-             salt: str | None = None) -> ReuseEngine:
+             salt: str | None = None, **options) -> ReuseEngine:
+        """options: the constructor's keyword options (prefix_block_size, prefix_strategy)."""
         loaded = load_model(model, dtype)
-        return cls(loaded, open_store(store, model_fingerprint=loaded.fingerprint, dtype=dtype), salt)
+        return cls(loaded, open_store(store, model_fingerprint=loaded.fingerprint, dtype=dtype), salt, **options)
 
     @property
     def tokenizer(self):
@@ -68,24 +83,31 @@ class ReuseEngine:
     def fingerprint(self) -> str:
         return self.loaded.fingerprint
 
-    def build_request(self, chunks: list[str], question: str, system: str | None = None) -> Request:
-        return build_request(self.tokenizer, chunks, question, system)
+    def build_request(self, chunks: list[str], question: str, system: str | None = None,
+                      history: list[dict] | None = None) -> Request:
+        """history: the conversation's earlier messages; with the system prompt they form the exact prefix."""
+        return build_request(self.tokenizer, chunks, question, system, history=history)
 
     # ---- store lookups and compilation ----------------------------------------------------------------
 
-    def key_of(self, segment: Segment, method: Method) -> str:
-        # The exact prefix is always compiled plainly at offset 0, which is where it sits: its KV is exact.
-        mode = method.compile_mode if segment.kind == SegmentKind.CHUNK else "plain"
-        space = KeySpace(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint, self.salt, mode)
-        return chunk_key(segment.token_ids, space)
+    def _key_space(self, mode: str) -> KeySpace:
+        return KeySpace(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint, self.salt, mode)
 
-    def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset()) -> list[PlacedSegment]:
+    def key_of(self, segment: Segment, method: Method) -> str:
+        # A segment stored whole at offset 0 (a chunk compiled on its own) has exact KV there: "plain".
+        mode = method.compile_mode if segment.kind == SegmentKind.CHUNK else "plain"
+        return chunk_key(segment.token_ids, self._key_space(mode))
+
+    def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset(),
+               restored: int = 0) -> list[PlacedSegment]:
         """Each segment of `request` with its store key and whether the store holds it (keys in `lost` are
-        treated as misses: entries found unreadable during this request)."""
+        treated as misses: entries found unreadable during this request). The exact prefix has no key of its
+        own: its first `restored` tokens were restored block by block (`restore_prefix`), the rest is computed."""
         placed = []
         for segment in request.segments:
-            if segment.kind == SegmentKind.FRESH:
-                placed.append(PlacedSegment(segment))
+            if segment.kind != SegmentKind.CHUNK:
+                is_leading_prefix = segment.kind == SegmentKind.PREFIX and segment.start == 0
+                placed.append(PlacedSegment(segment, restored=restored if is_leading_prefix else 0))
                 continue
             key = self.key_of(segment, method)
             meta = None if key in lost else self.store.meta(key, with_extras=method.needs_ranking)
@@ -98,9 +120,10 @@ class ReuseEngine:
         self.store.put(compile_chunk(self.model, segment.token_ids, key, self.fingerprint, dummies, dummy_id))
 
     def compile(self, request: Request, methods: list[str] | None = None) -> int:
-        """Compile and store every prefix and chunk of `request` that the store lacks, in each compile mode the
-        methods need; returns how many entries were written. Waits until they are readable."""
-        written = 0
+        """Store the exact prefix's blocks and compile every chunk of `request` that the store lacks, in each
+        compile mode the methods need; returns how many entries were written. Waits until they are readable."""
+        prefix = exact_prefix(request)
+        written = self.restorer.store_prefix(prefix.token_ids) if prefix else 0
         for method in {parse_method(m).compile_mode: parse_method(m) for m in methods or [None]}.values():
             for p in self.lookup(request, method):
                 if p.key is not None and not p.hit:
@@ -111,9 +134,22 @@ class ReuseEngine:
 
     def _write_back(self, placed: list[PlacedSegment], method: Method) -> None:
         for p in placed:
-            if p.key is not None and not p.hit and p.key not in self._pending:
-                self._pending[p.key] = self._writer.submit(self._compile, p.segment, p.key, method)
-                self._pending[p.key].add_done_callback(lambda _, key=p.key: self._pending.pop(key, None))
+            if p.key is not None and not p.hit:
+                self._in_background(p.key, self._compile, p.segment, p.key, method)
+
+    def _write_back_prefix(self, request: Request, restored: int) -> None:
+        """Store the exact prefix's whole blocks past the `restored` tokens (they were just computed)."""
+        prefix = exact_prefix(request)
+        whole_blocks = len(prefix.token_ids) // self.restorer.block_size if prefix else 0
+        if whole_blocks * self.restorer.block_size > restored:
+            last_key = self.restorer.block_keys(prefix.token_ids)[whole_blocks - 1]
+            self._in_background(last_key, self.restorer.store_prefix, prefix.token_ids)
+
+    def _in_background(self, key: str, write, *args) -> None:
+        """Run write(*args) on the writer thread, unless a write of `key` is already pending."""
+        if key not in self._pending:
+            self._pending[key] = self._writer.submit(write, *args)
+            self._pending[key].add_done_callback(lambda _, key=key: self._pending.pop(key, None))
 
     def wait_for_write_back(self) -> None:
         for future in list(self._pending.values()):
@@ -132,24 +168,37 @@ class ReuseEngine:
                 f"prompt: {len(request)} tokens (+{extra_tokens} to generate) exceed the context window of {window}"
             )
 
+    def restore_prefix(self, request: Request, capacity: int) -> PrefixRestoration | None:
+        """Restore the longest stored run of the exact prefix's blocks into a cache for the whole prompt."""
+        prefix = exact_prefix(request)
+        if prefix is None:
+            return None
+        return self.restorer.restore_prefix(request.token_ids, self.prefix_strategy, capacity,
+                                            max_tokens=len(prefix.token_ids))
+
     def prefill(self, request: Request, method: str | None = None, extra_capacity: int = 0) -> FusedPrefill:
         policy = parse_method(method)
         self.check_fits(request, extra_capacity)
         started = time.perf_counter()
+        restoration = self.restore_prefix(request, len(request) + extra_capacity) if policy.restores_prefix else None
+        restored = restoration.rows if restoration else 0
         lost: set[str] = set()
         while True:
-            placed = self.lookup(request, policy, lost)
+            placed = self.lookup(request, policy, lost, restored)
             try:
                 result: FusionResult = self.executor.run(
-                    policy.plan(request, placed), request.token_ids, extra_capacity
+                    policy.plan(request, placed), request.token_ids, extra_capacity,
+                    restoration.cache if restoration else None,
                 )
                 break
             except StoredKVMissing as e:  # evicted or damaged since the lookup: compute it instead
                 log.warning("%s; recomputing it", e)
                 lost.add(e.key)
         self._write_back(placed, policy)
+        if policy.restores_prefix:
+            self._write_back_prefix(request, restored)
         stats = dict(result.stats, chunk_hits=sum(p.hit for p in placed if p.segment.kind == SegmentKind.CHUNK),
-                     chunks=len(request.of_kind(SegmentKind.CHUNK)))
+                     chunks=len(request.of_kind(SegmentKind.CHUNK)), **prefix_stats(restoration))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
 
     def generate(self, request: Request, method: str | None = None, sampling: SamplingParams | None = None
@@ -162,9 +211,10 @@ class ReuseEngine:
         return generation
 
     def ask(self, chunks: list[str], question: str, system: str | None = None, method: str | None = None,
-            max_tokens: int = 128) -> Generation:
-        """Answer `question` over reusable `chunks` (documents), reusing whatever the store holds of them."""
-        request = self.build_request(chunks, question, system)
+            max_tokens: int = 128, history: list[dict] | None = None) -> Generation:
+        """Answer `question` over reusable `chunks` (documents), reusing whatever the store holds of them and of
+        the conversation so far (`history`: earlier messages)."""
+        request = self.build_request(chunks, question, system, history)
         return self.generate(request, method, SamplingParams(max_tokens=max_tokens))
 
     @torch.inference_mode()
@@ -181,3 +231,22 @@ class ReuseEngine:
     def close(self) -> None:
         self._writer.shutdown(wait=True)
         self.store.close()
+
+
+def exact_prefix(request: Request) -> Segment | None:
+    """The request's leading exact-prefix segment, if it has one."""
+    first = request.segments[0]
+    return first if first.kind == SegmentKind.PREFIX else None
+
+
+def prefix_stats(restoration: PrefixRestoration | None) -> dict:
+    """How the stored prefix came back: tokens restored, of them loaded and recomputed per tier they were stored
+    on (recomputed: by the restoration's compute side, or because a stored block was unreadable), seconds."""
+    if restoration is None:
+        return {"prefix_restore_strategy": None, "prefix_restored_tokens": 0, "prefix_loaded_tokens": {},
+                "prefix_recomputed_tokens": {}, "prefix_restore_seconds": 0.0}
+    stats = restoration.stats
+    return {"prefix_restore_strategy": stats["strategy"], "prefix_restored_tokens": restoration.rows,
+            "prefix_loaded_tokens": stats["tokens_loaded_by_tier"],
+            "prefix_recomputed_tokens": stats["tokens_computed_by_tier"],
+            "prefix_restore_seconds": stats["restore_seconds"]}

@@ -4,6 +4,8 @@ For layer i: take layer i's stored KV (a loader thread has been fetching it whil
 the reused keys to their global positions (deferred RoPE), compute q/k/v for the selected rows and write them
 over the stored rows, narrow the selection where the plan says (CacheBlend), attend the selected queries over
 all keys with the exact causal mask by position, and run the rest of the layer for the selected rows only.
+A plan may start from a cache whose leading rows were restored exactly beforehand (a stored prefix, by
+`kvreuse.restore`): those rows are neither loaded nor computed here.
 """
 
 from __future__ import annotations
@@ -118,11 +120,14 @@ class FusionExecutor:
         self.model, self.store = model, store
 
     @torch.inference_mode()
-    def run(self, plan: FusionPlan, token_ids: torch.Tensor, extra_capacity: int = 0) -> FusionResult:
+    def run(self, plan: FusionPlan, token_ids: torch.Tensor, extra_capacity: int = 0,
+            restored: KVCache | None = None) -> FusionResult:
+        """restored: the cache a plan with restored rows starts from (its rows at positions 0.., the first
+        plan.restored_rows of them filled with exact KV, e.g. by `PrefixRestorer.restore_prefix`); the plan
+        fills the rest of it."""
         model, started = self.model, time.perf_counter()
         positions = torch.arange(plan.num_rows)
-        cache = model.new_cache(plan.num_rows + extra_capacity)
-        cache.allocate(positions)  # row r of the cache holds prompt position r
+        cache = self._starting_cache(plan, restored, extra_capacity, positions)
         rotary = model.rotary(positions)
         approximate = torch.zeros(plan.num_rows, dtype=torch.bool)
         for span in plan.reused:
@@ -163,6 +168,17 @@ class FusionExecutor:
         elapsed = time.perf_counter() - started
         return FusionResult(logits, cache, self._stats(plan, computed_rows, loader, elapsed))
 
+    def _starting_cache(self, plan: FusionPlan, restored: KVCache | None, extra_capacity: int,
+                        positions: torch.Tensor) -> KVCache:
+        if restored is None and not plan.restored_rows:
+            cache = self.model.new_cache(plan.num_rows + extra_capacity)
+            cache.allocate(positions)  # row r of the cache holds prompt position r
+            return cache
+        if restored is None or restored.length != plan.num_rows:
+            raise ValueError(f"restored: a plan with {plan.restored_rows} restored rows needs their cache, holding "
+                             f"positions 0..{plan.num_rows - 1}")
+        return restored
+
     @staticmethod
     def _most_deviating(layer, cache, selected, k, v, narrowable, budget) -> torch.Tensor:
         """Indices into `selected` to keep: every row that is not narrowable, plus the `budget` narrowable rows
@@ -179,6 +195,7 @@ class FusionExecutor:
         return {
             "method": plan.method,
             "prompt_tokens": plan.num_rows,
+            "restored_tokens": plan.restored_rows,
             "reused_tokens": sum(s.length for s in plan.reused),
             "loaded_tokens": sum(int(s.load.numel()) for s in plan.reused),
             "computed_tokens_layer0": int(plan.compute_rows.numel()),

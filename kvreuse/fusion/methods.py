@@ -32,6 +32,7 @@ class Method:
     name: str
     compile_mode: str = "plain"
     needs_ranking = False  # whether plans read the stored per-token ranking
+    restores_prefix = True  # whether the exact prefix's stored blocks are restored before the plan runs
 
     def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
         return plan_from_rows(self.name, request, placed, self.recompute(placed))
@@ -42,6 +43,8 @@ class Method:
 
 @dataclass(frozen=True)
 class Full(Method):
+    restores_prefix = False
+
     def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
         return plan_from_rows(self.name, request, placed, reuse=False)
 

@@ -21,6 +21,7 @@ class PlacedSegment:
     key: str | None = None  # store key of its stored KV (None: fresh, never stored)
     hit: bool = False
     ranking: torch.Tensor | None = None  # CacheTune's per-token score, when the entry has one
+    restored: int = 0  # leading tokens of an exact prefix restored before the plan runs (prefix restoration)
 
     @property
     def reusable(self) -> bool:
@@ -59,10 +60,13 @@ class FusionPlan:
     reused: list[ReusedSpan]
     compute_rows: torch.Tensor  # rows computed from layer 0 on, sorted; always includes the last row
     narrowing: list[Narrowing] = field(default_factory=list)
+    restored_rows: int = 0  # rows [0, restored_rows) hold exact KV before the plan runs (a restored prefix)
 
     def __post_init__(self) -> None:
         if self.compute_rows.numel() == 0 or int(self.compute_rows[-1]) != self.num_rows - 1:
             raise ValueError("a plan must compute the last prompt row: its hidden state gives the first token")
+        if self.restored_rows and int(self.compute_rows[0]) < self.restored_rows:
+            raise ValueError("a plan must not compute restored rows: they hold exact KV already")
         if self.narrowing and any(s.load.numel() != s.length for s in self.reused if s.approximate):
             raise ValueError("narrowing compares recomputed KV with stored KV, so approximate spans load every row")
 
@@ -89,13 +93,15 @@ def plan_from_rows(
 ) -> FusionPlan:
     """Build a plan: reusable hits are loaded (if `reuse`), except the rows `recompute[i]` (indices into
     segment i) which are computed from layer 0 on along with every segment that is not reused. With
-    `load_recomputed`, those rows' stored KV is read too (narrowing compares against it)."""
+    `load_recomputed`, those rows' stored KV is read too (narrowing compares against it). An exact prefix's
+    restored rows (if `reuse`) are neither loaded nor computed: they come with the starting cache."""
     recompute = recompute or {}
     reused, compute = [], []
+    restored_rows = sum(p.restored for p in placed) if reuse else 0
     for i, p in enumerate(placed):
         rows = torch.arange(len(p.segment.token_ids))
         if not (reuse and p.reusable):
-            compute.append(p.segment.start + rows)
+            compute.append(p.segment.start + rows[p.restored if reuse else 0:])
             continue
         chosen = recompute.get(i, torch.empty(0, dtype=torch.long))
         if i == len(placed) - 1:  # the last prompt row is always computed: its hidden state gives the first token
@@ -108,4 +114,4 @@ def plan_from_rows(
         reused.append(ReusedSpan(p.key, p.segment.start, rows.numel(), rows[kept], approximate))
         compute.append(p.segment.start + chosen)
     compute_rows = torch.cat(compute).sort().values if compute else torch.empty(0, dtype=torch.long)
-    return FusionPlan(method, len(request), reused, compute_rows, narrowing or [])
+    return FusionPlan(method, len(request), reused, compute_rows, narrowing or [], restored_rows)

@@ -13,7 +13,8 @@ import torch
 
 
 class SegmentKind(str, Enum):
-    PREFIX = "prefix"  # exact: same tokens at the same positions as when stored (template header, system prompt)
+    PREFIX = "prefix"  # exact: same tokens at the same positions as when stored (template header, system prompt,
+    # earlier turns of the conversation)
     CHUNK = "chunk"  # reusable at any position (documents, few-shot examples)
     FRESH = "fresh"  # never cached (the question, the template tail)
 
@@ -52,10 +53,13 @@ class Request:
         return [s for s in self.segments if s.kind == kind]
 
 
-def split_template(tokenizer, system: str | None, sentinel: str = "\x00KVREUSE_CONTENT\x00") -> tuple[str, str]:
+def split_template(tokenizer, system: str | None, sentinel: str = "\x00KVREUSE_CONTENT\x00",
+                   history: list[dict] | None = None) -> tuple[str, str]:
     """The chat template's text before and after the user's content, found by rendering it around a sentinel
-    that cannot occur in real text (so the application never has to type a magic separator)."""
-    messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": sentinel}]
+    that cannot occur in real text (so the application never has to type a magic separator). `history`: the
+    conversation's earlier messages ({"role", "content"}), rendered before the user's new turn."""
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
+    messages.append({"role": "user", "content": sentinel})
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     head, found, tail = rendered.partition(sentinel)
     if not found:
@@ -69,16 +73,21 @@ def build_request(
     question: str,
     system: str | None = None,
     chunk_separator: str = "\n\n",
+    history: list[dict] | None = None,
 ) -> Request:
     """Chat-templated request: [template head] [chunk]... [question + template tail].
 
-    Each chunk is tokenized alone (with `chunk_separator` appended, so chunks do not run into each other).
+    The head (system prompt and the conversation's earlier turns, `history`) is the exact prefix: as the
+    conversation grows, its stored blocks are reused. Each chunk is tokenized alone (with `chunk_separator`
+    appended, so chunks do not run into each other).
     """
     if any(not c.strip() for c in chunks):
         raise ValueError("chunks: every chunk must contain text")
     if not question.strip():
         raise ValueError("question: must contain text")
-    head, tail = split_template(tokenizer, system)
+    if any(not isinstance(m, dict) or not {"role", "content"} <= m.keys() for m in history or []):
+        raise ValueError("history: every message must be a dict with 'role' and 'content'")
+    head, tail = split_template(tokenizer, system, history=history)
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE
 
 TIER_CHOICES = ["memory", "disk", "ssd", "hdd", "net10g"]
@@ -18,12 +19,14 @@ def _add_common(parser: argparse.ArgumentParser, lengths: list[int], repeats: in
     parser.add_argument("--block", type=int, default=DEFAULT_BLOCK_SIZE, help="prefix block size (tokens)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (1 leaves the other core of a 2-core machine to the I/O side)")
+    parser.add_argument("--compute-run", type=int, default=DEFAULT_COMPUTE_RUN,
+                        help="tokens' worth of work the compute side claims at a time")
 
 
 def cmd_bench_restore(args: argparse.Namespace) -> int:
     from kvreuse.bench.restore import run
 
-    run(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads,
+    run(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads, args.compute_run,
         None if args.batch_tier == "none" else args.batch_tier, args.batch_lengths, args.batch_compute_workers,
         args.json)
     return 0
@@ -32,7 +35,8 @@ def cmd_bench_restore(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from kvreuse.bench.restore import run_profile
 
-    run_profile(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads)
+    run_profile(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads,
+                args.compute_run)
     return 0
 
 
@@ -42,8 +46,9 @@ def add_commands(commands: argparse._SubParsersAction, benches: argparse._SubPar
     bench.add_argument("--batch-tier", default="hdd", choices=TIER_CHOICES + ["none"],
                        help="tier of the batch experiment ('none' skips it)")
     bench.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    bench.add_argument("--batch-compute-workers", type=int, default=1,
-                       help="compute workers of the batch-aware scheduler (per-request Cake has one per request)")
+    bench.add_argument("--batch-compute-workers", type=int, default=2,
+                       help="compute workers of the batch-aware scheduler: one per core of this 2-core CPU "
+                            "(per-request Cake has one per request)")
     bench.add_argument("--json", help="also write the figures to this file")
     bench.set_defaults(func=cmd_bench_restore)
 

@@ -17,7 +17,6 @@ Pipeline-stage restoration runs one process per stage: see `stages.restore_stage
 
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Sequence
@@ -28,7 +27,7 @@ from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import profile
 from kvreuse.restore.job import Block, Capture, HiddenSource, IOChannels, LayerAxis, PrefixJob, TokenAxis
-from kvreuse.restore.units import UnitLog, two_pointer
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Rates, UnitLog, two_pointer
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, prefix_block_keys
@@ -41,6 +40,23 @@ STRATEGIES = {
     "cake": (TokenAxis, True, True),
     "layerwise": (LayerAxis, True, True),
 }
+
+
+@dataclass
+class PrefixRestoration:
+    """A stored prefix brought back into a new cache of the whole prompt (row r at position r): rows
+    [0, rows) hold every layer's exact KV, the later rows are for the caller to fill."""
+
+    job: PrefixJob
+    stats: dict
+
+    @property
+    def cache(self) -> KVCache:
+        return self.job.cache
+
+    @property
+    def rows(self) -> int:
+        return self.job.prefix_length
 
 
 @dataclass
@@ -72,14 +88,19 @@ class PrefixRestorer:
         *,
         boundary_stages: Sequence[int] = (2,),
         channels: IOChannels | None = None,
+        compute_run: int = DEFAULT_COMPUTE_RUN,
     ):
         """boundary_stages: the stage counts whose boundary activations are stored with each block, so that
-        a deployment with that many pipeline stages can restore every stage at once."""
+        a deployment with that many pipeline stages can restore every stage at once. compute_run: tokens' worth
+        of work the compute side claims at a time (the I/O side claims stored blocks)."""
+        if compute_run < 1:
+            raise ValueError(f"compute_run must be at least 1 token, got {compute_run}")
         self.model, self.store, self.key_space, self.block_size = model, store, key_space, block_size
+        self.compute_run = compute_run
         starts = {s for n in boundary_stages for s in stage_starts(model.num_layers, n)}
         self.boundary_layers = sorted(starts - {0})  # layer 0's input is the embedding: never stored
         self.channels = channels or IOChannels()
-        self._workers: list[threading.Thread] = []
+        self._rates: dict[tuple[str, int], Rates] = {}  # (axis, tier) -> rates earlier restorations achieved
 
     # ---- lookup ---------------------------------------------------------------------------------------
 
@@ -105,9 +126,12 @@ class PrefixRestorer:
         """Length in tokens of the longest stored prefix of `token_ids` (whole blocks)."""
         return len(self.stored_blocks(token_ids)) * self.block_size
 
-    def plan(self, token_ids: Sequence[int] | torch.Tensor) -> list[Block]:
-        """The stored blocks a restoration uses, clipped so that the last prompt token is always computed."""
+    def plan(self, token_ids: Sequence[int] | torch.Tensor, max_tokens: int | None = None) -> list[Block]:
+        """The stored blocks a restoration uses, clipped so that the last prompt token is always computed;
+        whole blocks within the first `max_tokens` tokens only, if given."""
         end = len(token_ids) - 1
+        if max_tokens is not None:
+            token_ids = token_ids[: max_tokens - max_tokens % self.block_size]
         blocks = []
         for i, (key, tier) in enumerate(self.stored_blocks(token_ids)):
             start = i * self.block_size
@@ -139,49 +163,63 @@ class PrefixRestorer:
                          layers=layers or range(self.model.num_layers), hidden_in=hidden_in)
 
     @torch.inference_mode()
+    def restore_prefix(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto",
+                       cache_capacity: int | None = None, *, max_tokens: int | None = None) -> PrefixRestoration:
+        """Bring back the longest stored prefix of `token_ids` (whole blocks within `max_tokens`, never the
+        last token) into a new cache for the whole prompt; the rows after it are left to the caller."""
+        started = time.perf_counter()
+        ids = _as_ids(token_ids, self.model.device)
+        blocks = self.plan(ids, max_tokens)
+        strategy = self.choose(strategy, blocks)
+        job = self.new_job(ids, blocks, cache_capacity)
+        axis, log = self.run_strategy(strategy, job)
+        return PrefixRestoration(job, restore_stats(strategy, job, axis, log, restore=time.perf_counter() - started))
+
+    @torch.inference_mode()
     def restore(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto",
                 cache_capacity: int | None = None, *, write_back: bool = False) -> RestoreResult:
         """Restore the stored prefix of `token_ids` and compute the rest; the last token is always computed.
 
         write_back: store the prompt's whole blocks that were not stored (computed here anyway)."""
         started = time.perf_counter()
-        ids = _as_ids(token_ids, self.model.device)
-        blocks = self.plan(ids)
-        strategy = self.choose(strategy, blocks)
-        job = self.new_job(ids, blocks, cache_capacity)
-        axis, compute, load = STRATEGIES[strategy]
-        log = two_pointer(axis(job), compute=compute, load=load)
-        self._workers = [w for w in self._workers + log.workers if w.is_alive()]
-        restored = time.perf_counter()
+        restoration = self.restore_prefix(token_ids, strategy, cache_capacity)
+        job = restoration.job
+        ids = job.token_ids
         capture = Capture(self.boundary_layers) if write_back else None
         remainder = slice(job.prefix_length, len(ids))
         hidden = job.compute_rows(remainder, capture)
         logits = self.model.logits(hidden[-1:])[0]
         done = time.perf_counter()
         written = self._write_back(ids, remainder, capture) if capture else 0
-        stats = restore_stats(strategy, job, log, restore=restored - started, total=done - started)
-        return RestoreResult(logits, job.cache, dict(stats, blocks_written=written))
+        stats = dict(restoration.stats, total_seconds=done - started, blocks_written=written)
+        return RestoreResult(logits, job.cache, stats)
 
-    def quiesce(self) -> None:
-        """Wait for the workers that lost a race for a last unit to stop (they write nothing, but use a core):
-        for benchmarks, so that one run's leftovers do not slow the next."""
-        for worker in self._workers:
-            worker.join()
-        self._workers = []
+    def run_strategy(self, strategy: str, job: PrefixJob) -> tuple[Axis, UnitLog]:
+        """Bring `job`'s prefix into its cache with `strategy` (not auto); returns the axis it ran along."""
+        axis_type, compute, load = STRATEGIES[strategy]
+        axis = axis_type(job)
+        log = two_pointer(axis, compute=compute, load=load, compute_run=self.compute_run,
+                          prior=self.prior_rates(axis, job))
+        self.remember_rates(axis, job, log.rates)
+        return axis, log
+
+    def _rates_key(self, axis: Axis, job: PrefixJob) -> tuple[str, int]:
+        return type(axis).__name__, max((b.tier for b in job.blocks), default=-1)
+
+    def prior_rates(self, axis: Axis, job: PrefixJob) -> Rates:
+        """The compute and load rates earlier restorations along this axis from this tier achieved."""
+        return self._rates.get(self._rates_key(axis, job), Rates())
+
+    def remember_rates(self, axis: Axis, job: PrefixJob, rates: Rates) -> None:
+        old = self.prior_rates(axis, job)
+        self._rates[self._rates_key(axis, job)] = Rates(rates.compute or old.compute, rates.load or old.load)
 
     # ---- storing --------------------------------------------------------------------------------------
 
-    @torch.inference_mode()
     def store_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> int:
-        """Compute `token_ids` and store each whole block the store lacks, with its boundary activations;
-        returns how many blocks were written."""
-        ids = _as_ids(token_ids, self.model.device)
-        job = self.new_job(ids, [])
-        capture = Capture(self.boundary_layers)
-        rows = slice(0, len(ids) - len(ids) % self.block_size)
-        if rows.stop:
-            job.compute_rows(rows, capture)
-        return self._write_back(ids, rows, capture)
+        """Store each whole block of `token_ids` the store lacks, with its boundary activations: the stored
+        prefix is loaded, the rest computed. Returns how many blocks were written."""
+        return self.restore(token_ids, "load", write_back=True).stats["blocks_written"]
 
     def _write_back(self, ids: torch.Tensor, rows: slice, capture: Capture) -> int:
         """Put the whole blocks inside `rows` (whose KV and boundaries `capture` holds) that are not stored."""
@@ -205,13 +243,16 @@ class PrefixRestorer:
         return KVEntry(key, k.cpu().contiguous(), v.cpu().contiguous(), meta)
 
 
-def restore_stats(strategy: str, job: PrefixJob, log: UnitLog, **seconds: float) -> dict:
+def restore_stats(strategy: str, job: PrefixJob, axis: Axis, log: UnitLog, **seconds: float) -> dict:
+    summary = log.summary(axis)
+    for side in ("tokens_computed_by_tier", "tokens_loaded_by_tier"):
+        summary[side] = {profile.tier_label(job.store, tier): tokens for tier, tokens in summary[side].items()}
     return {
         "strategy": strategy,
         "prompt_tokens": len(job.token_ids),
         "prefix_tokens": job.prefix_length,
         "bytes_loaded": job.bytes_loaded,
-        **log.summary(),
+        **summary,
         **{f"{name}_seconds": value for name, value in seconds.items()},
     }
 

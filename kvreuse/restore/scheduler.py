@@ -1,8 +1,8 @@
 """CacheFlow's batch-aware restoration scheduler: several requests restore at once over shared resources.
 
-Each request keeps its own axis and two pointers (the same units and claim logic as a lone restoration). One
-compute worker serves every request, a unit at a time in turn. Each store tier is one I/O channel with one
-worker; after every unit it gives the channel to the request with the most restoration work left (unclaimed
+Each request keeps its own axis and two pointers (the same spans and claim logic as a lone restoration). One
+compute worker serves every request, a span at a time in turn. Each store tier is one I/O channel with one
+worker; after every span it gives the channel to the request with the most restoration work left (unclaimed
 token-layers), since loading the back of a long prefix saves the most recomputation. Requests are admitted
 and finished independently: a request's future resolves as soon as its own prefix is in place and its
 remainder computed.
@@ -20,7 +20,7 @@ import torch
 
 from kvreuse.restore.job import PrefixJob
 from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
-from kvreuse.restore.units import Axis, TwoPointer, UnitLog
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Span, TwoPointer, UnitLog
 
 
 @dataclass(eq=False)
@@ -31,42 +31,37 @@ class Restoration:
     axis: Axis
     strategy: str
     future: Future
+    compute_run: int = DEFAULT_COMPUTE_RUN
     pointers: TwoPointer = field(init=False)
     log: UnitLog = field(default_factory=UnitLog)
     admitted: float = field(default_factory=time.perf_counter)
+    busy: bool = False  # a compute worker is on one of its spans (they are computed in order)
 
     def __post_init__(self) -> None:
-        self.pointers = TwoPointer(self.axis.num_units)
-
-    busy: bool = False  # a compute worker is on one of its units (they are computed in order)
+        self.pointers = TwoPointer(self.axis, self.compute_run, by_rates=False)
 
     def remaining_work(self) -> int:
-        """Token-layers not yet claimed by either side (or, at the end, the unit the compute side is on)."""
-        unit = self.pointers.peek_back()
-        if unit is None:
-            return 0
-        unclaimed = range(self.pointers.front, self.pointers.back)
-        return sum(self.axis.work(u) for u in unclaimed) if unclaimed else self.axis.work(unit)
+        """Token-layers not yet claimed by either side."""
+        return self.pointers.unclaimed() * self.axis.token_layers
 
     def next_load_tier(self) -> int | None:
-        unit = self.pointers.peek_back()
-        return None if unit is None else self.axis.tier(unit)
+        position = self.pointers.next_back()
+        return None if position is None else self.axis.tier(position)
 
 
 def most_remaining(requests: Sequence[Restoration], tier: int) -> Restoration | None:
     """The request that gets tier `tier`'s I/O channel next: the one with the most work left among those whose
-    next unit to load lives on that tier."""
+    next span to load lives on that tier."""
     waiting = [r for r in requests if r.next_load_tier() == tier]
     return max(waiting, key=Restoration.remaining_work, default=None)
 
 
 class BatchRestorer:
     def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1):
-        """compute_workers: threads computing units, each of another request (one GPU stream: 1; a CPU may
+        """compute_workers: threads computing spans, each of another request (one GPU stream: 1; a CPU may
         give each core one)."""
         self.restorer = restorer
         self._active: list[Restoration] = []
-        self._turn = 0  # round-robin position of the compute workers
         self._cond = threading.Condition()
         self._closed = False
         self._io_workers: dict[int, threading.Thread] = {}
@@ -88,7 +83,7 @@ class BatchRestorer:
         blocks = restorer.plan(ids)
         strategy = restorer.choose(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
-        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future())
+        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")
@@ -110,28 +105,27 @@ class BatchRestorer:
 
     # ---- workers --------------------------------------------------------------------------------------
 
-    def _next_compute(self) -> tuple[Restoration, int | None] | None:
-        """In turn, the next request with a unit to compute, or whose units are all settled (unit None: finish)."""
-        for i in range(len(self._active)):
-            request = self._active[(self._turn + i) % len(self._active)]
-            if request.busy:
-                continue
-            unit = request.pointers.claim_front()
-            if unit is not None or request.pointers.settled:
-                self._turn = (self._turn + i + 1) % len(self._active)
+    def _next_compute(self) -> tuple[Restoration, Span | None] | None:
+        """A request whose positions are all settled is finished first (span None); else a span of the request
+        with the least restoration work left, while I/O serves the one with the most: the two sides work
+        from the two ends of the batch, as they do from the two ends of a prefix."""
+        idle = [r for r in self._active if not r.busy]
+        for request in sorted(idle, key=lambda r: (not r.pointers.settled, r.remaining_work())):
+            span = request.pointers.claim_front()
+            if span is not None or request.pointers.settled:
                 request.busy = True
-                return request, unit
+                return request, span
         return None
 
     def _compute_loop(self) -> None:
         with torch.inference_mode():
             while (work := self._wait(self._next_compute, lambda: not self._active)) is not None:
-                request, unit = work
+                request, span = work
                 try:
-                    if unit is None:
+                    if span is None:
                         self._finish(request)
                     else:
-                        request.log.compute(request.axis, request.pointers, unit)
+                        request.log.compute(request.axis, request.pointers, span)
                 except BaseException as e:  # that request fails; the others go on
                     self._drop(request, e)
                 with self._cond:
@@ -139,16 +133,16 @@ class BatchRestorer:
                     self._cond.notify_all()
 
     def _io_loop(self, tier: int) -> None:
-        def claim() -> tuple[Restoration, int] | None:
+        def claim() -> tuple[Restoration, Span] | None:
             request = most_remaining(self._active, tier)
-            unit = None if request is None else request.pointers.claim_back()
-            return None if unit is None else (request, unit)
+            span = None if request is None else request.pointers.claim_back()
+            return None if span is None else (request, span)
 
         with torch.inference_mode():
             while (work := self._wait(claim, lambda: not self._active)) is not None:
-                request, unit = work
+                request, span = work
                 try:
-                    request.log.load(request.axis, request.pointers, unit)
+                    request.log.load(request.axis, request.pointers, span)
                 except BaseException as e:
                     self._drop(request, e)
                 with self._cond:
@@ -165,12 +159,12 @@ class BatchRestorer:
 
     def _finish(self, request: Restoration) -> None:
         job = request.job
-        request.log.recompute_failed(request.axis, request.pointers)
+        request.log.recompute_failed(request.axis)
         restored = time.perf_counter()
         hidden = job.compute_rows(slice(job.prefix_length, len(job.token_ids)))
         logits = job.model.logits(hidden[-1:])[0]
         done = time.perf_counter()
-        stats = restore_stats(request.strategy, job, request.log, restore=restored - request.admitted,
+        stats = restore_stats(request.strategy, job, request.axis, request.log, restore=restored - request.admitted,
                               total=done - request.admitted)
         self._remove(request)
         request.future.set_result(RestoreResult(logits, job.cache, stats))

@@ -26,8 +26,7 @@ from torch import nn
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore.job import Block, HiddenSource
-from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats, stage_layers
-from kvreuse.restore.units import two_pointer
+from kvreuse.restore.restorer import PrefixRestorer, RestoreResult, _as_ids, restore_stats, stage_layers
 from kvreuse.store import KeySpace, open_store
 from kvreuse.store.base import KVStore
 
@@ -76,8 +75,7 @@ def restore_stage(restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Ten
     hidden_in = boundary_source(restorer.store, blocks, layers.start) if layers.start else None
     job = restorer.new_job(ids, blocks, cache_capacity, layers=layers, hidden_in=hidden_in)
     strategy = restorer.choose(strategy, blocks)
-    axis, compute, load = STRATEGIES[strategy]
-    log = two_pointer(axis(job), compute=compute, load=load)  # no communication: all stages at once
+    axis, log = restorer.run_strategy(strategy, job)  # no communication: all stages at once
 
     rows = slice(job.prefix_length, len(ids))
     if rank == 0:
@@ -91,7 +89,7 @@ def restore_stage(restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Ten
         dist.send(hidden.contiguous(), dst=rank + 1)
     else:
         logits = model.logits(hidden[-1:])[0]
-    return StageResult(layers, job.cache, logits, restore_stats(strategy, job, log))
+    return StageResult(layers, job.cache, logits, restore_stats(strategy, job, axis, log))
 
 
 # ---- local launcher ----------------------------------------------------------------------------------------

@@ -1,23 +1,23 @@
-"""Units of restoration work and the two-pointer claim logic, written once for every strategy.
+"""Spans of restoration work and the two-pointer claim logic, written once for every strategy.
 
-A restoration splits into units along one axis: prefix blocks (token-wise: Cake, CacheFlow's token pointer) or
-layers (CacheFlow's layer pointer). The compute side claims units from the front, the I/O side from the back;
-each claims its next unit only when it is free (no lock-step), and the run ends when the pointers meet. An
-axis says what computing and loading one unit mean; the batch scheduler drives the same axes and pointers for
-many requests at once.
+A restoration's work is a line of positions [0, length) along one axis: prefix rows (token-wise: Cake,
+CacheFlow's token pointer; a position is one row through every layer) or layer-major cells (CacheFlow's layer
+pointer; a position is one row of one layer). The compute side claims spans from the front, the I/O side from
+the back; each claims its next span only when it is free (no lock-step), every position is claimed exactly
+once, and the run ends when the pointers meet.
 
-A unit is claimed once by each side at most. When the I/O side finds nothing left to claim while the compute
-side is still working on its last unit, it loads that unit too (Cake's pointers move when a chunk is done,
-not when it is begun): whichever side finishes first settles it. The compute side writes each layer's KV only
-while its unit is unsettled, so once the load has won it writes nothing more and stops at its next layer; the
-restoration does not wait for it. Without this, a restoration could never beat the time to compute one unit,
-even where loading all of them is faster, which on a CPU it often is.
+The two sides claim at different granularities. The I/O side claims what the store holds as one read: a
+stored block (of one layer, on the layer axis), clipped at the compute side's pointer, since a block can be
+read in part. The compute side claims short runs of rows, so that the meeting point can fall inside a block:
+with whole blocks on both sides, a restoration could never be faster than computing one block, which on a CPU
+is often slower than loading every block. The compute side claims no more than its share of the gap at the
+two sides' rates (measured in this restoration, or in earlier ones until both sides have finished a span), and
+stops when that share is under a quarter run: it would hold the I/O side up with a span it could not finish
+first.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,207 +25,247 @@ from typing import Any, Callable, Protocol
 
 import torch
 
-Write = Callable[[], None]
-# guard(write): do the compute side's write unless its unit was settled by the I/O side; False: stop computing.
-Guard = Callable[[Write], bool]
+
+@dataclass(frozen=True)
+class Span:
+    """Positions [start, stop) of an axis."""
+
+    start: int
+    stop: int
+
+    def __len__(self) -> int:
+        return self.stop - self.start
 
 
 class Axis(Protocol):
-    """One request's restoration work along one axis. Units are numbered front (0) to back."""
+    """One request's restoration work along one axis: positions [0, length), front to back."""
 
-    num_units: int
+    length: int
+    positions_per_token: int  # 1 on the token axis, the number of layers on the layer axis
+    token_layers: int  # token-layers per position: what the batch scheduler weighs remaining work by
 
-    def compute(self, unit: int, guard: Guard) -> None:
-        """Compute `unit` (every unit before it is in place), each cache write through `guard`; return as soon
-        as guard refuses one."""
+    def compute_stop(self, start: int, size: int, limit: int) -> int:
+        """End of a compute span of at most `size` positions from `start`, not past `limit`."""
 
-    def read(self, unit: int) -> Any | None:
-        """Read `unit` from the store, ready to place; None if its stored KV is missing or damaged."""
+    def load_start(self, stop: int, limit: int) -> int:
+        """Start of the stored piece ending at `stop` (its block's start), not before `limit`."""
 
-    def place(self, unit: int, data: Any) -> None:
+    def compute(self, span: Span) -> None:
+        """Compute `span`; every position before it is in place."""
+
+    def read(self, span: Span) -> Any | None:
+        """Read `span` from the store, ready to place; None if its stored KV is missing or damaged."""
+
+    def place(self, span: Span, data: Any) -> None:
         """Write what `read` gave into the request's cache."""
 
-    def recompute(self, units: list[int]) -> None:
-        """Compute units whose load failed, once every other unit is in place."""
+    def recompute(self, spans: list[Span]) -> None:
+        """Compute spans whose load failed, once every other position is in place."""
 
-    def work(self, unit: int) -> int:
-        """Size of `unit` in token-layers: what the batch scheduler weighs remaining work by."""
+    def tier(self, position: int) -> int:
+        """Index of the store tier the position loads from (one I/O channel per tier)."""
 
-    def tier(self, unit: int) -> int:
-        """Index of the store tier the unit loads from (one I/O channel per tier)."""
+
+@dataclass
+class Rate:
+    """Positions per second one side has achieved so far."""
+
+    positions: int = 0
+    seconds: float = 0.0
+
+    def add(self, span: Span, seconds: float) -> None:
+        self.positions += len(span)
+        self.seconds += seconds
+
+    @property
+    def known(self) -> bool:
+        return self.positions > 0 and self.seconds > 0
+
+    @property
+    def value(self) -> float:
+        return self.positions / self.seconds
+
+
+@dataclass(frozen=True)
+class Rates:
+    """Positions per second of each side (None: not measured), carried from one restoration to the next."""
+
+    compute: float | None = None
+    load: float | None = None
 
 
 class TwoPointer:
-    """Front and back pointers over units [0, n), and which units are settled. Thread-safe."""
+    """Front and back pointers over an axis's positions, and how many positions are settled. Thread-safe."""
 
-    def __init__(self, num_units: int):
-        self.num_units = num_units
-        self.front, self.back = 0, num_units
-        self.computing: int | None = None  # the compute side's current unit
-        self.stolen: int | None = None  # a unit the I/O side took over from the compute side
-        self.done: set[int] = set()
-        self.failed: set[int] = set()
+    def __init__(self, axis: Axis, compute_run: int, prior: Rates = Rates(), *, by_rates: bool = True):
+        """by_rates=False: whole runs always (in a batch, how much of the I/O channel a request gets is not its
+        own to measure)."""
+        self.axis, self.compute_run, self.prior, self.by_rates = axis, compute_run, prior, by_rates
+        self.front, self.back = 0, axis.length
+        self.placed = 0  # positions computed or loaded
+        self.failed: list[Span] = []
+        self.compute_rate, self.load_rate = Rate(), Rate()
         self._cond = threading.Condition()
 
-    def claim_front(self) -> int | None:
+    def claim_front(self) -> Span | None:
+        with self._cond:
+            size = self._size() if self.front < self.back else None
+            if size is None:
+                return None
+            stop = self.axis.compute_stop(self.front, size, self.back)
+            span, self.front = Span(self.front, stop), stop
+            return span
+
+    def _size(self) -> int | None:
+        """Positions the compute side claims next: `compute_run` tokens' worth of work, or no more than its
+        share of the gap at both sides' rates; None (stop) if that share is under a quarter run, since every
+        span has a fixed cost."""
+        run = self.compute_run * self.axis.positions_per_token
+        compute, load = self.rates().compute, self.rates().load
+        if compute is None or load is None or not self.by_rates:
+            return run
+        share = (self.back - self.front) * compute / (compute + load)
+        return min(run, round(share)) if share >= max(1, run // 4) else None
+
+    def rates(self) -> Rates:
+        """Each side's rate measured so far in this restoration, else the prior's."""
+        return Rates(self.compute_rate.value if self.compute_rate.known else self.prior.compute,
+                     self.load_rate.value if self.load_rate.known else self.prior.load)
+
+    def claim_back(self) -> Span | None:
         with self._cond:
             if self.front >= self.back:
                 return None
-            self.front += 1
-            self.computing = self.front - 1
-            return self.computing
+            start = self.axis.load_start(self.back, self.front)
+            span, self.back = Span(start, self.back), start
+            return span
 
-    def claim_back(self) -> int | None:
+    def next_back(self) -> int | None:
+        """The position the I/O side would claim next (the last unclaimed one), if any."""
         with self._cond:
-            unit = self._next_back()
-            if self.front < self.back:
-                self.back -= 1
-            elif unit is not None:
-                self.stolen = unit
-            return unit
+            return self.back - 1 if self.front < self.back else None
 
-    def peek_back(self) -> int | None:
-        """The unit claim_back would give now."""
+    def unclaimed(self) -> int:
         with self._cond:
-            return self._next_back()
+            return max(0, self.back - self.front)
 
-    def _next_back(self) -> int | None:
-        if self.front < self.back:
-            return self.back - 1
-        unit = self.computing
-        return unit if unit is not None and unit not in self.done and unit != self.stolen else None
-
-    def guard(self, unit: int) -> Guard:
-        def guarded(write: Write) -> bool:
-            with self._cond:
-                if unit in self.done:
-                    return False
-                write()
-                return True
-
-        return guarded
-
-    def settle(self, unit: int, write: Write = lambda: None) -> bool:
-        """Run write() and mark `unit` done, unless the other side settled it first; True if this side won."""
+    def settle(self, span: Span, seconds: float, computed: bool) -> None:
         with self._cond:
-            if self.computing == unit:
-                self.computing = None
-            if unit in self.done:
-                return False
-            write()
-            self.done.add(unit)
+            self.placed += len(span)
+            (self.compute_rate if computed else self.load_rate).add(span, seconds)
             self._cond.notify_all()
-            return True
 
-    def fail(self, unit: int) -> bool:
-        """A load failed: True if the unit must be recomputed (one the compute side is on is left to it)."""
+    def fail(self, span: Span) -> None:
         with self._cond:
-            if unit == self.stolen:
-                return False
-            self.failed.add(unit)
+            self.failed.append(span)
             self._cond.notify_all()
-            return True
 
     @property
     def settled(self) -> bool:
-        """Every unit is placed or known to need recomputing."""
+        """Every position is placed or known to need recomputing."""
         with self._cond:
-            return len(self.done | self.failed) == self.num_units
-
-    def wait_settled(self, or_else: Callable[[], bool]) -> None:
-        with self._cond:
-            self._cond.wait_for(lambda: or_else() or self.settled)
-
-    def wake(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
+            return self.placed + sum(len(s) for s in self.failed) == self.axis.length
 
 
 @dataclass
 class UnitLog:
-    """What happened to each unit, and how long it took: the benchmark derives its ideal split from these."""
+    """What happened to each span, and how long it took: the benchmark derives its ideal split from these."""
 
-    computed: dict[int, float] = field(default_factory=dict)  # unit -> seconds
-    loaded: dict[int, float] = field(default_factory=dict)
-    failed: list[int] = field(default_factory=list)  # loads that failed; recomputed
+    computed: list[tuple[Span, float]] = field(default_factory=list)
+    loaded: list[tuple[Span, float]] = field(default_factory=list)
+    failed: list[Span] = field(default_factory=list)  # loads that failed; recomputed
+    recovery_seconds: float = 0.0
+    rates: Rates = Rates()  # both sides' rates at the end, for the next restoration's first claims
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-    workers: list[threading.Thread] = field(default_factory=list, repr=False)  # may outlive the restoration
 
-    def compute(self, axis: Axis, pointers: TwoPointer, unit: int) -> None:
+    def compute(self, axis: Axis, pointers: TwoPointer, span: Span) -> None:
         start = time.perf_counter()
-        axis.compute(unit, pointers.guard(unit))
-        if pointers.settle(unit):
-            self.computed[unit] = time.perf_counter() - start
+        axis.compute(span)
+        seconds = time.perf_counter() - start
+        with self.lock:
+            self.computed.append((span, seconds))
+        pointers.settle(span, seconds, computed=True)
 
-    def load(self, axis: Axis, pointers: TwoPointer, unit: int) -> None:
+    def load(self, axis: Axis, pointers: TwoPointer, span: Span) -> None:
         start = time.perf_counter()
-        data = axis.read(unit)
+        data = axis.read(span)
         if data is None:
-            if pointers.fail(unit):
-                with self.lock:
-                    self.failed.append(unit)
-        elif pointers.settle(unit, lambda: axis.place(unit, data)):
             with self.lock:
-                self.loaded[unit] = time.perf_counter() - start
+                self.failed.append(span)
+            pointers.fail(span)
+            return
+        axis.place(span, data)
+        seconds = time.perf_counter() - start
+        with self.lock:
+            self.loaded.append((span, seconds))
+        pointers.settle(span, seconds, computed=False)
 
-    def recompute_failed(self, axis: Axis, pointers: TwoPointer) -> None:
-        units = sorted(pointers.failed - pointers.done)
-        if units:
+    def recompute_failed(self, axis: Axis) -> None:
+        if self.failed:
             start = time.perf_counter()
-            axis.recompute(units)
-            self.computed[-1] = time.perf_counter() - start  # -1: the recovery step, not a unit of its own
+            axis.recompute(sorted(self.failed, key=lambda s: s.start))
+            self.recovery_seconds = time.perf_counter() - start
 
-    def summary(self) -> dict:
+    def summary(self, axis: Axis) -> dict:
+        """Tokens computed and loaded (in whole-token equivalents on the layer axis), also per store tier."""
+
+        def by_tier(spans: list[Span]) -> dict[int, float]:
+            positions: dict[int, int] = {}
+            for span in spans:
+                tier = axis.tier(span.start)
+                positions[tier] = positions.get(tier, 0) + len(span)
+            return {tier: n / axis.positions_per_token for tier, n in sorted(positions.items())}
+
+        computed = [s for s, _ in self.computed] + self.failed
+        loaded = [s for s, _ in self.loaded]
         return {
-            "units_computed": len([u for u in self.computed if u >= 0]),
-            "units_loaded": len(self.loaded),
-            "units_failed": sorted(self.failed),
-            "compute_seconds": dict(sorted(self.computed.items())),
-            "load_seconds": dict(sorted(self.loaded.items())),
+            "tokens_computed": sum(len(s) for s in computed) / axis.positions_per_token,
+            "tokens_loaded": sum(len(s) for s in loaded) / axis.positions_per_token,
+            "tokens_computed_by_tier": by_tier(computed),
+            "tokens_loaded_by_tier": by_tier(loaded),
+            "spans_computed": len(self.computed),
+            "spans_loaded": len(self.loaded),
+            "spans_failed": [[s.start, s.stop] for s in sorted(self.failed, key=lambda s: s.start)],
+            "compute_spans": [[s.start, s.stop, t] for s, t in sorted(self.computed, key=lambda c: c[0].start)],
+            "load_spans": [[s.start, s.stop, t] for s, t in sorted(self.loaded, key=lambda c: c[0].start)],
+            "recovery_seconds": self.recovery_seconds,
         }
 
 
-def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True) -> UnitLog:
-    """Restore every unit of `axis`: a compute thread from the front, an I/O thread from the back; returns once
-    every unit is settled.
+DEFAULT_COMPUTE_RUN = 32  # tokens' worth of work per compute span
+
+
+def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True, compute_run: int = DEFAULT_COMPUTE_RUN,
+                prior: Rates = Rates()) -> UnitLog:
+    """Restore every position of `axis`: a compute thread from the front (spans of `compute_run` tokens' work),
+    an I/O thread from the back (stored blocks); returns once both are done.
 
     compute=False is load-only, load=False compute-only: the baselines run through the same code. Failed loads
-    are recomputed on the caller's thread once every other unit is in place. The side that lost a race for the
-    last unit may still be busy when this returns; it writes nothing.
+    are recomputed on the caller's thread once every other position is in place. `prior`: the rates earlier
+    restorations achieved (sizes the compute side's spans until this one has measured both sides).
     """
-    pointers, log = TwoPointer(axis.num_units), UnitLog()
+    pointers, log = TwoPointer(axis, compute_run, prior if compute and load else Rates()), UnitLog()
     errors: list[BaseException] = []
 
-    def worker(claim: Callable[[], int | None], work: Callable[[int], None]) -> None:
+    def worker(claim: Callable[[], Span | None], work: Callable[[Span], None]) -> None:
         try:
             with torch.inference_mode():  # grad mode is per thread
-                while (unit := claim()) is not None:
-                    work(unit)
+                while (span := claim()) is not None:
+                    work(span)
         except BaseException as e:  # re-raised on the caller's thread
             errors.append(e)
-        finally:
-            pointers.wake()
 
-    sides = [(load, "io", pointers.claim_back, lambda u: log.load(axis, pointers, u)),
-             (compute, "compute", pointers.claim_front, lambda u: log.compute(axis, pointers, u))]
-    for enabled, name, claim, work in sides:
-        if enabled:
-            log.workers.append(threading.Thread(target=worker, args=(claim, work), name=f"restore-{name}",
-                                                daemon=True))
-            log.workers[-1].start()
-    pointers.wait_settled(or_else=lambda: bool(errors))
-    for straggler in log.workers:
-        if straggler.is_alive():
-            _deprioritise(straggler)
+    sides = [(load, "io", pointers.claim_back, lambda s: log.load(axis, pointers, s)),
+             (compute, "compute", pointers.claim_front, lambda s: log.compute(axis, pointers, s))]
+    workers = [threading.Thread(target=worker, args=(claim, work), name=f"restore-{name}", daemon=True)
+               for enabled, name, claim, work in sides if enabled]
+    for thread in workers:
+        thread.start()
+    for thread in workers:
+        thread.join()
     if errors:
         raise errors[0]
     with torch.inference_mode():
-        log.recompute_failed(axis, pointers)
+        log.recompute_failed(axis)
+    log.rates = pointers.rates()
     return log
-
-
-def _deprioritise(thread: threading.Thread) -> None:
-    """A worker still finishing a lost race only wastes CPU now: let the request's next steps have the core
-    first (Linux sets nice values per thread; elsewhere this does nothing)."""
-    with contextlib.suppress(AttributeError, OSError):
-        os.setpriority(os.PRIO_PROCESS, thread.native_id, 19)

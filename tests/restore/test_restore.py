@@ -12,6 +12,8 @@ from kvreuse.restore.restorer import _as_ids
 from kvreuse.store import KeySpace, open_store
 from kvreuse.store.tiered import TieredStore
 
+from .support import restore_split
+
 TOLERANCE = dict(atol=1e-4, rtol=0)
 BLOCK = 8
 SPACE = KeySpace("tiny-model", "tiny-tok")
@@ -62,18 +64,15 @@ def test_every_strategy_gives_full_prefill(tiny_model, strategy, prompt, stored)
 
 @pytest.mark.parametrize("axis", [TokenAxis, LayerAxis])
 def test_every_split_point_gives_full_prefill(tiny_model, axis):
-    """Units [0, k) computed and [k, n) loaded, for every k: whatever point the pointers meet at is exact."""
+    """Positions [0, k) computed and [k, n) loaded, for every k, inside blocks too: wherever the pointers meet
+    the result is exact."""
     token_ids = ids_of(45)
     restorer = restorer_with(tiny_model, token_ids)
     ids = _as_ids(token_ids, tiny_model.device)
     with torch.inference_mode():
-        for split in range(axis(restorer.new_job(ids, restorer.plan(ids))).num_units + 1):
+        for split in range(axis(restorer.new_job(ids, restorer.plan(ids))).length + 1):
             job = restorer.new_job(ids, restorer.plan(ids))
-            units = axis(job)
-            for unit in range(split):
-                units.compute(unit)
-            for unit in range(split, units.num_units):
-                units.place(unit, units.read(unit))
+            restore_split(axis(job), split)
             hidden = job.compute_rows(slice(job.prefix_length, len(ids)))
             result = type("R", (), {"cache": job.cache, "logits": tiny_model.logits(hidden[-1:])[0]})
             assert_matches_full(tiny_model, result, token_ids)
@@ -115,7 +114,7 @@ def test_a_block_lost_mid_restoration_is_recomputed(tiny_model, strategy):
     restorer = restorer_with(tiny_model, token_ids, store)
     store.lost = {restorer.block_keys(token_ids)[-1]}  # the back: the first the I/O side asks for
     result = restorer.restore(token_ids, strategy)
-    assert result.stats["units_failed"], "the lost block was never asked for"
+    assert result.stats["spans_failed"], "the lost block was never asked for"
     assert_matches_full(tiny_model, result, token_ids)
 
 
@@ -124,10 +123,10 @@ def test_a_corrupt_block_on_disk_is_recomputed(tiny_model, tmp_path, strategy):
     token_ids = ids_of(45)
     restorer = restorer_with(tiny_model, token_ids, open_store(f"disk:{tmp_path}"))
     disk = restorer.store.tiers[0]
-    path = disk.path(restorer.block_keys(token_ids)[1])
+    path = disk.path(restorer.block_keys(token_ids)[-1])  # the back: the first the I/O side asks for
     path.write_bytes(path.read_bytes()[:200])  # truncated: the header no longer matches the data
     result = restorer.restore(token_ids, strategy)
-    assert result.stats["units_failed"]
+    assert result.stats["spans_failed"]
     assert_matches_full(tiny_model, result, token_ids)
 
 

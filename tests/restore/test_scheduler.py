@@ -8,6 +8,7 @@ import torch
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
 from kvreuse.restore.scheduler import BatchRestorer, Restoration, most_remaining
+from kvreuse.restore.units import Span
 from kvreuse.store import KeySpace, open_store
 
 TOLERANCE = dict(atol=1e-4, rtol=0)
@@ -44,24 +45,46 @@ def test_a_batch_of_mixed_requests_restores_exactly(make_tiny):
 
 
 class FakeAxis:
-    def __init__(self, units: int, tokens: int, tier: int = 0):
-        self.num_units, self.tokens, self.tier_index = units, tokens, tier
+    """`length` rows in blocks of 256, all on tier `tier`."""
 
-    def work(self, unit: int) -> int:
-        return self.tokens
+    positions_per_token = 1
+    token_layers = 30
 
-    def tier(self, unit: int) -> int:
+    def __init__(self, length: int, tier: int = 0):
+        self.length, self.tier_index = length, tier
+
+    def compute_stop(self, start: int, size: int, limit: int) -> int:
+        return min(start + size, limit)
+
+    def load_start(self, stop: int, limit: int) -> int:
+        return max((stop - 1) // 256 * 256, limit)
+
+    def tier(self, position: int) -> int:
         return self.tier_index
 
 
 def test_io_goes_to_the_request_with_the_most_work_left():
-    def request(units: int, tokens: int, tier: int = 0) -> Restoration:
-        return Restoration(job=None, axis=FakeAxis(units, tokens, tier), strategy="cake", future=None)
+    def request(length: int, tier: int = 0) -> Restoration:
+        return Restoration(job=None, axis=FakeAxis(length, tier), strategy="cake", future=None, compute_run=256)
 
-    short, long_, other_tier = request(2, 256), request(6, 256), request(20, 256, tier=1)
+    short, long_, other_tier = request(512), request(1536), request(5120, tier=1)
     assert most_remaining([short, long_, other_tier], tier=0) is long_
     for _ in range(5):  # the long request's remaining work drops below the short one's
-        long_.pointers.claim_front()
+        long_.pointers.claim_back()
     assert most_remaining([short, long_, other_tier], tier=0) is short
     assert most_remaining([short, long_, other_tier], tier=1) is other_tier
     assert most_remaining([short], tier=1) is None
+
+
+def test_compute_goes_to_the_request_with_the_least_work_left_and_finishing_comes_first():
+    def request(length: int) -> Restoration:
+        return Restoration(job=None, axis=FakeAxis(length), strategy="cake", future=None, compute_run=256)
+
+    batch = BatchRestorer(restorer=None, compute_workers=0)  # no worker threads: the choice alone
+    short, long_, done = request(512), request(1536), request(256)
+    done.pointers.settle(done.pointers.claim_back(), seconds=0.01, computed=False)
+    batch._active = [long_, short, done]
+    assert batch._next_compute() == (done, None)  # all in place: its remainder is computed first
+    assert batch._next_compute() == (short, Span(0, 256))
+    assert batch._next_compute() == (long_, Span(0, 256))  # short is busy: a worker is on it
+    assert batch._next_compute() is None

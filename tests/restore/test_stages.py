@@ -13,6 +13,8 @@ from kvreuse.restore.restorer import _as_ids, stage_layers
 from kvreuse.restore.stages import MissingBoundary, boundary_source, spawn_stages
 from kvreuse.store import KeySpace, open_store
 
+from .support import restore_split
+
 TOLERANCE = dict(atol=1e-4, rtol=0)
 BLOCK = 8
 SPACE = KeySpace("tiny-model", "tiny-tok")
@@ -62,7 +64,7 @@ def test_a_stage_without_stored_boundaries_says_so(make_tiny):
 @pytest.mark.parametrize("axis", [TokenAxis, LayerAxis])
 def test_a_stage_from_its_boundary_is_exact_at_every_split_point(make_tiny, axis):
     """Stage 2 of 2 alone (no process group needed for the prefix part): its layers restored from the stored
-    boundary activations, with units [0, k) computed and the rest loaded, for every k."""
+    boundary activations, with positions [0, k) computed and the rest loaded, for every k."""
     model = LayerwiseModel(make_tiny("llama3-rope"))
     restorer = PrefixRestorer(model, open_store("memory:64MB"), SPACE, block_size=BLOCK, boundary_stages=(2,))
     prompt = ids_of(45, seed=3)
@@ -72,14 +74,10 @@ def test_a_stage_from_its_boundary_is_exact_at_every_split_point(make_tiny, axis
     layers = stage_layers(model.num_layers, 2)[1]
     full = model.prefill(prompt)
     with torch.inference_mode():
-        for split in range(axis(restorer.new_job(ids, blocks, layers=layers)).num_units + 1):
+        for split in range(axis(restorer.new_job(ids, blocks, layers=layers)).length + 1):
             job = restorer.new_job(ids, blocks, layers=layers, hidden_in=boundary_source(restorer.store, blocks,
                                                                                          layers.start))
-            units = axis(job)
-            for unit in range(split):
-                units.compute(unit)
-            for unit in range(split, units.num_units):
-                units.place(unit, units.read(unit))
+            restore_split(axis(job), split)
             for layer in layers:
                 for got, want in zip(job.cache.layer(layer), full.cache.layer(layer)):
                     torch.testing.assert_close(got[: job.prefix_length], want[: job.prefix_length], **TOLERANCE)

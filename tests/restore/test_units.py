@@ -1,29 +1,62 @@
-"""The two-pointer claim logic: each side claims a unit once, the run ends where they meet, and the I/O side
-may take over the compute side's last unit, whichever finishing first placing it."""
+"""The two-pointer claim logic: every position is claimed exactly once, by one side; the compute side claims
+short runs, the I/O side whole stored blocks clipped at the compute side's pointer, so the two meet inside a
+block; near the end the compute side claims no more than its share of the gap."""
 
-from kvreuse.restore.units import TwoPointer
-
-
-def test_pointers_meet_without_claiming_a_unit_twice_per_side():
-    pointers = TwoPointer(5)
-    assert [pointers.claim_front(), pointers.claim_back(), pointers.claim_back()] == [0, 4, 3]
-    assert pointers.settle(0) and pointers.settle(4) and pointers.settle(3)
-    assert [pointers.claim_front(), pointers.claim_front(), pointers.claim_front()] == [1, 2, None]
-    assert pointers.settle(1)
-    # Nothing left to claim from the back: the I/O side takes over unit 2, once (the scheduler peeks first).
-    assert pointers.peek_back() == 2
-    assert pointers.claim_back() == 2 and pointers.claim_back() is None and pointers.peek_back() is None
-    assert pointers.settle(2, lambda: None) and not pointers.settle(2)  # the compute side's result is dropped
-    assert pointers.settled and 2 in pointers.done
+from kvreuse.restore.units import Rates, Span, TwoPointer
 
 
-def test_a_failed_load_is_recomputed_unless_the_compute_side_has_it():
-    pointers = TwoPointer(3)
-    assert pointers.claim_front() == 0 and pointers.claim_back() == 2 and pointers.claim_back() == 1
-    assert pointers.fail(2)  # an ordinary unit: must be recomputed
-    assert pointers.settle(1)
-    assert pointers.claim_back() == 0
-    assert not pointers.fail(0)  # the unit the compute side is on: left to it
+class BlockAxis:
+    """Token-axis claim geometry: blocks of `block` positions, no work attached."""
+
+    positions_per_token = 1
+    token_layers = 2
+
+    def __init__(self, length: int, block: int):
+        self.length, self.block = length, block
+
+    def compute_stop(self, start: int, size: int, limit: int) -> int:
+        return min(start + size, limit)
+
+    def load_start(self, stop: int, limit: int) -> int:
+        return max((stop - 1) // self.block * self.block, limit)
+
+
+def test_every_position_is_claimed_once_and_the_sides_meet_inside_a_block():
+    pointers = TwoPointer(BlockAxis(40, 16), compute_run=4)
+    claims = [pointers.claim_back(), pointers.claim_front(), pointers.claim_back(), pointers.claim_front()]
+    assert claims == [Span(32, 40), Span(0, 4), Span(16, 32), Span(4, 8)]
+    assert pointers.claim_back() == Span(8, 16)  # block 0 past the compute side's pointer: read in part
+    assert pointers.claim_back() is None and pointers.claim_front() is None
+    for span, computed in zip(claims + [Span(8, 16)], [False, True, False, True, False]):
+        assert not pointers.settled
+        pointers.settle(span, seconds=0.01, computed=computed)
+    assert pointers.settled
+
+
+def test_near_the_end_the_compute_side_claims_its_share_of_the_gap():
+    pointers = TwoPointer(BlockAxis(400, 100), compute_run=32)
+    pointers.settle(pointers.claim_front(), seconds=0.032, computed=True)  # 1000 positions/s
+    pointers.settle(pointers.claim_back(), seconds=0.025, computed=False)  # 4000 positions/s
+    # gap 268: at these rates the compute side's share is a fifth, ~54, more than a run: a whole run.
+    assert pointers.claim_front() == Span(32, 64)
+    pointers.claim_back()  # 200..300
+    # gap 136: share 27 of the 32-position run
+    assert pointers.claim_front() == Span(64, 91)
+
+
+def test_the_compute_side_stops_when_its_share_is_under_a_quarter_run():
+    # earlier restorations: loading is 100x faster than computing: a share of 400 / 101 ~ 4 < 32 / 4 positions
+    pointers = TwoPointer(BlockAxis(400, 100), compute_run=32, prior=Rates(compute=1000.0, load=100_000.0))
+    assert pointers.claim_front() is None
+    assert pointers.claim_back() == Span(300, 400)  # the I/O side takes it all
+    # comparable rates: the compute side claims a whole run
+    assert TwoPointer(BlockAxis(400, 100), 32, Rates(1000.0, 2000.0)).claim_front() == Span(0, 32)
+
+
+def test_a_failed_load_counts_as_settled_for_recomputation():
+    pointers = TwoPointer(BlockAxis(8, 4), compute_run=4)
+    compute, load = pointers.claim_front(), pointers.claim_back()
+    pointers.fail(load)
     assert not pointers.settled
-    assert pointers.settle(0)
-    assert pointers.settled and pointers.failed == {2}
+    pointers.settle(compute, seconds=0.01, computed=True)
+    assert pointers.settled and pointers.failed == [Span(4, 8)]

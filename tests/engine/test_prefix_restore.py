@@ -1,0 +1,135 @@
+"""ReuseEngine restores a request's exact prefix block by block (any strategy, any stored length) and fuses the
+chunks and fresh tokens on top of it; newly computed prefix blocks are stored in the background, so a
+conversation whose history grows reuses its longest stored prefix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.fusion.executor import FusionExecutor
+from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.segments import Request, Segment, SegmentKind
+from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.restore import STRATEGIES
+
+from ..conftest import make_tiny_engine, random_ids
+
+TOLERANCE = dict(atol=1e-4, rtol=0)
+BLOCK = 4
+
+
+def conversation(prefix_tokens: int, chunk_tokens: int = 13, fresh_tokens: int = 5) -> Request:
+    """A prefix that grows with the conversation (the same tokens, more of them), one chunk, a new question."""
+    history = random_ids(64, seed=11)[:prefix_tokens]
+    return Request([Segment(SegmentKind.PREFIX, history), Segment(SegmentKind.CHUNK, random_ids(chunk_tokens, 12)),
+                    Segment(SegmentKind.FRESH, random_ids(fresh_tokens, 13))])
+
+
+@pytest.fixture
+def engine(make_tiny):
+    engine = make_tiny_engine(LayerwiseModel(make_tiny("qwen3")), prefix_block_size=BLOCK)
+    yield engine
+    engine.close()
+
+
+def full_prefill(engine, request: Request):
+    return engine.model.prefill(request.token_ids)
+
+
+@pytest.mark.parametrize("strategy", ["auto", *STRATEGIES])
+def test_the_restored_prefix_with_chunks_computed_on_top_is_exact(tiny_model, strategy):
+    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK, prefix_strategy=strategy)
+    try:
+        request = conversation(prefix_tokens=23)
+        engine.compile(request, ["prefix"])
+        out = engine.prefill(request, "prefix", extra_capacity=3)
+        assert out.stats["prefix_restored_tokens"] == 20  # 5 whole blocks; the 3 tokens after them are computed
+        restored = sum(out.stats["prefix_loaded_tokens"].values()) + sum(out.stats["prefix_recomputed_tokens"].values())
+        assert restored == pytest.approx(20)
+        full = full_prefill(engine, request)
+        torch.testing.assert_close(out.logits, full.logits, **TOLERANCE)
+        for layer in range(engine.model.num_layers):
+            for got, want in zip(out.cache.layer(layer), full.cache.layer(layer)):
+                torch.testing.assert_close(got, want, **TOLERANCE)
+        next_id = int(full.logits.argmax())  # decoding goes on from the cache
+        torch.testing.assert_close(engine.model.decode(next_id, out.cache), engine.model.decode(next_id, full.cache),
+                                   **TOLERANCE)
+    finally:
+        engine.close()
+
+
+def test_a_growing_conversation_reuses_its_longest_stored_prefix(engine):
+    first = engine.prefill(conversation(prefix_tokens=10), "prefix")
+    assert first.stats["prefix_restored_tokens"] == 0
+    engine.wait_for_write_back()  # the two whole blocks computed for the first turn are now stored
+    later = conversation(prefix_tokens=30)  # the history grew by a turn
+    out = engine.prefill(later, "prefix")
+    assert out.stats["prefix_restored_tokens"] == 8
+    assert out.stats["prefix_restore_seconds"] > 0
+    torch.testing.assert_close(out.logits, full_prefill(engine, later).logits, **TOLERANCE)
+    engine.wait_for_write_back()
+    assert engine.prefill(later, "prefix").stats["prefix_restored_tokens"] == 28
+
+
+def test_chunk_fusion_on_a_restored_prefix_equals_it_on_a_computed_one(engine):
+    request = conversation(prefix_tokens=18)
+    engine.compile(request, ["naive"])  # chunk compiled alone: naive reuse is approximate, the same either way
+    restored = engine.prefill(request, "naive")
+    assert restored.stats["prefix_restored_tokens"] == 16 and restored.stats["chunk_hits"] == 1
+    computed = make_tiny_engine(engine.model, engine.store, prefix_block_size=64).prefill(request, "naive")
+    assert computed.stats["prefix_restored_tokens"] == 0 and computed.stats["chunk_hits"] == 1
+    torch.testing.assert_close(restored.logits, computed.logits, **TOLERANCE)
+
+
+def test_full_recomputes_the_prefix_too(engine):
+    request = conversation(prefix_tokens=18)
+    engine.compile(request, ["full"])
+    assert engine.prefill(request, "full").stats["prefix_restore_strategy"] is None
+
+
+def test_a_prefix_block_lost_after_lookup_is_recomputed_exactly(engine):
+    from .test_reuse import SlowStore
+
+    store = SlowStore(engine.store)
+    lossy = make_tiny_engine(engine.model, store, prefix_block_size=BLOCK, prefix_strategy="load")
+    request = conversation(prefix_tokens=18)
+    lossy.compile(request, ["prefix"])
+    store.lost.add(lossy.restorer.block_keys(request.token_ids)[2])
+    out = lossy.prefill(request, "prefix")
+    assert out.stats["prefix_restored_tokens"] == 16
+    assert out.stats["prefix_recomputed_tokens"] == {"memory": 4}
+    torch.testing.assert_close(out.logits, full_prefill(lossy, request).logits, **TOLERANCE)
+
+
+def test_a_plan_with_restored_rows_needs_their_cache(engine):
+    request = conversation(prefix_tokens=18)
+    engine.compile(request, ["prefix"])
+    restoration = engine.restore_prefix(request, len(request))
+    placed = engine.lookup(request, parse_method("prefix"), restored=restoration.rows)
+    plan = parse_method("prefix").plan(request, placed)
+    assert plan.restored_rows == 16 and int(plan.compute_rows[0]) == 16
+    with pytest.raises(ValueError, match="restored"):
+        FusionExecutor(engine.model, engine.store).run(plan, request.token_ids)
+
+
+def test_unknown_prefix_strategy_is_an_error(make_tiny):
+    with pytest.raises(ValueError, match="prefix_strategy"):
+        make_tiny_engine(LayerwiseModel(make_tiny("qwen3")), prefix_strategy="fastest")
+
+
+@pytest.mark.real_model
+def test_earlier_turns_extend_the_exact_prefix(embedded_model):
+    """With the real chat template, the next turn's prefix starts with this turn's: its blocks stay reusable."""
+    from kvreuse.fusion.segments import build_request
+
+    turns = [{"role": "user", "content": "What is a KV cache?"},
+             {"role": "assistant", "content": "The keys and values attention keeps for past tokens."}]
+    more = turns + [{"role": "user", "content": "Why store it?"}, {"role": "assistant", "content": "To reuse it."}]
+    tokenizer = embedded_model.tokenizer
+    now = build_request(tokenizer, ["a chunk"], "Next?", "Be brief.", history=turns).segments[0]
+    later = build_request(tokenizer, ["a chunk"], "Next?", "Be brief.", history=more).segments[0]
+    assert now.kind == later.kind == SegmentKind.PREFIX
+    assert len(later.token_ids) > len(now.token_ids) and later.token_ids[: len(now.token_ids)] == now.token_ids
+    with pytest.raises(ValueError, match="history"):
+        build_request(tokenizer, ["a chunk"], "Next?", history=[{"role": "user"}])
