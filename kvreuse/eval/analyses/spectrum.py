@@ -143,6 +143,8 @@ def _selections(probe: ExampleProbe, naive_attention: list[torch.Tensor], deviat
         "low-frequency (CacheTune)": low,
         "high-frequency": _per_chunk(probe, lambda k, v: layer_averaged_ranking(band_norms(k, v, band="high").mean(0)),
                                      ratio),
+        # does the sink CacheTune's score never picks explain its gap? the same set plus one token per chunk
+        "low-frequency + each chunk's first token": (torch.cat([low[0], probe.chunk_starts()]).unique(), None),
         "low-frequency, V only": _per_chunk(probe, lambda k, v: layer_averaged_ranking(band_norms(k, v)[1]), ratio),
         "low-frequency, concatenated context": (top_rows(concatenated, rows, ratio), concatenated),
         "first tokens of each chunk": (
