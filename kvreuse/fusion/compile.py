@@ -4,6 +4,8 @@ every compiled entry also carries CacheTune's offline frequency ranking."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from kvreuse.model.runtime import LayerwiseModel
@@ -11,10 +13,11 @@ from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import compile_mode as compile_mode_name
 
 LOW_PASS_SHARE = 0.5  # CacheTune's alpha: the share of the lowest frequency bins kept
+Band = Literal["low", "high"]
 
 
 def band_norms(
-    keys: torch.Tensor, values: torch.Tensor, alpha: float = LOW_PASS_SHARE, band: str = "low"
+    keys: torch.Tensor, values: torch.Tensor, alpha: float = LOW_PASS_SHARE, band: Band = "low"
 ) -> torch.Tensor:
     """Per-token L2 norms of a chunk's K and V ([layers, tokens, heads, dim]) filtered along the tokens to the
     lowest `alpha` share of rFFT bins (band "low", CacheTune's low-pass) or to the others ("high"):

@@ -95,6 +95,7 @@ def test_attention_weights_are_what_attend_applies(tiny_model, prompt_ids):
     weights = model.attention_weights(1, q, positions[rows], keys, positions)
     grouped = values.repeat_interleave(model.num_q_heads // model.num_kv_heads, dim=1)
     weighted = torch.einsum("hnm,mhd->nhd", weights, grouped).reshape(len(rows), -1)
-    torch.testing.assert_close(weighted, model.attend(1, q, positions[rows], keys, values, positions), atol=1e-5, rtol=0)
+    attended = model.attend(1, q, positions[rows], keys, values, positions)
+    torch.testing.assert_close(weighted, attended, atol=1e-5, rtol=0)
     torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:2]))
     assert (weights[:, 1, 4:] == 0).all()  # row 1 sits at position 3: it sees positions 0..3 only

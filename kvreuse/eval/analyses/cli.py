@@ -8,6 +8,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvreuse.eval.cli import _positive_int
+
 
 @dataclass(frozen=True)
 class Analysis:
@@ -31,13 +33,6 @@ ANALYSES = {
                       ("legolink0", "legolink:2", "cacheblend:0.15", "cachetune:0.15"),
                       "Epic Fig. 4: attention on chunk-initial tokens, naive vs full vs LegoLink"),
 }
-
-
-def _positive_int(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
 
 
 def _share(text: str) -> float:

@@ -52,8 +52,8 @@ def kv_deviation(cache: KVCache, reference: KVCache, rows: torch.Tensor) -> torc
     per_layer = []
     for layer in range(cache.num_layers):
         (k, v), (k_ref, v_ref) = cache.layer(layer), reference.layer(layer)
-        squared = (k[rows] - k_ref[rows]).float().square().sum((1, 2)) + (v[rows] - v_ref[rows]).float().square().sum((1, 2))
-        per_layer.append(squared.sqrt())
+        squared = [(x[rows] - ref[rows]).float().square().sum((1, 2)) for x, ref in ((k, k_ref), (v, v_ref))]
+        per_layer.append((squared[0] + squared[1]).sqrt())
     return torch.stack(per_layer)
 
 

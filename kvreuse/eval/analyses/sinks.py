@@ -65,5 +65,6 @@ def draw_chunk_sinks(figure, numbers: dict) -> None:
     overall.invert_yaxis()
     overall.set_xlabel("mean over layers")
     overall.grid(alpha=0.3, axis="x")
-    figure.suptitle(f"Epic Fig. 4 on SmolLM2-135M: attention sinks at chunk starts "
-                    f"({numbers['chunks_per_example']:.0f} chunks, first {numbers['initial_tokens_per_chunk']} token each)")
+    chunks, tokens = numbers["chunks_per_example"], numbers["initial_tokens_per_chunk"]
+    figure.suptitle(f"Epic Fig. 4 on SmolLM2-135M: attention sinks at chunk starts ({chunks:.0f} chunks, "
+                    f"first {tokens} token each)")

@@ -49,7 +49,8 @@ def band_energy(signal: torch.Tensor, bands: int = BANDS, remove_mean: bool = Fa
 
 def _chunk_signals(probe: ExampleProbe) -> dict[str, list[torch.Tensor]]:
     """Per signal kind, one [layers, tokens, features] tensor per chunk."""
-    signals: dict[str, list[torch.Tensor]] = {"K (stored, before RoPE)": [], "V": [], "K after RoPE (in the prompt)": []}
+    kinds = ("K (stored, before RoPE)", "V", "K after RoPE (in the prompt)")
+    signals: dict[str, list[torch.Tensor]] = {kind: [] for kind in kinds}
     for chunk in probe.chunks:
         keys, values = probe.stored_kv(chunk)
         rows = slice(chunk.start, chunk.start + len(chunk.token_ids))
