@@ -102,6 +102,7 @@ def layer_correlation(probes: Iterable[ExampleProbe], settings: AnalysisSettings
         overlaps.append([len(top[i] & top[i + 1]) / max(1, len(top[i])) for i in pairs])
     return {
         "layer_pairs": [f"{i}-{i + 1}" for i in range(1, len(correlations[0]) + 1)],
+        "hkvd_ratio": settings.ratio,
         "spearman_per_example": correlations,
         "spearman_mean": [statistics.fmean(c) for c in zip(*correlations)],
         "top_set_overlap_mean": [statistics.fmean(o) for o in zip(*overlaps)],
@@ -115,7 +116,8 @@ def draw_layer_correlation(figure, numbers: dict) -> None:
     for example in numbers["spearman_per_example"]:
         ax.plot(x, example, color="0.75", linewidth=0.8)
     ax.plot(x, numbers["spearman_mean"], marker="o", color="C0", label="Spearman (mean over examples; grey: each)")
-    ax.plot(x, numbers["top_set_overlap_mean"], marker="s", color="C1", label="share of layer i's HKVD set kept at i+1")
+    kept = f"share of layer i's top {numbers['hkvd_ratio']:.0%} (its HKVD set) also in layer i+1's"
+    ax.plot(x, numbers["top_set_overlap_mean"], marker="s", color="C1", label=kept)
     ax.set_xticks(list(x), numbers["layer_pairs"], rotation=60, fontsize=8)
     ax.set_xlabel("neighbouring layers")
     ax.set_ylim(0, 1.02)

@@ -179,12 +179,30 @@ def _per_layer_precision(probe: ExampleProbe, deviation: torch.Tensor, ratio: fl
     return result
 
 
+def _chunk_start_profile(probe: ExampleProbe) -> dict[str, float]:
+    """How a chunk's first token (its sink under naive reuse) looks to a norm-based score: its stored K and V
+    norms against the chunk's other tokens (mean over layers and chunks), and its percentile in CacheTune's
+    score (the share of the chunk's other tokens scoring lower; 0: last)."""
+    k_ratio, v_ratio, percentile = [], [], []
+    for chunk in probe.chunks:
+        keys, values = probe.stored_kv(chunk)
+        k_norm, v_norm = keys.flatten(2).float().norm(dim=2), values.flatten(2).float().norm(dim=2)  # [layers, n]
+        k_ratio.append(float(k_norm[:, 0].mean() / k_norm[:, 1:].mean()))
+        v_ratio.append(float(v_norm[:, 0].mean() / v_norm[:, 1:].mean()))
+        score = layer_averaged_ranking(band_norms(keys, values).mean(0))
+        percentile.append(float((score[1:] < score[0]).float().mean()))
+    return {"k_norm_vs_rest": statistics.fmean(k_ratio), "v_norm_vs_rest": statistics.fmean(v_ratio),
+            "percentile_in_low_frequency_score": statistics.fmean(percentile)}
+
+
 def frequency_selection(probes: Iterable[ExampleProbe], settings: AnalysisSettings) -> dict:
     generator = torch.Generator().manual_seed(settings.seed)
     ratio = settings.ratio
     measured: dict[str, list[dict]] = {}
     precision: dict[str, list[list[float]]] = {}
+    chunk_start: list[dict] = []
     for probe in probes:
+        chunk_start.append(_chunk_start_profile(probe))
         naive = probe.run_method("naive")
         deviation = probe.kv_deviation(naive)  # [layers, chunk rows]
         hkvd = set(top_rows(deviation.sum(0), probe.chunk_rows, ratio).tolist())
@@ -208,6 +226,7 @@ def frequency_selection(probes: Iterable[ExampleProbe], settings: AnalysisSettin
         "ratio": ratio,
         "selections": {name: _mean_records(records) for name, records in measured.items()},
         "per_layer_hkvd_precision": {n: [statistics.fmean(v) for v in zip(*runs)] for n, runs in precision.items()},
+        "chunk_first_token": _mean_records(chunk_start),
     }
 
 

@@ -50,6 +50,8 @@ def test_frequency_selection_oracles_and_coverage(analyses):
     assert selections["HKVD (oracle)"]["hkvd_precision"] == 1.0
     assert selections["first tokens of each chunk"]["chunk_starts_covered"] == 1.0
     assert selections["naive (r = 0)"]["kv_deviation"] > 0
+    first_token = analyses["frequency-selection"]["chunk_first_token"]
+    assert 0 <= first_token["percentile_in_low_frequency_score"] <= 1 and first_token["k_norm_vs_rest"] > 0
 
 
 def test_sinks_measure_every_method(analyses):
