@@ -183,16 +183,21 @@ def _chunk_start_profile(probe: ExampleProbe) -> dict[str, float]:
     """How a chunk's first token (its sink under naive reuse) looks to a norm-based score: its stored K and V
     norms against the chunk's other tokens (mean over layers and chunks), and its percentile in CacheTune's
     score (the share of the chunk's other tokens scoring lower; 0: last)."""
-    k_ratio, v_ratio, percentile = [], [], []
+    def percentile(score: torch.Tensor) -> float:
+        return float((score[1:] < score[0]).float().mean())
+
+    profile: dict[str, list[float]] = {}
     for chunk in probe.chunks:
         keys, values = probe.stored_kv(chunk)
         k_norm, v_norm = keys.flatten(2).float().norm(dim=2), values.flatten(2).float().norm(dim=2)  # [layers, n]
-        k_ratio.append(float(k_norm[:, 0].mean() / k_norm[:, 1:].mean()))
-        v_ratio.append(float(v_norm[:, 0].mean() / v_norm[:, 1:].mean()))
-        score = layer_averaged_ranking(band_norms(keys, values).mean(0))
-        percentile.append(float((score[1:] < score[0]).float().mean()))
-    return {"k_norm_vs_rest": statistics.fmean(k_ratio), "v_norm_vs_rest": statistics.fmean(v_ratio),
-            "percentile_in_low_frequency_score": statistics.fmean(percentile)}
+        filtered = layer_averaged_ranking(band_norms(keys, values).mean(0))
+        unfiltered = layer_averaged_ranking((k_norm + v_norm) / 2)  # the same score without the low-pass filter
+        for name, value in (("k_norm_vs_rest", float(k_norm[:, 0].mean() / k_norm[:, 1:].mean())),
+                            ("v_norm_vs_rest", float(v_norm[:, 0].mean() / v_norm[:, 1:].mean())),
+                            ("percentile_in_low_frequency_score", percentile(filtered)),
+                            ("percentile_in_unfiltered_norm_score", percentile(unfiltered))):
+            profile.setdefault(name, []).append(value)
+    return {name: statistics.fmean(values) for name, values in profile.items()}
 
 
 def frequency_selection(probes: Iterable[ExampleProbe], settings: AnalysisSettings) -> dict:
