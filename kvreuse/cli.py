@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from kvreuse.eval.analyses.cli import add_commands as add_analysis_commands
 from kvreuse.eval.cli import add_commands as add_eval_commands
 from kvreuse.bench.fusion import add_arguments as add_fusion_arguments
 from kvreuse.bench.fusion import main as run_fusion_bench
@@ -116,6 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_cache_commands(commands)
     add_restore_commands(commands, benches)
     add_eval_commands(commands)
+    add_analysis_commands(commands)
     return parser
 
 

@@ -4,6 +4,8 @@ every compiled entry also carries CacheTune's offline frequency ranking."""
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
 from kvreuse.model.runtime import LayerwiseModel
@@ -11,6 +13,32 @@ from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import compile_mode as compile_mode_name
 
 LOW_PASS_SHARE = 0.5  # CacheTune's alpha: the share of the lowest frequency bins kept
+Band = Literal["low", "high"]
+
+
+def band_norms(
+    keys: torch.Tensor, values: torch.Tensor, alpha: float = LOW_PASS_SHARE, band: Band = "low"
+) -> torch.Tensor:
+    """Per-token L2 norms of a chunk's K and V ([layers, tokens, heads, dim]) filtered along the tokens to the
+    lowest `alpha` share of rFFT bins (band "low", CacheTune's low-pass) or to the others ("high"):
+    [2 (K, V), layers, tokens]."""
+    if band not in ("low", "high"):
+        raise ValueError(f"band must be 'low' or 'high', got {band!r}")
+    n = keys.shape[1]
+    kv = torch.stack([keys, values]).float().flatten(3)  # [2, layers, tokens, heads * dim]
+    spectrum = torch.fft.rfft(kv, dim=2)
+    cutoff = max(1, round(alpha * spectrum.shape[2]))
+    if band == "low":
+        spectrum[:, :, cutoff:] = 0
+    else:
+        spectrum[:, :, :cutoff] = 0
+    return torch.fft.irfft(spectrum, n=n, dim=2).norm(dim=3)
+
+
+def layer_averaged_ranking(score: torch.Tensor) -> torch.Tensor:
+    """[layers, tokens] scores -> one score per token: min-max normalised per layer, averaged over layers."""
+    low, high = score.min(1, keepdim=True).values, score.max(1, keepdim=True).values
+    return ((score - low) / (high - low).clamp_min(1e-12)).mean(0)
 
 
 def frequency_ranking(keys: torch.Tensor, values: torch.Tensor, alpha: float = LOW_PASS_SHARE) -> torch.Tensor:
@@ -19,14 +47,7 @@ def frequency_ranking(keys: torch.Tensor, values: torch.Tensor, alpha: float = L
     Per layer: rFFT of K and V along the tokens, keep the lowest `alpha` share of bins, transform back, score a
     token by the mean of the L2 norms of its filtered K and V; min-max normalise per layer, average over layers.
     """
-    n = keys.shape[1]
-    kv = torch.stack([keys, values]).float().flatten(3)  # [2, layers, tokens, heads * dim]
-    spectrum = torch.fft.rfft(kv, dim=2)
-    spectrum[:, :, max(1, round(alpha * spectrum.shape[2])) :] = 0
-    filtered = torch.fft.irfft(spectrum, n=n, dim=2)
-    score = filtered.norm(dim=3).mean(0)  # [layers, tokens]
-    low, high = score.min(1, keepdim=True).values, score.max(1, keepdim=True).values
-    return ((score - low) / (high - low).clamp_min(1e-12)).mean(0)
+    return layer_averaged_ranking(band_norms(keys, values, alpha).mean(0))
 
 
 def compile_chunk(

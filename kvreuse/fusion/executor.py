@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -115,16 +116,23 @@ class LayerLoader:
         self._may_read.release()
 
 
+class LayerObserver(Protocol):
+    """Sees each layer as it runs (analyses read attention from it): the rotated queries of the rows computed
+    on `layer`, those rows, and the request's KV cache with `layer` complete."""
+
+    def __call__(self, layer: int, queries: torch.Tensor, rows: torch.Tensor, cache: KVCache) -> None: ...
+
+
 class FusionExecutor:
     def __init__(self, model: LayerwiseModel, store: KVStore | None):
         self.model, self.store = model, store
 
     @torch.inference_mode()
     def run(self, plan: FusionPlan, token_ids: torch.Tensor, extra_capacity: int = 0,
-            restored: KVCache | None = None) -> FusionResult:
+            restored: KVCache | None = None, observer: LayerObserver | None = None) -> FusionResult:
         """restored: the cache a plan with restored rows starts from (its rows at positions 0.., the first
         plan.restored_rows of them filled with exact KV, e.g. by `PrefixRestorer.restore_prefix`); the plan
-        fills the rest of it."""
+        fills the rest of it. observer: called after each layer's KV is written (analyses)."""
         model, started = self.model, time.perf_counter()
         positions = torch.arange(plan.num_rows)
         cache = self._starting_cache(plan, restored, extra_capacity, positions)
@@ -158,6 +166,8 @@ class FusionExecutor:
                     selected, q, k, v, hidden = selected[keep], q[keep], k[keep], v[keep], hidden[keep]
                     selected_rotary = selected_rotary[keep]
                 cache.write(layer, selected, k, v)
+                if observer is not None:
+                    observer(layer, q, selected, cache)
                 keys, values = cache.layer(layer)
                 out = model.attend(layer, q, positions[selected], keys, values, positions)
                 hidden = model.finish_layer(layer, hidden, out)

@@ -151,6 +151,16 @@ class LayerwiseModel:
             outputs.append(self._sdpa(layer, q[first:end], keys[lo:hi], values[lo:hi], mask, False))
         return torch.cat(outputs)
 
+    def attention_weights(
+        self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor
+    ) -> torch.Tensor:
+        """The probabilities `attend` weights the values with, [Hq, n, m] in fp32: for analyses, which need the
+        attention map itself (the fused kernel never materialises it)."""
+        grouped = keys.repeat_interleave(self.num_q_heads // self.num_kv_heads, dim=1)
+        scores = torch.einsum("nhd,mhd->hnm", q.float(), grouped.float()) * self.layers[layer].self_attn.scaling
+        allowed = attention_mask(q_pos, k_pos, self.windows[layer])
+        return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+
     def _sdpa(self, layer, q, keys, values, mask, causal) -> torch.Tensor:
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1)[None],

@@ -99,3 +99,24 @@ def test_gate_catches_a_wrong_attention_mask(make_tiny, tiny_family, prompt_ids)
     model.windows = [2] * model.num_layers
     assert not check_prefill_logits(model, prompt_ids).passed
     assert not check_greedy_generation(model, prompt_ids).passed
+
+
+@torch.inference_mode()
+def test_attention_weights_are_what_attend_applies(tiny_model, prompt_ids):
+    """The probabilities analyses read are the ones the fused kernel uses: weighting the values with them gives
+    attend's output (GQA and out-of-order query rows included), and every row sums to 1."""
+    model = tiny_model
+    full = model.prefill(prompt_ids)
+    positions = full.cache.positions
+    hidden = model.embed(torch.tensor(prompt_ids))
+    rows = torch.tensor([41, 3, 17, 59, 0])
+    q, _, _ = model.qkv(1, hidden[rows])
+    q = model.rope(q, model.rotary(positions[rows]))
+    keys, values = full.cache.layer(1)
+    weights = model.attention_weights(1, q, positions[rows], keys, positions)
+    grouped = values.repeat_interleave(model.num_q_heads // model.num_kv_heads, dim=1)
+    weighted = torch.einsum("hnm,mhd->nhd", weights, grouped).reshape(len(rows), -1)
+    attended = model.attend(1, q, positions[rows], keys, values, positions)
+    torch.testing.assert_close(weighted, attended, atol=1e-5, rtol=0)
+    torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:2]))
+    assert (weights[:, 1, 4:] == 0).all()  # row 1 sits at position 3: it sees positions 0..3 only
