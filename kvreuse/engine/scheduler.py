@@ -118,8 +118,10 @@ class Scheduler:
 
     def submit(self, job: GenerationJob) -> None:
         with self._lock:
-            if len(self._waiting) >= self.max_waiting:
-                raise QueueFull(f"the server is at capacity: {len(self._waiting)} requests are waiting")
+            free_slots = max(0, self.max_running - len(self._running))
+            if len(self._waiting) >= self.max_waiting + free_slots:
+                raise QueueFull(f"the server is at capacity: {len(self._running)} requests are running and "
+                                f"{len(self._waiting)} waiting")
             self._waiting.append(job)
         self._wake.set()
 

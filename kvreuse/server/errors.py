@@ -45,11 +45,21 @@ def _field_path(loc: tuple) -> str:
     return path
 
 
+def _common_prefix(locs: list[tuple]) -> tuple:
+    prefix = locs[0]
+    for loc in locs[1:]:
+        prefix = prefix[: next((i for i, (a, b) in enumerate(zip(prefix, loc)) if a != b), min(len(prefix), len(loc)))]
+    return prefix
+
+
 def validation_error(exc: RequestValidationError) -> APIError:
-    first = exc.errors()[0]
-    param = _field_path(tuple(first.get("loc", ())))
+    errors = exc.errors()
+    first = errors[0]
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('msg')}", "body")
+    loc = tuple(first.get("loc", ()))
+    # A value matching no form of a union fails once per form, each under the form's name: name the field.
+    param = _field_path(_common_prefix([tuple(e.get("loc", ())) for e in errors if tuple(e.get("loc", ()))[:2] == loc[:2]]))
     if not param or param == "body":
         return bad_request(f"the body must be a JSON object (Content-Type: application/json): {first.get('msg')}",
                            "body")

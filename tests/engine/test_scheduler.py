@@ -52,9 +52,10 @@ def test_concurrent_jobs_decode_together_as_they_would_alone(tiny_chat_engine, s
 
 def test_a_full_queue_refuses_the_job(tiny_chat_engine):
     scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)  # not started: nothing leaves the queue
-    scheduler.submit(job_for(tiny_chat_engine, "one?", queue.Queue()))
-    with pytest.raises(QueueFull, match="1 requests are waiting"):
-        scheduler.submit(job_for(tiny_chat_engine, "two?", queue.Queue()))
+    for question in ["one?", "two?"]:  # one for the free running slot, one waiting
+        scheduler.submit(job_for(tiny_chat_engine, question, queue.Queue()))
+    with pytest.raises(QueueFull, match="0 requests are running and 2 waiting"):
+        scheduler.submit(job_for(tiny_chat_engine, "three?", queue.Queue()))
 
 
 def test_cancelled_and_timed_out_jobs_end_with_their_reason(tiny_chat_engine, scheduler):
