@@ -137,15 +137,22 @@ class Scheduler:
 
     def _loop(self) -> None:
         while not self._stopped:
-            self._run_calls()
-            self._end_failed_jobs()
-            admitted = self._admit_one()
-            if self._running:
-                self._decode_step()
-            elif not admitted:
-                self._wake.wait(IDLE_WAIT_SECONDS)
-                self._wake.clear()
+            try:
+                self._step()
+            except Exception as e:  # a bug must fail the jobs in flight, not leave their clients hanging
+                log.exception("engine step failed")
+                self._fail_running(e)
         self._fail_all(JobCancelled("the server is shutting down"))
+
+    def _step(self) -> None:
+        self._run_calls()
+        self._end_failed_jobs()
+        admitted = self._admit_one()
+        if self._running:
+            self._decode_step()
+        elif not admitted:
+            self._wake.wait(IDLE_WAIT_SECONDS)
+            self._wake.clear()
 
     def _run_calls(self) -> None:
         while self._calls:
@@ -198,14 +205,7 @@ class Scheduler:
 
     def _decode_step(self) -> None:
         batch = list(self._running)
-        try:
-            logits = self.engine.model.decode_batch([s.last_token for s in batch], [s.cache for s in batch])
-        except Exception as e:
-            log.exception("decode step failed")
-            self._running = [s for s in self._running if s not in batch]
-            for seq in batch:
-                seq.job.on_event(JobEvent(error=e))
-            return
+        logits = self.engine.model.decode_batch([s.last_token for s in batch], [s.cache for s in batch])
         if self.on_decode_step:
             self.on_decode_step(len(batch))
         for seq, row in zip(batch, logits):
@@ -224,6 +224,11 @@ class Scheduler:
         result = seq.stream.generation(len(seq.job.request), seq.ttft, time.perf_counter() - seq.job.arrived)
         result.stats = seq.stats
         seq.job.on_event(JobEvent(text=text, result=result))
+
+    def _fail_running(self, error: BaseException) -> None:
+        running, self._running = self._running, []
+        for seq in running:
+            seq.job.on_event(JobEvent(error=error))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

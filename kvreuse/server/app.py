@@ -69,9 +69,11 @@ class Chunker:
 
 async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, service: EngineService,
                        endpoint: str) -> AsyncIterator[str]:
-    if chunker.chat:
-        yield chunker.text("", role=True)
+    first = True
     async for event in stream.events(raw.is_disconnected):
+        if chunker.chat and first and not event.error:  # as vLLM: the role comes with the first token
+            yield chunker.text("", role=True)
+        first = False
         if event.text:
             yield chunker.text(event.text)
         if event.error:

@@ -77,3 +77,19 @@ def test_calls_run_on_the_engine_thread(scheduler):
     assert scheduler.call(lambda: threading.current_thread().name).result(timeout=10) == "kv-engine"
     with pytest.raises(ZeroDivisionError):
         scheduler.call(lambda: 1 / 0).result(timeout=10)
+
+
+def test_a_failing_step_fails_the_jobs_in_flight_and_the_engine_goes_on(tiny_chat_engine, scheduler, monkeypatch):
+    events = queue.Queue()
+    real_decode = tiny_chat_engine.model.decode_batch
+
+    def broken_once(*args):
+        monkeypatch.setattr(tiny_chat_engine.model, "decode_batch", real_decode)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(tiny_chat_engine.model, "decode_batch", broken_once)
+    scheduler.submit(job_for(tiny_chat_engine, "doomed?", events))
+    scheduler.start()
+    assert "device lost" in str(outcome(events)[1].error)
+    scheduler.submit(job_for(tiny_chat_engine, "next?", events))
+    assert outcome(events)[1].result.finish_reason == "length"
