@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import socket
 import subprocess
@@ -56,6 +57,7 @@ class Report:
     output_tokens_per_s: float
     cached_prompt_share: float  # prompt tokens whose stored KV was reused, over all prompt tokens
     peak_rss_mb: float | None
+    machine_load_1min: float  # the machine's load average at the end: other work shares the cores
     settings: dict = field(default_factory=dict)
     error_samples: list[str] = field(default_factory=list)
 
@@ -171,6 +173,7 @@ def summarise(outcomes: list[Outcome], elapsed: float, peak_rss: float | None, a
         output_tokens_per_s=sum(o.completion_tokens for o in done) / elapsed,
         cached_prompt_share=sum(o.cached_tokens for o in done) / prompt_tokens if prompt_tokens else 0.0,
         peak_rss_mb=peak_rss,
+        machine_load_1min=os.getloadavg()[0],
         settings={k: v for k, v in vars(args).items() if k != "out"},
         error_samples=[o.error for o in outcomes if o.error][:5],
     )
@@ -182,7 +185,8 @@ def print_report(report: Report) -> None:
     print(f"TTFT p50 {report.ttft_p50_s:.2f} s, p90 {report.ttft_p90_s:.2f} s, p99 {report.ttft_p99_s:.2f} s; "
           f"latency p50 {report.latency_p50_s:.2f} s; {report.output_tokens_per_s:.1f} output tokens/s")
     rss = f"{report.peak_rss_mb:.0f} MB" if report.peak_rss_mb is not None else "not measured (--url)"
-    print(f"prompt tokens reused: {report.cached_prompt_share:.0%}; server peak RSS {rss}")
+    print(f"prompt tokens reused: {report.cached_prompt_share:.0%}; server peak RSS {rss}; "
+          f"machine load average {report.machine_load_1min:.1f} on {os.cpu_count()} cores")
     for sample in report.error_samples:
         print(f"  error: {sample}")
 
