@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -30,13 +30,21 @@ from kvreuse.server.protocol import (
     CompletionResponse,
     DeltaMessage,
     ErrorResponse,
+    GenerationParams,
     ModelCard,
     ModelList,
 )
-from kvreuse.server.service import EngineService, JobStream, error_of, usage_of
+from kvreuse.server.service import EngineService, JobStream, Prepared, error_of, usage_of
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 429)
+}
+# endpoint -> (id prefix, response type, the choice of a finished generation)
+ENDPOINTS = {
+    "chat": ("chatcmpl", ChatCompletionResponse, lambda result: ChatChoice(
+        message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)),
+    "completions": ("cmpl", CompletionResponse, lambda result: CompletionChoice(
+        text=result.text, finish_reason=result.finish_reason)),
 }
 SALT_QUERY = Query(None, min_length=1, description="the tenant the cache was created for")
 
@@ -118,31 +126,26 @@ def create_app(service: EngineService) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
 
+    async def answer(body: GenerationParams, prepare: Callable[..., Awaitable[Prepared]], raw: Request,
+                     endpoint: str):
+        model = service.check_model(body.model)
+        stream = service.submit(await prepare(body), endpoint)
+        id_prefix, response_type, choice_of = ENDPOINTS[endpoint]
+        id_ = f"{id_prefix}-{uuid.uuid4().hex}"
+        if body.stream:
+            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage)
+            return streaming(event_stream(stream, raw, chunker, service, endpoint))
+        result = await wait_for_result(stream, raw, service, endpoint)
+        return response_type(id=id_, created=int(time.time()), model=model, choices=[choice_of(result)],
+                             usage=usage_of(result))
+
     @v1.post("/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):
-        model = service.check_model(body.model)
-        stream = service.submit(await service.prepare_chat(body), "chat")
-        id_ = f"chatcmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            chunker = Chunker(True, id_, model, body.include_usage)
-            return streaming(event_stream(stream, raw, chunker, service, "chat"))
-        result = await wait_for_result(stream, raw, service, "chat")
-        choice = ChatChoice(message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)
-        return ChatCompletionResponse(id=id_, created=int(time.time()), model=model, choices=[choice],
-                                      usage=usage_of(result))
+        return await answer(body, service.prepare_chat, raw, "chat")
 
     @v1.post("/completions", response_model=CompletionResponse)
     async def completions(body: CompletionRequest, raw: Request):
-        model = service.check_model(body.model)
-        stream = service.submit(await service.prepare_completion(body), "completions")
-        id_ = f"cmpl-{uuid.uuid4().hex}"
-        if body.stream:
-            chunker = Chunker(False, id_, model, body.include_usage)
-            return streaming(event_stream(stream, raw, chunker, service, "completions"))
-        result = await wait_for_result(stream, raw, service, "completions")
-        choice = CompletionChoice(text=result.text, finish_reason=result.finish_reason)
-        return CompletionResponse(id=id_, created=int(time.time()), model=model, choices=[choice],
-                                  usage=usage_of(result))
+        return await answer(body, service.prepare_completion, raw, "completions")
 
     @v1.get("/models", response_model=ModelList)
     async def models() -> ModelList:

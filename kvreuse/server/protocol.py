@@ -192,11 +192,17 @@ class ChatChoice(BaseModel):
     stop_reason: str | None = None
 
 
-class ChatCompletionResponse(BaseModel):
+class ResponseBase(BaseModel):
+    """The fields every completion response and stream chunk starts with (OpenAI's order)."""
+
     id: str
-    object: Literal["chat.completion"] = "chat.completion"
+    object: str
     created: int
     model: str
+
+
+class ChatCompletionResponse(ResponseBase):
+    object: Literal["chat.completion"] = "chat.completion"
     choices: list[ChatChoice]
     usage: Usage
 
@@ -219,11 +225,8 @@ class ChatChunkChoice(BaseModel):
     finish_reason: str | None = None
 
 
-class ChatCompletionChunk(BaseModel):
-    id: str
+class ChatCompletionChunk(ResponseBase):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
 
@@ -236,11 +239,8 @@ class CompletionChoice(BaseModel):
     stop_reason: str | None = None
 
 
-class CompletionResponse(BaseModel):
-    id: str
+class CompletionResponse(ResponseBase):
     object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
 
