@@ -15,6 +15,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
 
+from jinja2 import TemplateError
+
 from kvreuse.engine.generate import Generation
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.engine.sampling import SamplingParams
@@ -168,7 +170,7 @@ class EngineService:
     async def _tokenize(self, fn: Callable[[], T], param: str) -> T:
         try:
             return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
-        except ValueError as e:
+        except (ValueError, TemplateError) as e:  # a chat template may refuse a conversation (role order)
             raise bad_request(f"{param}: {e}", param) from None
 
     def _check_token_ids(self, ids: list[int], param: str) -> list[int]:

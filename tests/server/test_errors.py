@@ -123,3 +123,10 @@ def test_the_api_key_guards_v1_only(make_server):
     assert server.client(api_key="secret").models.list().data
     with server.http() as http:
         assert http.get("/health").status_code == 200
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400(make_server):
+    server = make_server()
+    server.service.engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    with server.http() as http:
+        assert_error(http.post(CHAT, json=chat_body()), 400, "messages", "roles must alternate")
