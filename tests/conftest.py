@@ -175,3 +175,13 @@ def tiny_model_dir(tmp_path_factory):
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_engine(tiny_model_dir):
+    """A ReuseEngine over the tiny model with the real tokenizer (chat template included), in-memory store."""
+    from kvreuse.engine.reuse import ReuseEngine
+
+    engine = ReuseEngine.load(str(tiny_model_dir), "memory:256MB")
+    yield engine
+    engine.close()

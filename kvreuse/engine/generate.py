@@ -56,6 +56,50 @@ def iter_tokens(
         logits = model.decode(token, cache)
 
 
+class TextStream:
+    """One sequence's sampled tokens as text. EOS, a stop string or max_tokens finish it; `new_text()` hands out
+    only text that can no longer change (no possible start of a stop string, no half-decoded character), so a
+    streaming client never sees text that is later cut."""
+
+    def __init__(self, tokenizer, params: SamplingParams, eos_ids: set[int]):
+        self.tokenizer, self.params, self.eos_ids = tokenizer, params, eos_ids
+        self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self._shown = 0
+
+    def add(self, token: int) -> bool:
+        """Take the next sampled token; returns True once the sequence is finished."""
+        if token in self.eos_ids:
+            self.finish_reason = "stop"
+            return True
+        self.token_ids.append(token)
+        self.text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
+        cut = min((i for s in self.params.stop if (i := self.text.find(s)) >= 0), default=-1)
+        if cut >= 0:
+            self.text, self.finish_reason = self.text[:cut], "stop"
+        elif len(self.token_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def new_text(self) -> str:
+        """Text settled since the previous call."""
+        end = len(self.text) if self.finish_reason else len(self.text) - self._unsettled_tail()
+        delta = self.text[self._shown : end]
+        self._shown = max(self._shown, end)
+        return delta
+
+    def _unsettled_tail(self) -> int:
+        # A byte-level tokenizer renders a character split over tokens as U+FFFD until its last byte arrives.
+        incomplete = len(self.text) - len(self.text.rstrip("\ufffd"))
+        stop_start = max((n for s in self.params.stop for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])),
+                         default=0)
+        return max(incomplete, stop_start)
+
+    def generation(self, prompt_tokens: int, ttft: float, total_seconds: float) -> Generation:
+        return Generation(self.text, self.token_ids, self.finish_reason or "length", prompt_tokens, ttft, total_seconds)
+
+
 def decode(
     loaded: LoadedModel,
     first_logits: torch.Tensor,
@@ -65,24 +109,13 @@ def decode(
     prompt_tokens: int,
 ) -> Generation:
     """Decode from an already prefilled `cache`; `started` is when the request arrived (for TTFT)."""
-    eos_ids = set() if params.ignore_eos else eos_token_ids(loaded)
-    tokens: list[int] = []
-    text, finish_reason, ttft = "", "length", 0.0
-    for token in iter_tokens(loaded.runtime, first_logits, cache, Sampler(params), eos_ids):
-        if not tokens:
-            ttft = time.perf_counter() - started
-        if token in eos_ids:
-            finish_reason = "stop"
+    stream = TextStream(loaded.tokenizer, params, set() if params.ignore_eos else eos_token_ids(loaded))
+    ttft = 0.0
+    for token in iter_tokens(loaded.runtime, first_logits, cache, Sampler(params), stream.eos_ids):
+        ttft = ttft or time.perf_counter() - started
+        if stream.add(token):
             break
-        tokens.append(token)
-        text = loaded.tokenizer.decode(tokens, skip_special_tokens=True)
-        cut = min((i for s in params.stop if (i := text.find(s)) >= 0), default=-1)
-        if cut >= 0:
-            text, finish_reason = text[:cut], "stop"
-            break
-        if len(tokens) >= params.max_tokens:
-            break
-    return Generation(text, tokens, finish_reason, prompt_tokens, ttft, time.perf_counter() - started)
+    return stream.generation(prompt_tokens, ttft, time.perf_counter() - started)
 
 
 def generate(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> Generation:

@@ -17,8 +17,10 @@ a request never waits for a store write, and a conversation whose history grows 
 
 from __future__ import annotations
 
+import copy
 import logging
 import time
+from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -29,7 +31,7 @@ from kvreuse.engine.sampling import SamplingParams
 from kvreuse.fusion.compile import compile_chunk
 from kvreuse.fusion.executor import FusionExecutor, FusionResult, StoredKVMissing
 from kvreuse.fusion.methods import Method, parse_method
-from kvreuse.fusion.plan import PlacedSegment
+from kvreuse.fusion.plan import FusionPlan, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
@@ -82,6 +84,13 @@ class ReuseEngine:
     @property
     def fingerprint(self) -> str:
         return self.loaded.fingerprint
+
+    def with_salt(self, salt: str | None) -> ReuseEngine:
+        """This engine keying the store under `salt` (a tenant's own entries); model, store and write-back are
+        shared with it."""
+        view = copy.copy(self)
+        view.salt = salt
+        return view
 
     def build_request(self, chunks: list[str], question: str, system: str | None = None,
                       history: list[dict] | None = None) -> Request:
@@ -185,10 +194,11 @@ class ReuseEngine:
         lost: set[str] = set()
         while True:
             placed = self.lookup(request, policy, lost, restored)
+            plan = policy.plan(request, placed)
+            loaded_by_tier = self._loaded_tokens_by_tier(plan)
             try:
                 result: FusionResult = self.executor.run(
-                    policy.plan(request, placed), request.token_ids, extra_capacity,
-                    restoration.cache if restoration else None,
+                    plan, request.token_ids, extra_capacity, restoration.cache if restoration else None
                 )
                 break
             except StoredKVMissing as e:  # evicted or damaged since the lookup: compute it instead
@@ -198,8 +208,19 @@ class ReuseEngine:
         if policy.restores_prefix:
             self._write_back_prefix(request, restored)
         stats = dict(result.stats, chunk_hits=sum(p.hit for p in placed if p.segment.kind == SegmentKind.CHUNK),
-                     chunks=len(request.of_kind(SegmentKind.CHUNK)), **prefix_stats(restoration))
+                     chunks=len(request.of_kind(SegmentKind.CHUNK)), loaded_tokens_by_tier=loaded_by_tier,
+                     **prefix_stats(restoration))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
+
+    def _loaded_tokens_by_tier(self, plan: FusionPlan) -> dict[str, int]:
+        """Tokens each tier serves to `plan`, located before the run (a read promotes what it reads)."""
+        tiers = getattr(self.store, "tiers", [self.store])
+        by_tier: Counter[str] = Counter()
+        for span in plan.reused:
+            index = self.store.locate(span.key) if len(tiers) > 1 else 0
+            if index is not None and span.load.numel():
+                by_tier[tiers[index].name] += int(span.load.numel())
+        return dict(by_tier)
 
     def generate(self, request: Request, method: str | None = None, sampling: SamplingParams | None = None
                  ) -> Generation:

@@ -53,18 +53,38 @@ class Request:
         return [s for s in self.segments if s.kind == kind]
 
 
-def split_template(tokenizer, system: str | None, sentinel: str = "\x00KVREUSE_CONTENT\x00",
-                   history: list[dict] | None = None) -> tuple[str, str]:
-    """The chat template's text before and after the user's content, found by rendering it around a sentinel
-    that cannot occur in real text (so the application never has to type a magic separator). `history`: the
-    conversation's earlier messages ({"role", "content"}), rendered before the user's new turn."""
-    messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
-    messages.append({"role": "user", "content": sentinel})
+SENTINEL = "\x00KVREUSE_CONTENT\x00"
+
+
+def split_template(tokenizer, history: list[dict]) -> tuple[str, str]:
+    """The chat template's text before and after the content of a user message that follows `history` (system
+    prompt, earlier turns), found by rendering it around a sentinel that cannot occur in real text (so the
+    application never has to type a magic separator)."""
+    messages = [*history, {"role": "user", "content": SENTINEL}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    head, found, tail = rendered.partition(sentinel)
+    head, found, tail = rendered.partition(SENTINEL)
     if not found:
         raise ValueError("the chat template does not place the user's content verbatim")
     return head, tail
+
+
+def chunk_ids(tokenizer, text: str, chunk_separator: str = "\n\n") -> list[int]:
+    """A chunk's tokens: tokenized alone, `chunk_separator` appended so chunks do not run into each other."""
+    return tokenizer.encode(text + chunk_separator, add_special_tokens=False)
+
+
+def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], question: str) -> Request:
+    """[template head with `history` (system prompt, earlier turns): the exact prefix] [chunk]... [question +
+    template tail]; `chunks` are token ids (see `chunk_ids`), so stored chunks can be placed by their tokens."""
+    head, tail = split_template(tokenizer, history)
+
+    def encode(text: str) -> list[int]:
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    segments = [Segment(SegmentKind.PREFIX, encode(head))]
+    segments += [Segment(SegmentKind.CHUNK, list(ids)) for ids in chunks]
+    segments.append(Segment(SegmentKind.FRESH, encode(question + tail)))
+    return Request([s for s in segments if s.token_ids])
 
 
 def build_request(
@@ -87,12 +107,5 @@ def build_request(
         raise ValueError("question: must contain text")
     if any(not isinstance(m, dict) or not {"role", "content"} <= m.keys() for m in history or []):
         raise ValueError("history: every message must be a dict with 'role' and 'content'")
-    head, tail = split_template(tokenizer, system, history=history)
-
-    def encode(text: str) -> list[int]:
-        return tokenizer.encode(text, add_special_tokens=False)
-
-    segments = [Segment(SegmentKind.PREFIX, encode(head))]
-    segments += [Segment(SegmentKind.CHUNK, encode(chunk + chunk_separator)) for chunk in chunks]
-    segments.append(Segment(SegmentKind.FRESH, encode(question + tail)))
-    return Request([s for s in segments if s.token_ids])
+    messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
+    return chat_request(tokenizer, messages, [chunk_ids(tokenizer, c, chunk_separator) for c in chunks], question)

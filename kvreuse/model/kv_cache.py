@@ -38,6 +38,11 @@ class KVCache:
     def positions(self) -> torch.Tensor:
         return self._positions[: self.length]
 
+    @property
+    def next_position(self) -> int:
+        """Where a token appended now sits: right after the furthest position held (0 when empty)."""
+        return int(self.positions.max()) + 1 if self.length else 0
+
     def allocate(self, positions: torch.Tensor) -> slice:
         """Reserve rows for tokens at `positions`; the caller then writes every layer's K/V into them."""
         end = self.length + positions.shape[0]

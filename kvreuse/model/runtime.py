@@ -221,7 +221,7 @@ class LayerwiseModel:
         if cache is None:
             cache = self.new_cache(ids.numel())
         if start_position is None:
-            start_position = int(cache.positions.max()) + 1 if cache.length else 0
+            start_position = cache.next_position
         positions = torch.arange(start_position, start_position + ids.numel(), device=self.device)
         rows = cache.allocate(positions)
         rotary = self.rotary(positions)
@@ -240,3 +240,28 @@ class LayerwiseModel:
     def decode(self, token_id: int, cache: KVCache) -> torch.Tensor:
         """One decoding step: append `token_id` to `cache`, return the next-token logits."""
         return self.prefill([token_id], cache).logits
+
+    @torch.inference_mode()
+    def decode_batch(self, token_ids: list[int], caches: list[KVCache]) -> torch.Tensor:
+        """One decoding step for several sequences: token_ids[i] is appended to caches[i]; returns the
+        next-token logits [len(token_ids), vocab].
+
+        Projections, MLP and LM head run on all sequences' rows at once (one weight read for the whole batch,
+        which is what makes batching pay); attention runs per sequence over its own cache.
+        """
+        if len(token_ids) != len(caches) or not caches:
+            raise ValueError(f"decode_batch needs one token per cache, got {len(token_ids)} and {len(caches)}")
+        positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
+        rows = [cache.allocate(positions[i : i + 1]) for i, cache in enumerate(caches)]
+        rotary = self.rotary(positions)
+        hidden = self.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
+        for layer in range(self.num_layers):
+            q, k, v = self.qkv(layer, hidden)
+            q, k = self.rope(q, rotary), self.rope(k, rotary)
+            outputs = []
+            for i, cache in enumerate(caches):
+                cache.write(layer, rows[i], k[i : i + 1], v[i : i + 1])
+                keys, values = cache.layer(layer)
+                outputs.append(self.attend(layer, q[i : i + 1], positions[i : i + 1], keys, values, cache.positions))
+            hidden = self.finish_layer(layer, hidden, torch.cat(outputs))
+        return self.logits(hidden)

@@ -99,3 +99,25 @@ def test_prompt_longer_than_the_context_window_names_the_field(tiny_engine, rag_
 def test_empty_segments_are_refused(rag_request):
     with pytest.raises(ValueError, match="empty chunk segment"):
         rag_request(chunks=(10, 0, 5))
+
+
+def test_a_salted_view_shares_the_store_but_not_its_entries(tiny_engine, rag_request):
+    request = rag_request()
+    tiny_engine.compile(request, ["naive"])
+    tenant = tiny_engine.with_salt("tenant-a")
+    assert tenant.prefill(request, "naive").stats["chunk_hits"] == 0
+    tenant.wait_for_write_back()
+    assert tenant.prefill(request, "naive").stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK))
+    assert tiny_engine.salt is None and tenant.store is tiny_engine.store
+
+
+def test_loaded_tokens_are_counted_by_the_tier_serving_them(tiny_model, make_engine, rag_request, tmp_path):
+    engine = make_engine(tiny_model, open_store(f"memory:256MB,disk:{tmp_path}"))
+    try:
+        request = rag_request()
+        engine.compile(request, ["naive"])
+        engine.store.tiers[0].clear()  # only the disk tier holds the entries now
+        stats = engine.prefill(request, "naive").stats
+        assert stats["loaded_tokens_by_tier"] == {engine.store.tiers[1].name: stats["loaded_tokens"]}
+    finally:
+        engine.close()

@@ -120,3 +120,26 @@ def test_attention_weights_are_what_attend_applies(tiny_model, prompt_ids):
     torch.testing.assert_close(weighted, attended, atol=1e-5, rtol=0)
     torch.testing.assert_close(weights.sum(-1), torch.ones(weights.shape[:2]))
     assert (weights[:, 1, 4:] == 0).all()  # row 1 sits at position 3: it sees positions 0..3 only
+
+
+def test_batched_decode_equals_decoding_each_sequence_alone(tiny_model):
+    """Sequences of different lengths (one past the sliding window) decoded together give each one's own
+    logits and KV: batching shares the weight reads, never attention across sequences."""
+    prompts = [torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(n)).tolist() for n in (5, 31, 12)]
+    alone = [tiny_model.prefill(p) for p in prompts]
+    together = [tiny_model.prefill(p) for p in prompts]
+    tokens = [int(r.logits.argmax()) for r in alone]
+    for _ in range(4):
+        expected = torch.stack([tiny_model.decode(t, r.cache) for t, r in zip(tokens, alone)])
+        batched = tiny_model.decode_batch(tokens, [r.cache for r in together])
+        torch.testing.assert_close(batched, expected, atol=1e-4, rtol=0)
+        tokens = expected.argmax(-1).tolist()
+    for a, b in zip(alone, together):
+        torch.testing.assert_close(b.cache.positions, a.cache.positions, atol=0, rtol=0)
+        for layer in range(tiny_model.num_layers):
+            torch.testing.assert_close(b.cache.layer(layer)[0], a.cache.layer(layer)[0], atol=1e-4, rtol=0)
+
+
+def test_batched_decode_needs_one_token_per_cache(tiny_model):
+    with pytest.raises(ValueError, match="one token per cache"):
+        tiny_model.decode_batch([5, 6], [tiny_model.prefill([3, 4]).cache])

@@ -1,0 +1,239 @@
+"""Continuous batching: generation jobs queue, are admitted up to a running limit, and decode together.
+
+One engine thread owns all torch work. Each iteration it runs the calls handed to it (cache compilation), ends
+cancelled and timed-out jobs, admits one waiting job (its prefill goes through ReuseEngine, so the exact prefix
+and stored chunks are reused), then steps every running sequence's decode as one batch. Admitting one job per
+iteration keeps running sequences streaming while new ones arrive. Jobs report through a callback they
+supply, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvreuse.engine.generate import Generation, TextStream, eos_token_ids
+from kvreuse.engine.reuse import ReuseEngine
+from kvreuse.engine.sampling import Sampler, SamplingParams
+from kvreuse.fusion.segments import Request
+from kvreuse.model.kv_cache import KVCache
+
+log = logging.getLogger(__name__)
+IDLE_WAIT_SECONDS = 0.05  # how often an idle engine thread looks at deadlines
+
+
+class QueueFull(RuntimeError):
+    """Admission control: the waiting queue is at its limit."""
+
+
+class JobTimeout(TimeoutError):
+    pass
+
+
+class JobCancelled(RuntimeError):
+    pass
+
+
+@dataclass
+class JobEvent:
+    text: str = ""  # text settled since the previous event
+    result: Generation | None = None  # set on the last event of a finished job
+    error: BaseException | None = None  # set on the last event of a failed, timed-out or cancelled job
+
+
+@dataclass
+class GenerationJob:
+    request: Request
+    sampling: SamplingParams
+    on_event: Callable[[JobEvent], None]  # called on the engine thread
+    method: str | None = None
+    salt: str | None = None  # the tenant whose store entries this job may use
+    timeout: float | None = None  # seconds from arrival, queueing included
+    arrived: float = field(default_factory=time.perf_counter)
+    _cancelled: threading.Event = field(default_factory=threading.Event)
+
+    def cancel(self) -> None:
+        """Stop at the next step (thread-safe); the job then reports JobCancelled, unless it finished first."""
+        self._cancelled.set()
+
+    def failure(self, now: float) -> BaseException | None:
+        if self._cancelled.is_set():
+            return JobCancelled("cancelled by the client")
+        if self.timeout is not None and now - self.arrived > self.timeout:
+            return JobTimeout(f"request timed out after {self.timeout:g} s")
+        return None
+
+
+@dataclass
+class _Sequence:
+    job: GenerationJob
+    cache: KVCache
+    sampler: Sampler
+    stream: TextStream
+    stats: dict[str, Any]
+    ttft: float = 0.0
+    last_token: int = -1
+
+
+class Scheduler:
+    def __init__(self, engine: ReuseEngine, max_running: int = 8, max_waiting: int = 128,
+                 on_decode_step: Callable[[int], None] | None = None):
+        if max_running < 1 or max_waiting < 0:
+            raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}")
+        self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
+        self.on_decode_step = on_decode_step
+        self._eos_ids = eos_token_ids(engine.loaded)
+        self._waiting: deque[GenerationJob] = deque()
+        self._running: list[_Sequence] = []
+        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="kv-engine", daemon=True)
+
+    # ---- the caller's side (any thread) ------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stopped = True
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    def submit(self, job: GenerationJob) -> None:
+        with self._lock:
+            free_slots = max(0, self.max_running - len(self._running))
+            if len(self._waiting) >= self.max_waiting + free_slots:
+                raise QueueFull(f"the server is at capacity: {len(self._running)} requests are running and "
+                                f"{len(self._waiting)} waiting")
+            self._waiting.append(job)
+        self._wake.set()
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the engine thread between two steps (torch work that must not race the decode)."""
+        future: Future = Future()
+        with self._lock:
+            self._calls.append((fn, future))
+        self._wake.set()
+        return future
+
+    # ---- the engine thread -----------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while not self._stopped:
+            try:
+                self._step()
+            except Exception as e:  # a bug must fail the jobs in flight, not leave their clients hanging
+                log.exception("engine step failed")
+                self._fail_running(e)
+        self._fail_all(JobCancelled("the server is shutting down"))
+
+    def _step(self) -> None:
+        self._run_calls()
+        self._end_failed_jobs()
+        admitted = self._admit_one()
+        if self._running:
+            self._decode_step()
+        elif not admitted:
+            self._wake.wait(IDLE_WAIT_SECONDS)
+            self._wake.clear()
+
+    def _run_calls(self) -> None:
+        while self._calls:
+            with self._lock:
+                fn, future = self._calls.popleft()
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except Exception as e:  # handed to the caller, who decides what it means
+                    future.set_exception(e)
+
+    def _end_failed_jobs(self) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            failed = [(job, error) for job in self._waiting if (error := job.failure(now))]
+            for job, _ in failed:
+                self._waiting.remove(job)
+        for job, error in failed:
+            job.on_event(JobEvent(error=error))
+        for seq in list(self._running):
+            if error := seq.job.failure(now):
+                self._running.remove(seq)
+                seq.job.on_event(JobEvent(text=seq.stream.new_text(), error=error))
+
+    def _admit_one(self) -> bool:
+        if len(self._running) >= self.max_running or not self._waiting:
+            return False
+        with self._lock:
+            job = self._waiting.popleft()
+        try:
+            seq = self._prefill(job)
+        except Exception as e:  # one job's failure must not stop the engine
+            log.exception("prefill failed")
+            job.on_event(JobEvent(error=e))
+            return True
+        self._advance(seq, seq.last_token)
+        return True
+
+    def _prefill(self, job: GenerationJob) -> _Sequence:
+        queued = time.perf_counter() - job.arrived
+        fused = self.engine.with_salt(job.salt).prefill(job.request, job.method, extra_capacity=job.sampling.max_tokens)
+        eos_ids = set() if job.sampling.ignore_eos else self._eos_ids
+        sampler = Sampler(job.sampling)
+        seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
+                        dict(fused.stats, queue_seconds=queued))
+        seq.last_token = sampler(fused.logits)
+        seq.ttft = time.perf_counter() - job.arrived
+        self._running.append(seq)
+        return seq
+
+    def _decode_step(self) -> None:
+        batch = list(self._running)
+        logits = self.engine.model.decode_batch([s.last_token for s in batch], [s.cache for s in batch])
+        if self.on_decode_step:
+            self.on_decode_step(len(batch))
+        for seq, row in zip(batch, logits):
+            self._advance(seq, seq.sampler(row))
+
+    def _advance(self, seq: _Sequence, token: int) -> None:
+        """Feed the sampled `token` to the sequence's text; report it, and end the sequence if it is done."""
+        seq.last_token = token
+        finished = seq.stream.add(token)
+        text = seq.stream.new_text()
+        if not finished:
+            if text:
+                seq.job.on_event(JobEvent(text=text))
+            return
+        self._running.remove(seq)
+        result = seq.stream.generation(len(seq.job.request), seq.ttft, time.perf_counter() - seq.job.arrived)
+        result.stats = seq.stats
+        seq.job.on_event(JobEvent(text=text, result=result))
+
+    def _fail_running(self, error: BaseException) -> None:
+        running, self._running = self._running, []
+        for seq in running:
+            seq.job.on_event(JobEvent(error=error))
+
+    def _fail_all(self, error: BaseException) -> None:
+        with self._lock:
+            jobs = [*self._waiting, *(s.job for s in self._running)]
+            self._waiting.clear()
+            self._running.clear()
+        for job in jobs:
+            job.on_event(JobEvent(error=error))

@@ -1,0 +1,179 @@
+"""The HTTP API: OpenAI's chat and completions endpoints (JSON or server-sent events), models, health, Prometheus
+metrics, and the context-cache API (POST/GET/DELETE /v1/caches)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.responses import Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+
+from kvreuse.engine.generate import Generation
+from kvreuse.server.errors import APIError, install_handlers
+from kvreuse.server.protocol import (
+    AssistantMessage,
+    CacheCreateRequest,
+    CacheDeleted,
+    CacheInfo,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionChoice,
+    CompletionRequest,
+    CompletionResponse,
+    DeltaMessage,
+    ErrorResponse,
+    GenerationParams,
+    ModelCard,
+    ModelList,
+)
+from kvreuse.server.service import EngineService, JobStream, Prepared, error_of, usage_of
+
+ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 429)
+}
+# endpoint -> (id prefix, response type, the choice of a finished generation)
+ENDPOINTS = {
+    "chat": ("chatcmpl", ChatCompletionResponse, lambda result: ChatChoice(
+        message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)),
+    "completions": ("cmpl", CompletionResponse, lambda result: CompletionChoice(
+        text=result.text, finish_reason=result.finish_reason)),
+}
+SALT_QUERY = Query(None, min_length=1, description="the tenant the cache was created for")
+
+
+def sse(data: str) -> str:
+    return f"data: {data}\n\n"
+
+
+class Chunker:
+    """Builds one endpoint's stream chunks (chat deltas or completion texts) under one id."""
+
+    def __init__(self, chat: bool, id_: str, model: str, include_usage: bool):
+        self.chat, self.id, self.model, self.include_usage = chat, id_, model, include_usage
+        self.created = int(time.time())
+
+    def _chunk(self, choices: list, usage=None) -> str:
+        kind = ChatCompletionChunk if self.chat else CompletionResponse
+        chunk = kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
+        return sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}))
+
+    def text(self, text: str, finish_reason: str | None = None, role: bool = False) -> str:
+        if self.chat:
+            delta = DeltaMessage(role="assistant" if role else None, content=None if finish_reason else text)
+            return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
+        return self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])
+
+    def usage(self, result: Generation) -> str:
+        return self._chunk([], usage_of(result))
+
+
+async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, service: EngineService,
+                       endpoint: str) -> AsyncIterator[str]:
+    first = True
+    async for event in stream.events(raw.is_disconnected):
+        if chunker.chat and first and not event.error:  # as vLLM: the role comes with the first token
+            yield chunker.text("", role=True)
+        first = False
+        if event.text:
+            yield chunker.text(event.text)
+        if event.error:
+            error = error_of(event.error)
+            service.metrics.failed(endpoint, error.code or str(error.status))
+            yield sse(error.body.model_dump_json())
+        if event.result:
+            service.metrics.finished(endpoint, event.result)
+            yield chunker.text("", finish_reason=event.result.finish_reason)
+            if chunker.include_usage:
+                yield chunker.usage(event.result)
+    yield "data: [DONE]\n\n"
+
+
+async def wait_for_result(stream: JobStream, raw: Request, service: EngineService, endpoint: str) -> Generation:
+    try:
+        result = await stream.result(raw.is_disconnected)
+    except APIError as e:
+        service.metrics.failed(endpoint, e.code or str(e.status))
+        raise
+    service.metrics.finished(endpoint, result)
+    return result
+
+
+def streaming(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+def create_app(service: EngineService) -> FastAPI:
+    @asynccontextmanager
+    async def lifespan(_: FastAPI):
+        service.start()
+        yield
+        service.close()
+
+    app = FastAPI(title="kvreuse", summary="OpenAI-compatible serving with reusable documents", lifespan=lifespan)
+    install_handlers(app)
+
+    async def require_api_key(raw: Request) -> None:
+        if service.config.api_key and raw.headers.get("authorization") != f"Bearer {service.config.api_key}":
+            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
+
+    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
+
+    async def answer(body: GenerationParams, prepare: Callable[..., Awaitable[Prepared]], raw: Request,
+                     endpoint: str):
+        model = service.check_model(body.model)
+        stream = service.submit(await prepare(body), endpoint)
+        id_prefix, response_type, choice_of = ENDPOINTS[endpoint]
+        id_ = f"{id_prefix}-{uuid.uuid4().hex}"
+        if body.stream:
+            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage)
+            return streaming(event_stream(stream, raw, chunker, service, endpoint))
+        result = await wait_for_result(stream, raw, service, endpoint)
+        return response_type(id=id_, created=int(time.time()), model=model, choices=[choice_of(result)],
+                             usage=usage_of(result))
+
+    @v1.post("/chat/completions", response_model=ChatCompletionResponse)
+    async def chat_completions(body: ChatCompletionRequest, raw: Request):
+        return await answer(body, service.prepare_chat, raw, "chat")
+
+    @v1.post("/completions", response_model=CompletionResponse)
+    async def completions(body: CompletionRequest, raw: Request):
+        return await answer(body, service.prepare_completion, raw, "completions")
+
+    @v1.get("/models", response_model=ModelList)
+    async def models() -> ModelList:
+        root = str(service.engine.loaded.path)
+        return ModelList(data=[ModelCard(id=name, created=service.created, root=root,
+                                         max_model_len=service.max_model_len) for name in service.model_names])
+
+    @v1.post("/caches", response_model=CacheInfo)
+    async def create_cache(body: CacheCreateRequest) -> CacheInfo:
+        return await service.create_cache(body)
+
+    @v1.get("/caches/{cache_id}", response_model=CacheInfo)
+    async def get_cache(cache_id: str, cache_salt: str | None = SALT_QUERY) -> CacheInfo:
+        return await service.cache_info(service.find_cache(cache_id, cache_salt))
+
+    @v1.delete("/caches/{cache_id}", response_model=CacheDeleted)
+    async def delete_cache(cache_id: str, cache_salt: str | None = SALT_QUERY) -> CacheDeleted:
+        await service.delete_cache(cache_id, cache_salt)
+        return CacheDeleted(id=cache_id)
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> dict[str, Any]:
+        return {"status": "ok", "running": service.scheduler.running, "waiting": service.scheduler.waiting}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

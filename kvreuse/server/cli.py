@@ -1,0 +1,60 @@
+"""`kvreuse serve [MODEL]`: the OpenAI-compatible server."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from kvreuse.server.config import ServerConfig, load_config
+
+# flag -> (type, help); every default is None so that unset flags leave the YAML file and environment in force
+FLAGS = {
+    "--host": (str, "address to listen on (default 127.0.0.1)"),
+    "--port": (int, "port (default 8000)"),
+    "--api-key": (str, "require 'Authorization: Bearer KEY' on /v1/*"),
+    "--store": (str, "store spec, e.g. memory:4GB,disk:/var/cache/kvreuse,redis://host:6379 (default memory:4GB)"),
+    "--method": (str, "reuse method of requests that choose none (default cacheblend:0.15)"),
+    "--max-concurrency": (int, "sequences prefilled and decoded together (default 8)"),
+    "--max-queue": (int, "requests that may wait beyond those; more get 429 (default 256)"),
+    "--request-timeout": (float, "seconds from arrival, queueing included, before a request is abandoned (600)"),
+    "--max-model-len": (int, "prompt + generated tokens (default: the model's context window)"),
+    "--default-max-tokens": (int, "generation budget of a chat request that sets none (default 256)"),
+    "--dtype": (str, "float32 (default), bfloat16 or float16"),
+    "--log-level": (str, "uvicorn's log level (default info)"),
+}
+
+
+def add_commands(commands) -> None:
+    serve = commands.add_parser(
+        "serve", help="OpenAI-compatible HTTP server with reusable documents, a context-cache API and metrics",
+        description="Settings come from defaults, then --config (or $KVREUSE_CONFIG, YAML), then KVREUSE_* "
+        "environment variables (e.g. KVREUSE_PORT), then these flags.",
+    )
+    serve.add_argument("model", nargs="?", default=None,
+                       help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
+    serve.add_argument("--served-model-name", nargs="+", default=None, help="model names clients use")
+    serve.add_argument("--config", default=None, help="YAML file of settings (keys as the flags, e.g. max_queue)")
+    for flag, (kind, help_text) in FLAGS.items():
+        serve.add_argument(flag, type=kind, default=None, help=help_text)
+    serve.set_defaults(func=cmd_serve)
+
+
+def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    flags = {name: getattr(args, name) for name in
+             ["model", "served_model_name", *(f[2:].replace("-", "_") for f in FLAGS)]}
+    return load_config(flags, args.config)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from kvreuse.engine.reuse import ReuseEngine
+    from kvreuse.server.app import create_app
+    from kvreuse.server.service import EngineService
+
+    config = config_from_args(args)
+    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    engine = ReuseEngine.load(config.model, config.store, config.dtype)
+    app = create_app(EngineService(engine, config))
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    return 0

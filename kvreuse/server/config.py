@@ -1,0 +1,106 @@
+"""The server's settings: defaults, then a YAML file, then KVREUSE_* environment variables, then command-line
+flags, each overriding the one before."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from kvreuse.fusion.methods import DEFAULT_METHOD
+
+ENV_PREFIX = "KVREUSE_"
+
+
+@dataclass
+class ServerConfig:
+    model: str | None = None  # HF directory or .gguf file; None: the embedded SmolLM2-135M-Instruct
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    served_model_name: list[str] = field(default_factory=list)  # names clients use; default: the model's name
+    store: str = "memory:4GB"
+    method: str = DEFAULT_METHOD  # reuse method of requests that do not choose one
+    max_concurrency: int = 8  # sequences prefilled and decoded together
+    max_queue: int = 256  # requests waiting beyond those; one more is refused with 429
+    request_timeout: float = 600.0  # seconds from arrival (queueing included) until a request is abandoned
+    max_model_len: int | None = None  # prompt + generated tokens; default: the model's context window
+    default_max_tokens: int = 256  # generation budget of a chat request that sets none
+    dtype: str = "float32"
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        checks = {
+            "port": 0 <= self.port <= 65535,
+            "max_concurrency": self.max_concurrency >= 1,
+            "max_queue": self.max_queue >= 0,
+            "request_timeout": self.request_timeout > 0,
+            "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
+            "default_max_tokens": self.default_max_tokens >= 1,
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"{bad[0]}: invalid value {getattr(self, bad[0])!r}")
+
+
+FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}
+
+
+def _field_type(name: str) -> type:
+    """The non-None type of a field, e.g. int for `int | None`."""
+    hint = typing.get_type_hints(ServerConfig)[name]
+    if isinstance(hint, types.UnionType):
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+    return typing.get_origin(hint) or hint
+
+
+def _coerce(name: str, value: Any, source: str) -> Any:
+    kind = _field_type(name)
+    try:
+        if kind is list:
+            return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
+        return kind(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"{source}: {name} must be {kind.__name__}, got {value!r}") from None
+
+
+def from_yaml(path: str | Path) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ValueError(f"config {path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"config {path}: expected a mapping of settings, got {type(data).__name__}")
+    settings = {str(k).replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(settings) - set(FIELDS))
+    if unknown:
+        raise ValueError(f"config {path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+    return {k: None if v is None else _coerce(k, v, f"config {path}") for k, v in settings.items()}
+
+
+def from_env(environ: typing.Mapping[str, str]) -> dict[str, Any]:
+    """KVREUSE_PORT=9000 and the like; other KVREUSE_* variables (KVREUSE_CACHE_DIR) belong to other parts."""
+    found = {}
+    for name in FIELDS:
+        variable = ENV_PREFIX + name.upper()
+        if variable in environ:
+            found[name] = _coerce(name, environ[variable], variable)
+    return found
+
+
+def load_config(flags: dict[str, Any], config_file: str | None = None,
+                environ: typing.Mapping[str, str] | None = None) -> ServerConfig:
+    """Defaults < YAML file (`config_file`, else $KVREUSE_CONFIG) < environment < flags; a flag left at None
+    does not override."""
+    environ = os.environ if environ is None else environ
+    config_file = config_file or environ.get(ENV_PREFIX + "CONFIG")
+    settings = from_yaml(config_file) if config_file else {}
+    settings.update(from_env(environ))
+    settings.update({k: v for k, v in flags.items() if v is not None})
+    return ServerConfig(**settings)

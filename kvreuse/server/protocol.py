@@ -1,0 +1,295 @@
+"""Request and response bodies: OpenAI's chat and completions formats (field for field as vLLM serves them),
+our extensions (`documents`, `cache_ids`, `kvreuse`, `cache_salt`) and the context-cache API.
+
+Unknown top-level fields are ignored, as OpenAI-compatible servers do; our own `kvreuse` block refuses them.
+OpenAI parameters this server does not implement are refused by name rather than silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
+
+SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+class KvreuseOptions(BaseModel):
+    """Per-request reuse options, sent as `extra_body={"kvreuse": {...}}`."""
+
+    model_config = ConfigDict(extra="forbid")
+    method: str | None = Field(None, description="reuse method, e.g. cacheblend, cacheblend:0.3, naive, full")
+    ratio: float | None = Field(None, ge=0, le=1, description="recompute ratio of cacheblend or cachetune")
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    @property
+    def text(self) -> str:
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class GenerationParams(BaseModel):
+    """What chat and completion requests share: sampling, streaming, and our reuse extensions."""
+
+    model: str | None = Field(None, description="a served model name (default: the first)")
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    seed: int | None = Field(None, **SEED_RANGE)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: int = Field(1, ge=1)
+    user: str | None = None
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    documents: list[NonEmptyText] = Field(default_factory=list, description="reusable chunks, placed in order")
+    cache_ids: list[str] = Field(default_factory=list, description="ids from POST /v1/caches, placed first")
+    kvreuse: KvreuseOptions | None = None
+    cache_salt: str | None = Field(None, min_length=1, description="tenant: store entries are shared only within it")
+
+    def refusal(self) -> tuple[str, str] | None:
+        """(parameter, why) of the first parameter set to something this server does not implement."""
+        unsupported = {
+            "n": self.n != 1 and "only n=1 is supported",
+            "presence_penalty": bool(self.presence_penalty) and "penalties are not supported",
+            "frequency_penalty": bool(self.frequency_penalty) and "penalties are not supported",
+            "logit_bias": bool(self.logit_bias) and "logit_bias is not supported",
+        } | self._unsupported()
+        return next(((param, why) for param, why in unsupported.items() if why), None)
+
+    def _unsupported(self) -> dict[str, str | bool]:
+        return {}
+
+    @property
+    def token_budget(self) -> int | None:
+        """max_tokens as the request sets it (None: the server's default)."""
+        return None
+
+    @property
+    def stop_strings(self) -> list[str]:
+        stops = [self.stop] if isinstance(self.stop, str) else self.stop or []
+        return [s for s in stops if s]
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class ChatCompletionRequest(GenerationParams):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0)
+    tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _unsupported(self) -> dict[str, str | bool]:
+        return {
+            "logprobs": self.logprobs and "logprobs are not supported",
+            "tools": bool(self.tools) and "tool calling is not supported",
+            "response_format": bool(self.response_format and self.response_format.get("type") != "text")
+            and "only the text response format is supported",
+            "messages": self.messages[-1].role != "user" and "the last message must be the user's",
+        }
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+
+class CompletionRequest(GenerationParams):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0)
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def _unsupported(self) -> dict[str, str | bool]:
+        return {
+            "prompt": isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
+            and len(self.prompt) != 1 and "only one prompt per request is supported",
+            "echo": self.echo and "echo is not supported",
+            "logprobs": self.logprobs is not None and "logprobs are not supported",
+            "suffix": bool(self.suffix) and "suffix is not supported",
+            "best_of": self.best_of not in (None, 1) and "only best_of=1 is supported",
+        }
+
+    @property
+    def single_prompt(self) -> str | list[int]:
+        prompt = self.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            return prompt[0]
+        return prompt
+
+    @property
+    def token_budget(self) -> int | None:
+        return self.max_tokens
+
+
+# ---- responses -----------------------------------------------------------------------------------------
+
+
+class KvreuseUsage(BaseModel):
+    """How the prompt's KV was obtained."""
+
+    method: str
+    reused_tokens: int = Field(description="prompt tokens whose stored KV was placed (exact prefix and chunks)")
+    computed_tokens: int = Field(description="prompt rows computed at layer 0, fresh tokens included")
+    recompute_share: float = Field(description="share of reused chunk rows recomputed, averaged over layers")
+    loaded_tokens_by_tier: dict[str, int]
+    chunk_hits: int
+    chunks: int
+    load_seconds: float = Field(description="reading stored KV (overlaps compute)")
+    compute_seconds: float = Field(description="prefill time not spent waiting for stored KV")
+    queue_seconds: float
+    ttft_seconds: float = Field(description="arrival to first token, queueing included")
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    prompt_tokens_details: PromptTokensDetails | None = None
+    kvreuse: KvreuseUsage | None = None
+
+
+class AssistantMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str
+    refusal: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+
+
+class ChatChoice(BaseModel):
+    index: int = 0
+    message: AssistantMessage
+    logprobs: None = None
+    finish_reason: str
+    stop_reason: str | None = None
+
+
+class ResponseBase(BaseModel):
+    """The fields every completion response and stream chunk starts with (OpenAI's order)."""
+
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class ChatCompletionResponse(ResponseBase):
+    object: Literal["chat.completion"] = "chat.completion"
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    """Only what changed: the role in the first chunk, text after it, nothing in the last."""
+
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _changed_only(self, handler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatChunkChoice(BaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: str | None = None
+
+
+class ChatCompletionChunk(ResponseBase):
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+class CompletionChoice(BaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class CompletionResponse(ResponseBase):
+    object: Literal["text_completion"] = "text_completion"
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "kvreuse"
+    root: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorDetail
+
+
+# ---- the context-cache API -----------------------------------------------------------------------------
+
+
+class CacheCreateRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    text: NonEmptyText | None = Field(None, description="a document; tokenized exactly as in `documents`")
+    token_ids: list[int] | None = Field(None, min_length=1)
+    cache_salt: str | None = Field(None, min_length=1)
+
+
+class CacheInfo(BaseModel):
+    id: str
+    object: Literal["kvreuse.cache"] = "kvreuse.cache"
+    created: int
+    tokens: int
+    stored: bool = Field(description="whether the store still holds its KV (it may have been evicted)")
+
+
+class CacheDeleted(BaseModel):
+    id: str
+    object: Literal["kvreuse.cache.deleted"] = "kvreuse.cache.deleted"
+    deleted: bool = True

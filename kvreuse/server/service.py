@@ -1,0 +1,300 @@
+"""Between HTTP and the engine: turns validated bodies into engine requests, submits them to the scheduler and
+hands the scheduler's events to the event loop.
+
+No torch work happens on the event loop: tokenization runs on a tokenizer thread of its own, prefill, decode and
+cache compilation on the scheduler's engine thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TypeVar
+
+from jinja2 import TemplateError
+
+from kvreuse.engine.generate import Generation
+from kvreuse.engine.reuse import ReuseEngine
+from kvreuse.engine.sampling import SamplingParams
+from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobEvent, JobTimeout, QueueFull, Scheduler
+from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request, chunk_ids
+from kvreuse.server.caches import CacheRegistry, ContextCache, is_cache_id
+from kvreuse.server.config import ServerConfig
+from kvreuse.server.errors import APIError, bad_request
+from kvreuse.server.metrics import Metrics
+from kvreuse.server.protocol import (
+    CacheCreateRequest,
+    CacheInfo,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerationParams,
+    KvreuseOptions,
+    KvreuseUsage,
+    PromptTokensDetails,
+    Usage,
+)
+
+T = TypeVar("T")
+RATIO_METHODS = {"cacheblend", "cachetune"}
+DISCONNECT_POLL_SECONDS = 1.0
+
+
+@dataclass
+class Prepared:
+    """A request ready for the engine."""
+
+    request: Request
+    sampling: SamplingParams
+    method: str
+    salt: str | None
+
+
+def method_spec(options: KvreuseOptions | None, default: str) -> str:
+    """The method a request runs: its own `kvreuse.method`, or the server's, with `kvreuse.ratio` applied."""
+    method = (options.method if options else None) or default
+    if options is not None and options.ratio is not None:
+        name, _, arg = method.partition(":")
+        if options.method and arg:
+            raise bad_request(f"kvreuse.ratio: method {method!r} already sets its parameter", "kvreuse.ratio")
+        if name not in RATIO_METHODS:
+            raise bad_request(f"kvreuse.ratio: {name} takes no ratio (only {', '.join(sorted(RATIO_METHODS))})",
+                              "kvreuse.ratio")
+        method = f"{name}:{options.ratio:g}"
+    try:
+        parse_method(method)
+    except ValueError as e:
+        raise bad_request(f"kvreuse.{e}", "kvreuse.method") from None
+    return method
+
+
+def usage_of(result: Generation) -> Usage:
+    s = result.stats
+    completion = len(result.token_ids)
+    return Usage(
+        prompt_tokens=result.prompt_tokens,
+        completion_tokens=completion,
+        total_tokens=result.prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=s["reused_tokens"]),
+        kvreuse=KvreuseUsage(
+            method=s["method"],
+            reused_tokens=s["reused_tokens"],
+            computed_tokens=s["computed_tokens_layer0"],
+            recompute_share=s["recompute_share"],
+            loaded_tokens_by_tier=s["loaded_tokens_by_tier"],
+            chunk_hits=s["chunk_hits"],
+            chunks=s["chunks"],
+            load_seconds=s["load_seconds"],
+            compute_seconds=s["prefill_seconds"] - s["load_wait_seconds"],
+            queue_seconds=s["queue_seconds"],
+            ttft_seconds=result.ttft,
+        ),
+    )
+
+
+def error_of(error: BaseException) -> APIError:
+    """The HTTP error for a job that ended without a result."""
+    if isinstance(error, JobTimeout):
+        return APIError(408, str(error), code="timeout")
+    if isinstance(error, JobCancelled):
+        return APIError(499, str(error), code="cancelled")
+    if isinstance(error, ValueError):
+        return bad_request(str(error))
+    return APIError(500, f"generation failed: {type(error).__name__}")
+
+
+class JobStream:
+    """One submitted job's events on the event loop; leaving the iteration early cancels the job."""
+
+    def __init__(self, job: GenerationJob, events: asyncio.Queue[JobEvent]):
+        self.job, self._events = job, events
+
+    async def events(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[JobEvent]:
+        try:
+            while True:
+                try:
+                    event = await asyncio.wait_for(self._events.get(), DISCONNECT_POLL_SECONDS)
+                except TimeoutError:
+                    if await disconnected():
+                        return
+                    continue
+                yield event
+                if event.result or event.error:
+                    return
+        finally:
+            self.job.cancel()  # a no-op once it has finished
+
+    async def result(self, disconnected: Callable[[], Awaitable[bool]]) -> Generation:
+        """Wait for the end; raises the job's error as an APIError."""
+        async for event in self.events(disconnected):
+            if event.error:
+                raise error_of(event.error)
+            if event.result:
+                return event.result
+        raise APIError(499, "the client disconnected", code="cancelled")
+
+
+class EngineService:
+    def __init__(self, engine: ReuseEngine, config: ServerConfig):
+        self.engine, self.config = engine, config
+        self.model_names = config.served_model_name or [engine.loaded.name]
+        window = engine.model.config.max_position_embeddings
+        self.max_model_len = min(config.max_model_len or window, window)
+        self.vocab_size = engine.model.config.vocab_size
+        self.caches = CacheRegistry()
+        self.scheduler = Scheduler(engine, config.max_concurrency, config.max_queue)
+        self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running)
+        self.scheduler.on_decode_step = self.metrics.batch_size.observe
+        self.created = int(time.time())
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tokenize")
+
+    def start(self) -> None:
+        self.scheduler.start()
+
+    def close(self) -> None:
+        self.scheduler.stop()
+        self._tokenizer_thread.shutdown(wait=True)
+        self.engine.close()
+
+    # ---- validation and preparation ------------------------------------------------------------------------
+
+    def check_model(self, name: str | None) -> str:
+        if name is not None and name not in self.model_names:
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
+        return self.model_names[0]
+
+    async def _tokenize(self, fn: Callable[[], T], param: str) -> T:
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+        except (ValueError, TemplateError) as e:  # a chat template may refuse a conversation (role order)
+            raise bad_request(f"{param}: {e}", param) from None
+
+    def _check_token_ids(self, ids: list[int], param: str) -> list[int]:
+        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
+        return ids
+
+    def _cached_chunks(self, cache_ids: list[str], salt: str | None) -> list[list[int]]:
+        chunks = []
+        for i, id_ in enumerate(cache_ids):
+            param = f"cache_ids[{i}]"
+            if not is_cache_id(id_):
+                raise bad_request(f"{param}: {id_!r} is not a cache id", param)
+            cache = self.caches.get(id_, salt)
+            if cache is None:
+                raise APIError(404, f"{param}: no cache with id {id_!r}", param, "cache_not_found")
+            chunks.append(list(cache.token_ids))
+        return chunks
+
+    def _prepare(self, body: GenerationParams, request: Request, param: str) -> Prepared:
+        room = self.max_model_len - len(request)
+        budget = body.token_budget
+        if room < 1 or (budget is not None and budget > room):
+            raise bad_request(
+                f"{param}: {len(request)} prompt tokens + {budget or 1} to generate exceed the maximum context "
+                f"length of {self.max_model_len}", param)
+        sampling = SamplingParams(
+            max_tokens=budget or min(self.config.default_max_tokens, room),
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            seed=body.seed,
+            stop=body.stop_strings,
+            ignore_eos=body.ignore_eos,
+        )
+        return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method), body.cache_salt)
+
+    def _refuse_unsupported(self, body: GenerationParams) -> None:
+        if refusal := body.refusal():
+            param, why = refusal
+            raise bad_request(f"{param}: {why}", param)
+
+    async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+        self._refuse_unsupported(body)
+        cached = self._cached_chunks(body.cache_ids, body.cache_salt)
+        history = [{"role": m.role, "content": m.text} for m in body.messages[:-1]]
+        question = body.messages[-1].text
+        tokenizer = self.engine.tokenizer
+
+        def build() -> Request:
+            documents = [chunk_ids(tokenizer, d) for d in body.documents]
+            return chat_request(tokenizer, history, cached + documents, question)
+
+        return self._prepare(body, await self._tokenize(build, "messages"), "messages")
+
+    async def prepare_completion(self, body: CompletionRequest) -> Prepared:
+        self._refuse_unsupported(body)
+        cached = self._cached_chunks(body.cache_ids, body.cache_salt)
+        prompt = body.single_prompt
+        tokenizer = self.engine.tokenizer
+
+        def build() -> Request:
+            ids = self._check_token_ids(prompt, "prompt") if isinstance(prompt, list) else tokenizer.encode(prompt)
+            if not ids:
+                raise ValueError("must not be empty")
+            chunks = cached + [chunk_ids(tokenizer, d) for d in body.documents]
+            return Request([*(Segment(SegmentKind.CHUNK, c) for c in chunks), Segment(SegmentKind.FRESH, ids)])
+
+        return self._prepare(body, await self._tokenize(build, "prompt"), "prompt")
+
+    # ---- generation ------------------------------------------------------------------------------------
+
+    def submit(self, prepared: Prepared, endpoint: str) -> JobStream:
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+        def deliver(event: JobEvent) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop has closed: the server is shutting down
+                loop.call_soon_threadsafe(events.put_nowait, event)
+
+        job = GenerationJob(prepared.request, prepared.sampling, deliver, prepared.method, prepared.salt,
+                            self.config.request_timeout)
+        try:
+            self.scheduler.submit(job)
+        except QueueFull as e:
+            self.metrics.failed(endpoint, "queue_full")
+            raise APIError(429, f"{e}; retry later", code="queue_full") from None
+        return JobStream(job, events)
+
+    # ---- the context-cache API ---------------------------------------------------------------------------
+
+    async def create_cache(self, body: CacheCreateRequest) -> CacheInfo:
+        self.check_model(body.model)
+        if (body.text is None) == (body.token_ids is None):
+            raise bad_request("text: give exactly one of text and token_ids", "text")
+        param = "text" if body.text is not None else "token_ids"
+        if body.text is not None:
+            ids = await self._tokenize(lambda: chunk_ids(self.engine.tokenizer, body.text), param)
+        else:
+            ids = self._check_token_ids(body.token_ids, param)
+        if len(ids) > self.max_model_len:
+            raise bad_request(f"{param}: {len(ids)} tokens exceed the maximum context length of "
+                              f"{self.max_model_len}", param)
+        keys = await asyncio.wrap_future(self.scheduler.call(lambda: self._compile(ids, body.cache_salt)))
+        return await self.cache_info(self.caches.add(ids, body.cache_salt, keys))
+
+    def _compile(self, ids: list[int], salt: str | None) -> list[str]:
+        """On the engine thread: compile the chunk in the default method's mode; returns its store key."""
+        engine = self.engine.with_salt(salt)
+        request = Request([Segment(SegmentKind.CHUNK, ids)])
+        engine.compile(request, [self.config.method])
+        return [engine.key_of(request.segments[0], parse_method(self.config.method))]
+
+    def find_cache(self, id_: str, salt: str | None) -> ContextCache:
+        cache = self.caches.get(id_, salt) if is_cache_id(id_) else None
+        if cache is None:
+            raise APIError(404, f"no cache with id {id_!r}", "cache_id", "cache_not_found")
+        return cache
+
+    async def cache_info(self, cache: ContextCache) -> CacheInfo:
+        stored = await asyncio.to_thread(lambda: all(self.engine.store.meta(k) is not None for k in cache.keys))
+        return CacheInfo(id=cache.id, created=cache.created, tokens=len(cache.token_ids), stored=stored)
+
+    async def delete_cache(self, id_: str, salt: str | None) -> None:
+        cache = self.find_cache(id_, salt)
+        self.caches.remove(id_, salt)
+        await asyncio.to_thread(lambda: [self.engine.store.delete(k) for k in cache.keys])

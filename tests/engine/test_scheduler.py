@@ -1,0 +1,95 @@
+"""The scheduler on the tiny model: batched jobs decode as they would alone; admission, cancellation, timeouts."""
+
+import queue
+import threading
+
+import pytest
+
+from kvreuse.engine.sampling import SamplingParams
+from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobTimeout, QueueFull, Scheduler
+
+GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
+
+
+def job_for(engine, question: str, events: queue.Queue, **options) -> GenerationJob:
+    request = engine.build_request(["A reusable passage about " + question], question)
+    return GenerationJob(request, options.pop("sampling", GREEDY), events.put, method="full", **options)
+
+
+def outcome(events: queue.Queue):
+    """The streamed text and the last event of a job."""
+    text = ""
+    while True:
+        event = events.get(timeout=60)
+        text += event.text
+        if event.result or event.error:
+            return text, event
+
+
+@pytest.fixture
+def scheduler(tiny_chat_engine):
+    batch_sizes = []
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, on_decode_step=batch_sizes.append)
+    scheduler.batch_sizes = batch_sizes
+    yield scheduler
+    scheduler.stop()
+
+
+def test_concurrent_jobs_decode_together_as_they_would_alone(tiny_chat_engine, scheduler):
+    questions = ["first question?", "a second, longer question about something?", "third?"]
+    streams = [queue.Queue() for _ in questions]
+    jobs = [job_for(tiny_chat_engine, q, s) for q, s in zip(questions, streams)]
+    for job in jobs:
+        scheduler.submit(job)
+    scheduler.start()
+    for job, events in zip(jobs, streams):
+        text, last = outcome(events)
+        alone = tiny_chat_engine.generate(job.request, "full", GREEDY)
+        assert last.result.token_ids == alone.token_ids and text == last.result.text == alone.text
+        assert last.result.finish_reason == "length" and 0 < last.result.ttft <= last.result.total_seconds
+    assert max(scheduler.batch_sizes) == len(questions)
+
+
+def test_a_full_queue_refuses_the_job(tiny_chat_engine):
+    scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)  # not started: nothing leaves the queue
+    for question in ["one?", "two?"]:  # one for the free running slot, one waiting
+        scheduler.submit(job_for(tiny_chat_engine, question, queue.Queue()))
+    with pytest.raises(QueueFull, match="0 requests are running and 2 waiting"):
+        scheduler.submit(job_for(tiny_chat_engine, "three?", queue.Queue()))
+
+
+def test_cancelled_and_timed_out_jobs_end_with_their_reason(tiny_chat_engine, scheduler):
+    endless = SamplingParams(max_tokens=8000, ignore_eos=True)
+    cancelled, timed_out = queue.Queue(), queue.Queue()
+    job = job_for(tiny_chat_engine, "cancel me?", cancelled, sampling=endless)
+    scheduler.submit(job)
+    scheduler.submit(job_for(tiny_chat_engine, "too slow?", timed_out, sampling=endless, timeout=0.5))
+    scheduler.start()
+    cancelled.get(timeout=60)  # it is streaming
+    job.cancel()
+    assert isinstance(outcome(cancelled)[1].error, JobCancelled)
+    assert isinstance(outcome(timed_out)[1].error, JobTimeout)
+    assert scheduler.running == scheduler.waiting == 0
+
+
+def test_calls_run_on_the_engine_thread(scheduler):
+    scheduler.start()
+    assert scheduler.call(lambda: threading.current_thread().name).result(timeout=10) == "kv-engine"
+    with pytest.raises(ZeroDivisionError):
+        scheduler.call(lambda: 1 / 0).result(timeout=10)
+
+
+def test_a_failing_step_fails_the_jobs_in_flight_and_the_engine_goes_on(tiny_chat_engine, scheduler, monkeypatch):
+    events = queue.Queue()
+    real_decode = tiny_chat_engine.model.decode_batch
+
+    def broken_once(*args):
+        monkeypatch.setattr(tiny_chat_engine.model, "decode_batch", real_decode)
+        raise RuntimeError("device lost")
+
+    monkeypatch.setattr(tiny_chat_engine.model, "decode_batch", broken_once)
+    scheduler.submit(job_for(tiny_chat_engine, "doomed?", events))
+    scheduler.start()
+    assert "device lost" in str(outcome(events)[1].error)
+    scheduler.submit(job_for(tiny_chat_engine, "next?", events))
+    assert outcome(events)[1].result.finish_reason == "length"

@@ -1,0 +1,92 @@
+"""Settings: defaults < YAML < KVREUSE_* environment < flags; bad settings name themselves. And `kvreuse serve`
+itself, started as a user would."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvreuse.cli import build_parser
+from kvreuse.server.cli import config_from_args
+from kvreuse.server.config import ServerConfig, load_config
+
+
+def test_each_source_overrides_the_one_before(tmp_path):
+    config_file = tmp_path / "serve.yaml"
+    config_file.write_text("port: 9001\nmax-queue: 7\nstore: disk:/tmp/kv\nmethod: naive\n")
+    environ = {"KVREUSE_PORT": "9002", "KVREUSE_SERVED_MODEL_NAME": "a, b", "KVREUSE_CACHE_DIR": "/elsewhere"}
+    config = load_config({"method": "full", "host": None}, str(config_file), environ)
+    assert (config.port, config.max_queue, config.store, config.method) == (9002, 7, "disk:/tmp/kv", "full")
+    assert config.served_model_name == ["a", "b"] and config.host == ServerConfig.host
+
+
+def test_the_config_file_may_come_from_the_environment(tmp_path):
+    (tmp_path / "c.yaml").write_text("max_concurrency: 3\n")
+    assert load_config({}, None, {"KVREUSE_CONFIG": str(tmp_path / "c.yaml")}).max_concurrency == 3
+
+
+def test_flags_reach_the_config():
+    args = build_parser().parse_args(["serve", "some/model", "--port", "0", "--max-concurrency", "2",
+                                      "--served-model-name", "x", "y"])
+    config = config_from_args(args)
+    assert (config.model, config.port, config.max_concurrency, config.served_model_name) == (
+        "some/model", 0, 2, ["x", "y"])
+
+
+@pytest.mark.parametrize(
+    "yaml_text, environ, message",
+    [
+        ("colour: red\n", {}, "unknown setting(s) colour"),
+        ("- a list\n", {}, "expected a mapping"),
+        ("port: [1\n", {}, "not valid YAML"),
+        ("", {"KVREUSE_PORT": "eighty"}, "KVREUSE_PORT: port must be int"),
+        ("", {"KVREUSE_MAX_CONCURRENCY": "0"}, "max_concurrency: invalid value 0"),
+    ],
+)
+def test_bad_settings_name_themselves(tmp_path, yaml_text, environ, message):
+    (tmp_path / "c.yaml").write_text(yaml_text)
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        load_config({}, str(tmp_path / "c.yaml"), environ)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_kvreuse_serve_starts_from_the_command_line(tiny_model_dir, tmp_path):
+    port = free_port()
+    (tmp_path / "serve.yaml").write_text(f"served_model_name: tiny-cli\nstore: disk:{tmp_path / 'kv'}\n")
+    env = {**os.environ, "KVREUSE_PORT": str(port), "KVREUSE_CONFIG": str(tmp_path / "serve.yaml"),
+           "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, "-m", "kvreuse.cli", "serve", str(tiny_model_dir)], env=env,
+                               cwd=Path(__file__).parents[2], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read().decode()
+            try:
+                models = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=5).json()
+                break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline, "kvreuse serve did not answer within 120 s"
+                time.sleep(0.5)
+        assert [m["id"] for m in models["data"]] == ["tiny-cli"]
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_kvreuse_serve_refuses_bad_settings_before_loading_anything(capsys):
+    from kvreuse.cli import main
+
+    assert main(["serve", "--max-queue", "-1"]) == 2
+    assert "max_queue: invalid value -1" in capsys.readouterr().err

@@ -1,0 +1,132 @@
+"""Bad input over raw HTTP: a 4xx with an OpenAI-style body naming the problem, never a 500, and the server keeps
+serving. Admission control, timeouts, cancellation and the API key on servers of their own."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from .conftest import MODEL_NAME
+
+CHAT = "/v1/chat/completions"
+MESSAGES = [{"role": "user", "content": "Hello?"}]
+
+
+def chat_body(**fields) -> dict:
+    return {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 4, **fields}
+
+
+def assert_error(response, status: int, param: str | None, *words: str) -> dict:
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param, error
+    for word in words:
+        assert word in error["message"], error
+    return error
+
+
+@pytest.mark.parametrize(
+    "body, param, words",
+    [
+        (chat_body(kvreuse={"method": "naive", "colour": "red"}), "kvreuse.colour", ["Extra inputs"]),
+        (chat_body(kvreuse={"method": "blend"}), "kvreuse.method", ["unknown method 'blend'"]),
+        (chat_body(kvreuse={"method": "naive", "ratio": 0.2}), "kvreuse.ratio", ["naive takes no ratio"]),
+        (chat_body(kvreuse={"ratio": 1.5}), "kvreuse.ratio", ["less than or equal to 1"]),
+        (chat_body(temperature="hot"), "temperature", ["valid number"]),
+        (chat_body(max_tokens=0), "max_tokens", ["greater than or equal to 1"]),
+        (chat_body(messages=[]), "messages", ["at least 1"]),
+        (chat_body(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", []),
+        (chat_body(messages=[*MESSAGES, {"role": "assistant", "content": "Hi."}]), "messages", ["user's"]),
+        (chat_body(documents=["fine", ""]), "documents[1]", ["at least 1 character"]),
+        (chat_body(documents="not a list"), "documents", []),
+        (chat_body(n=2), "n", ["only n=1"]),
+        (chat_body(logprobs=True), "logprobs", ["not supported"]),
+        (chat_body(max_tokens=10**6), "messages", ["maximum context length"]),
+        (chat_body(messages=[{"role": "user", "content": "word " * 9000}]), "messages", ["maximum context length"]),
+        (chat_body(cache_ids=["../../etc/passwd"]), "cache_ids[0]", ["not a cache id"]),
+        ({"model": MODEL_NAME}, "messages", ["Field required"]),
+    ],
+)
+def test_bad_chat_requests_get_400_naming_the_field(http, body, param, words):
+    error = assert_error(http.post(CHAT, json=body), 400, param, *words)
+    assert error["type"] == "invalid_request_error"
+
+
+def test_malformed_json_and_wrong_body_type(http):
+    assert_error(http.post(CHAT, content=b'{"model": ', headers={"content-type": "application/json"}),
+                 400, "body", "not valid JSON")
+    assert_error(http.post(CHAT, content=b"[1, 2]", headers={"content-type": "application/json"}), 400, "body")
+
+
+def test_unknown_model_cache_and_route_are_404(http):
+    error = assert_error(http.post(CHAT, json=chat_body(model="gpt-9")), 404, "model", "gpt-9")
+    assert error["code"] == "model_not_found"
+    assert_error(http.post(CHAT, json=chat_body(cache_ids=["kvc-0123"])), 404, "cache_ids[0]", "no cache")
+    assert_error(http.get("/v1/caches/kvc-0123"), 404, "cache_id")
+    assert_error(http.get("/v1/nothing-here"), 404, None)
+    assert_error(http.put("/v1/models"), 405, None)
+
+
+def test_bad_cache_creation(http):
+    assert_error(http.post("/v1/caches", json={}), 400, "text", "exactly one")
+    assert_error(http.post("/v1/caches", json={"text": "a", "token_ids": [1]}), 400, "text", "exactly one")
+    assert_error(http.post("/v1/caches", json={"token_ids": [10**9]}), 400, "token_ids", "outside the vocabulary")
+    assert_error(http.post("/v1/caches", json={"text": "a", "size": 3}), 400, "size", "Extra inputs")
+
+
+def test_bad_completion_prompts(http):
+    url = "/v1/completions"
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ""}), 400, "prompt", "must not be empty")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": [-1, 5]}), 400, "prompt", "token id -1")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a", "b"]}), 400, "prompt", "one prompt")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": {"text": "a"}}), 400, "prompt")
+
+
+def test_the_server_keeps_serving_after_bad_input(http, client):
+    http.post(CHAT, content=b"\xff\xfe garbage", headers={"content-type": "application/json"})
+    assert client.chat.completions.create(messages=MESSAGES, model=MODEL_NAME, max_tokens=2).choices
+
+
+def test_a_full_queue_answers_429_and_a_closed_stream_is_cancelled(make_server):
+    server = make_server(max_concurrency=1, max_queue=0)
+    client = server.client()
+    long_stream = client.chat.completions.create(messages=MESSAGES, model=MODEL_NAME, max_tokens=4000,
+                                                 stream=True, extra_body={"ignore_eos": True})
+    chunks = iter(long_stream)
+    next(chunks), next(chunks)  # the role, then a token: it is running
+    with pytest.raises(openai.RateLimitError, match="at capacity"):
+        client.chat.completions.create(messages=MESSAGES, model=MODEL_NAME, max_tokens=2)
+    long_stream.close()  # the client goes away mid-stream
+    deadline = time.monotonic() + 30
+    while server.service.scheduler.running and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.service.scheduler.running == 0
+    assert client.chat.completions.create(messages=MESSAGES, model=MODEL_NAME, max_tokens=2).choices
+
+
+def test_a_request_over_its_time_gets_408(make_server):
+    server = make_server(request_timeout=0.3)
+    with server.http() as http:
+        body = chat_body(max_tokens=7000, ignore_eos=True)
+        assert_error(http.post(CHAT, json=body), 408, None, "timed out")
+        streamed = http.post(CHAT, json={**body, "stream": True}).text
+        assert '"timeout_error"' in streamed and streamed.endswith("data: [DONE]\n\n")
+
+
+def test_the_api_key_guards_v1_only(make_server):
+    server = make_server(api_key="secret")
+    with pytest.raises(openai.AuthenticationError):
+        server.client(api_key="wrong").models.list()
+    assert server.client(api_key="secret").models.list().data
+    with server.http() as http:
+        assert http.get("/health").status_code == 200
+
+
+def test_a_conversation_the_chat_template_refuses_is_a_400(make_server):
+    server = make_server()
+    server.service.engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
+    with server.http() as http:
+        assert_error(http.post(CHAT, json=chat_body()), 400, "messages", "roles must alternate")

@@ -1,0 +1,155 @@
+"""The official openai client against a real server: chat, completions, streaming, documents, cache ids, tenants,
+automatic prefix reuse, per-request methods, metrics."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from kvreuse.engine.sampling import SamplingParams
+from kvreuse.fusion.segments import chat_request, chunk_ids
+
+from .conftest import MODEL_NAME
+
+QUESTION = [{"role": "user", "content": "Which river runs through the city?"}]
+DOCUMENTS = ["The city lies on both banks of a wide river called the Vell.", "Its old bridge dates from 1420."]
+GREEDY = dict(model=MODEL_NAME, temperature=0, max_tokens=8)
+
+
+def kvreuse_usage(usage) -> dict:
+    return usage.model_extra["kvreuse"]
+
+
+def test_models_lists_the_served_name(client, server):
+    (card,) = client.models.list().data
+    assert card.id == MODEL_NAME and card.owned_by == "kvreuse"
+    assert card.model_extra["max_model_len"] == server.service.max_model_len
+
+
+def test_chat_answers_what_the_engine_answers(client, tiny_chat_engine):
+    response = client.chat.completions.create(messages=QUESTION, extra_body={"kvreuse": {"method": "full"}}, **GREEDY)
+    tokenizer = tiny_chat_engine.tokenizer
+    request = chat_request(tokenizer, [], [], QUESTION[0]["content"])
+    expected = tiny_chat_engine.generate(request, "full", SamplingParams(max_tokens=8))
+    (choice,) = response.choices
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == expected.finish_reason
+    assert response.object == "chat.completion" and response.id.startswith("chatcmpl-")
+    usage = response.usage
+    assert usage.prompt_tokens == len(request) and usage.completion_tokens == len(expected.token_ids)
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+    assert kvreuse_usage(usage)["method"] == "full" and kvreuse_usage(usage)["ttft_seconds"] > 0
+
+
+def test_streamed_chat_is_the_same_text_with_usage_last(client):
+    whole = client.chat.completions.create(messages=QUESTION, **GREEDY)
+    chunks = list(client.chat.completions.create(messages=QUESTION, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == whole.choices[0].message.content
+    finish, usage = chunks[-2], chunks[-1]
+    assert finish.choices[0].finish_reason == whole.choices[0].finish_reason
+    assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
+    assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+
+
+def test_completions_plain_and_streamed(client):
+    whole = client.completions.create(prompt="Once upon a time", **GREEDY)
+    assert whole.object == "text_completion" and whole.usage.completion_tokens <= 8
+    streamed = list(client.completions.create(prompt="Once upon a time", stream=True, **GREEDY))
+    assert "".join(c.choices[0].text for c in streamed) == whole.choices[0].text
+    assert streamed[-1].choices[0].finish_reason == whole.choices[0].finish_reason
+    by_ids = client.completions.create(prompt=[9, 10, 11, 12], **GREEDY)
+    assert by_ids.usage.prompt_tokens == 4
+
+
+def chat_until(client, predicate, attempts: int = 40, **options):
+    """Repeat a request until `predicate(usage)` holds: chunks are written back off the request's path."""
+    for _ in range(attempts):
+        response = client.chat.completions.create(messages=QUESTION, **GREEDY, **options)
+        if predicate(kvreuse_usage(response.usage)):
+            return response
+        time.sleep(0.1)
+    pytest.fail(f"never reached: last usage {kvreuse_usage(response.usage)}")
+
+
+def test_documents_are_reused_chunks_on_the_next_request(client, tiny_chat_engine):
+    body = {"documents": DOCUMENTS, "kvreuse": {"method": "naive"}, "cache_salt": "documents-test"}
+    first = kvreuse_usage(client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body=body).usage)
+    assert first["chunks"] == 2 and first["chunk_hits"] == 0
+    again = chat_until(client, lambda u: u["chunk_hits"] == 2, extra_body=body)
+    document_tokens = sum(len(chunk_ids(tiny_chat_engine.tokenizer, d)) for d in DOCUMENTS)
+    assert again.usage.prompt_tokens_details.cached_tokens >= document_tokens
+    assert kvreuse_usage(again.usage)["loaded_tokens_by_tier"] == {"memory": kvreuse_usage(again.usage)["reused_tokens"]}
+
+
+def test_a_tenant_never_reuses_another_tenants_entries(client):
+    mine = {"documents": ["A passage only tenant one has sent."], "cache_salt": "tenant-one"}
+    chat_until(client, lambda u: u["chunk_hits"] == 1, extra_body=mine)
+    theirs = client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body={**mine, "cache_salt": "tenant-two"})
+    assert kvreuse_usage(theirs.usage)["chunk_hits"] == 0
+
+
+def test_conversation_history_is_reused_as_an_exact_prefix(client):
+    history = [{"role": "system", "content": "You answer in one word."},
+               {"role": "user", "content": "Capital of France?"}, {"role": "assistant", "content": "Paris."}]
+    options = {"extra_body": {"cache_salt": "history-test", "kvreuse": {"method": "prefix"}}}
+    messages = [*history, {"role": "user", "content": "And of Spain?"}]
+    first = client.chat.completions.create(messages=messages, **GREEDY, **options)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    for _ in range(40):
+        again = client.chat.completions.create(messages=[*history, {"role": "user", "content": "Of Italy?"}],
+                                               **GREEDY, **options)
+        if again.usage.prompt_tokens_details.cached_tokens:
+            break
+        time.sleep(0.1)
+    # everything before the new question was reused: only the question and the template tail are computed
+    assert kvreuse_usage(again.usage)["computed_tokens"] < 15 < again.usage.prompt_tokens_details.cached_tokens
+
+
+def test_a_request_chooses_its_method_and_ratio(client):
+    response = client.chat.completions.create(messages=QUESTION, **GREEDY,
+                                              extra_body={"kvreuse": {"method": "cacheblend", "ratio": 0.3}})
+    assert kvreuse_usage(response.usage)["method"] == "cacheblend:0.3"
+
+
+def test_context_cache_api_and_cache_ids(client, http):
+    created = http.post("/v1/caches", json={"text": "A manual of the Vell river's bridges.", "cache_salt": "c1"})
+    assert created.status_code == 200, created.text
+    cache = created.json()
+    assert cache["object"] == "kvreuse.cache" and cache["stored"] and cache["tokens"] > 0
+    assert http.get(f"/v1/caches/{cache['id']}", params={"cache_salt": "c1"}).json() == cache
+    assert http.post("/v1/caches", json={"text": "A manual of the Vell river's bridges.", "cache_salt": "c1"}
+                     ).json()["id"] == cache["id"]  # same tenant and text: same cache
+
+    body = {"cache_ids": [cache["id"]], "documents": DOCUMENTS, "cache_salt": "c1", "kvreuse": {"method": "naive"}}
+    usage = kvreuse_usage(client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body=body).usage)
+    assert usage["chunks"] == 3 and usage["chunk_hits"] == 1  # compiled when created: a hit at once
+    with pytest.raises(openai.NotFoundError, match="no cache with id"):
+        client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body={**body, "cache_salt": "c2"})
+
+    deleted = http.delete(f"/v1/caches/{cache['id']}", params={"cache_salt": "c1"})
+    assert deleted.json() == {"id": cache["id"], "object": "kvreuse.cache.deleted", "deleted": True}
+    assert http.get(f"/v1/caches/{cache['id']}", params={"cache_salt": "c1"}).status_code == 404
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body=body)
+
+
+def test_a_cache_from_token_ids(http):
+    cache = http.post("/v1/caches", json={"token_ids": [5, 6, 7, 8, 9]}).json()
+    assert cache["tokens"] == 5 and cache["stored"]
+
+
+def test_metrics_count_requests_and_time_to_first_token(client, http):
+    client.chat.completions.create(messages=QUESTION, **GREEDY)
+    text = http.get("/metrics").text
+    finished = next(line for line in text.splitlines()
+                    if line.startswith('kvreuse_requests_total{endpoint="chat",outcome="finished"}'))
+    assert float(finished.split()[-1]) >= 1
+    assert "kvreuse_time_to_first_token_seconds_count" in text and "kvreuse_num_requests_running" in text
+
+
+def test_health(http):
+    assert http.get("/health").json()["status"] == "ok"
