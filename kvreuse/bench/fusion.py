@@ -18,6 +18,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvreuse.bench.tiers import tier_spec
 from kvreuse.bench.timing import interleaved_samples, limit_seconds, read_all_seconds, prefill_variant
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.eval.datasets import load_dataset
@@ -41,18 +42,13 @@ class Cell:
     peak_layers_held: int = 0
 
 
-def _tier_specs(tiers: list[str], scratch: str) -> dict[str, str]:
-    named = {"memory": "memory:8GB", "disk": f"disk:{scratch}/disk"}
-    return {t: named.get(t, t) for t in tiers}
-
-
 def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats: int, model: str | None) -> dict:
     loaded = load_model(model, "float32")
     prompts = load_dataset(dataset, limit=limit).prompts
     cells: dict[tuple[str, str], Cell] = defaultdict(Cell)
     lengths = []
     with tempfile.TemporaryDirectory(prefix="kvreuse-bench-") as scratch:
-        specs = _tier_specs(tiers, scratch)
+        specs = {tier: tier_spec(tier, scratch) for tier in tiers}
         engines = {
             tier: ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint, dtype="float32"))
             for tier, spec in specs.items()
