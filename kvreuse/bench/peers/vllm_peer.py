@@ -33,6 +33,7 @@ class VllmSettings:
     max_model_len: int
     threads: int  # cores vLLM's OpenMP threads are bound to: as many as kvreuse's torch uses
     kv_cache_bytes: int = 2 * 2**30
+    timeout_seconds: float = 1800.0  # start-up (model compile) included; a starved or hung engine must not hang the bench
     dtype: str = "float32"
 
     @property
@@ -71,9 +72,14 @@ def run_vllm(settings: VllmSettings, mode: str, workloads: dict[str, Workload], 
         job_path, result_path = Path(scratch, "job.json"), Path(scratch, "result.json")
         job_path.write_text(json.dumps(job))
         log_path = Path(scratch, "vllm.log")
+        command = [str(settings.python), str(RUNNER), str(job_path), str(result_path)]
         with log_path.open("w") as log:
-            done = subprocess.run([str(settings.python), str(RUNNER), str(job_path), str(result_path)],
-                                  stdout=log, stderr=subprocess.STDOUT, env=env)
+            try:
+                done = subprocess.run(command, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                      timeout=settings.timeout_seconds)
+            except subprocess.TimeoutExpired:
+                sys.stderr.write(log_path.read_text()[-4000:])
+                raise RuntimeError(f"the vLLM runner ({mode}) ran past {settings.timeout_seconds:.0f} s") from None
         if done.returncode != 0:
             sys.stderr.write(log_path.read_text()[-4000:])
             raise RuntimeError(f"the vLLM runner ({mode}) exited with code {done.returncode}; its log's end is above")
