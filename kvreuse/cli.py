@@ -9,6 +9,8 @@ from kvreuse.eval.analyses.cli import add_commands as add_analysis_commands
 from kvreuse.eval.cli import add_commands as add_eval_commands
 from kvreuse.bench.fusion import add_arguments as add_fusion_arguments
 from kvreuse.bench.fusion import main as run_fusion_bench
+from kvreuse.bench.ttft_cli import add_arguments as add_ttft_arguments
+from kvreuse.bench.ttft_cli import main as run_ttft_bench
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
 from kvreuse.restore.cli import add_commands as add_restore_commands
@@ -114,6 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     fusion = benches.add_parser("fusion", help="chunk-reuse TTFT per method and tier, speedup over full, limit")
     add_fusion_arguments(fusion)
     fusion.set_defaults(func=run_fusion_bench)
+    ttft = benches.add_parser("ttft", help="TTFT per method x tier x length x chunks, beside transformers and vLLM")
+    add_ttft_arguments(ttft)
+    ttft.set_defaults(func=run_ttft_bench)
 
     add_cache_commands(commands)
     add_restore_commands(commands, benches)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -19,6 +18,8 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvreuse.bench.tiers import tier_spec
+from kvreuse.bench.timing import interleaved_samples, limit_seconds, read_all_seconds, prefill_variant
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
@@ -41,27 +42,13 @@ class Cell:
     peak_layers_held: int = 0
 
 
-def _tier_specs(tiers: list[str], scratch: str) -> dict[str, str]:
-    named = {"memory": "memory:8GB", "disk": f"disk:{scratch}/disk"}
-    return {t: named.get(t, t) for t in tiers}
-
-
-def _read_all_seconds(engine: ReuseEngine, request: Request, method: str) -> tuple[float, int]:
-    """Time to read every stored entry of the request whole from this tier: the load side of the limit."""
-    keys = [p.key for p in engine.lookup(request, parse_method(method)) if p.hit]
-    start = time.perf_counter()
-    entries = [engine.store.get(k) for k in keys]
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(e.k.nbytes + e.v.nbytes for e in entries if e is not None)
-
-
 def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats: int, model: str | None) -> dict:
     loaded = load_model(model, "float32")
     prompts = load_dataset(dataset, limit=limit).prompts
     cells: dict[tuple[str, str], Cell] = defaultdict(Cell)
     lengths = []
     with tempfile.TemporaryDirectory(prefix="kvreuse-bench-") as scratch:
-        specs = _tier_specs(tiers, scratch)
+        specs = {tier: tier_spec(tier, scratch) for tier in tiers}
         engines = {
             tier: ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint, dtype="float32"))
             for tier, spec in specs.items()
@@ -82,29 +69,20 @@ def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats:
 
 def _run_example(engines: dict[str, ReuseEngine], request: Request, methods: list[str], repeats: int,
                  cells: dict[tuple[str, str], Cell]) -> None:
-    times: dict[tuple[str, str], list[float]] = defaultdict(list)
-    outputs = {}
+    variants = {(tier, method): prefill_variant(engine, request, method)
+                for tier, engine in engines.items() for method in methods}
+    samples = interleaved_samples(variants, repeats)
     for tier, engine in engines.items():
-        engine.prefill(request, "full")  # warm-up
-    for _ in range(repeats):
-        for tier, engine in engines.items():
-            for method in methods:
-                out = engine.prefill(request, method)
-                times[tier, method].append(out.ttft)
-                outputs[tier, method] = out
-    for tier, engine in engines.items():
-        full = outputs[tier, "full"]
-        full_ttft = statistics.median(times[tier, "full"])
-        read_all, bytes_all = _read_all_seconds(engine, request, "naive")
+        full = samples[tier, "full"].last
+        full_ttft = samples[tier, "full"].median
+        read_all = read_all_seconds(engine, request)
         for method in methods:
-            out, cell = outputs[tier, method], cells[tier, method]
-            cell.ttft.append(statistics.median(times[tier, method]))
+            out, cell = samples[tier, method].last, cells[tier, method]
+            cell.ttft.append(samples[tier, method].median)
             cell.kl.append(first_token_kl(full.logits, out.logits))
             cell.recompute_share.append(out.stats["recompute_share"])
             cell.peak_layers_held = max(cell.peak_layers_held, out.stats["peak_stored_layers_held"])
-            load_floor = read_all * out.stats["bytes_loaded"] / bytes_all if bytes_all else 0.0
-            compute_floor = full_ttft * out.stats["computed_rows_mean"] / len(request)
-            cell.limit.append(max(load_floor, compute_floor))
+            cell.limit.append(limit_seconds(out.stats, read_all, full_ttft, len(request)))
 
 
 def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple[str, str], Cell]) -> None:

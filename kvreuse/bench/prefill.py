@@ -2,29 +2,12 @@
 
 from __future__ import annotations
 
-import statistics
-import time
-from typing import Callable
-
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvreuse.bench.timing import interleaved_samples
 from kvreuse.model.loader import load_model
-
-
-def _interleaved_medians(variants: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each variant, taking turns every repeat so that load from elsewhere on the machine
-    falls on all of them alike."""
-    times: dict[str, list[float]] = {name: [] for name in variants}
-    for name, fn in variants.items():
-        fn()  # warm-up: allocator and kernel selection
-    for _ in range(repeats):
-        for name, fn in variants.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def run(model: str | None, lengths: list[int], repeats: int) -> list[dict]:
@@ -40,7 +23,8 @@ def run(model: str | None, lengths: list[int], repeats: int) -> list[dict]:
             "transformers_last_logits": lambda: hf_model(ids[None], use_cache=True, logits_to_keep=1),
         }
         with torch.inference_mode():
-            rows.append(dict(tokens=length, **_interleaved_medians(variants, repeats)))
+            samples = interleaved_samples(variants, repeats)
+            rows.append(dict(tokens=length, **{name: s.median for name, s in samples.items()}))
 
     table = Table(title=f"Full prefill, {loaded.name}, fp32, {torch.get_num_threads()} threads, median of {repeats}")
     for column in ("tokens", "kvreuse (s)", "transformers (s)", "ratio", "transformers, last logits only (s)", "ratio"):

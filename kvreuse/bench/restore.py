@@ -22,6 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvreuse.bench.tiers import tier_label, tier_spec
 from kvreuse.model.loader import load_model
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer, profile
@@ -29,13 +30,6 @@ from kvreuse.restore.scheduler import BatchRestorer
 from kvreuse.store import KeySpace, open_store
 from kvreuse.store.tiered import TieredStore
 
-TIERS = {
-    "memory": "memory:8GB",
-    "disk": "disk:{tmp}/disk",
-    "ssd": "throttled:ssd:memory:8GB",
-    "hdd": "throttled:hdd:memory:8GB",
-    "net10g": "throttled:net10g:memory:8GB",
-}
 FRESH_TOKENS = 32  # the new turn after the stored prefix: always computed
 
 
@@ -60,7 +54,7 @@ def bench_model(layers: int | None) -> BenchModel:
 
 
 def open_tiers(names: list[str], tmp: str) -> dict[str, TieredStore]:
-    return {name: open_store(TIERS[name].format(tmp=tmp)) for name in names}
+    return {name: open_store(tier_spec(name, tmp)) for name in names}
 
 
 def stored_prompt(bench: BenchModel, stores: dict[str, TieredStore], prefix: int, seed: int, block: int
@@ -227,7 +221,7 @@ def print_lengths(rows: list[dict], title: str) -> None:
     for row in rows:
         best = min(row["load"], row["compute"])
         table.add_row(
-            _tier_label(row["tier"]), str(row["prefix"]),
+            tier_label(row["tier"]), str(row["prefix"]),
             *(f"{row[k] * 1e3:.0f}" for k in ("ideal", "load", "compute", "cake", "layerwise")),
             f"{row['cacheflow'] * 1e3:.0f} ({row['cacheflow_strategy'][:5]})",
             f"{row['cake'] / row['ideal']:.2f}", f"{row['cacheflow'] / row['ideal']:.2f}", f"{row['cake'] / best:.2f}",
@@ -240,15 +234,9 @@ def print_lengths(rows: list[dict], title: str) -> None:
           "from the same repeat's compute-only and load-only per-block times. best base = min(load-only, compute-only).")
 
 
-def _tier_label(tier: str) -> str:
-    from kvreuse.store.throttled import DEVICES
-
-    return str(DEVICES[tier]) if tier in DEVICES else tier
-
-
 def print_batch(result: dict) -> None:
     per, batch = result["per-request cake"], result["batch-aware"]
-    print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {_tier_label(result['tier'])}, "
+    print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {tier_label(result['tier'])}, "
           f"{result['compute_workers']} compute worker(s): "
           f"per-request Cake mean {per['mean'] * 1e3:.0f} ms, p90 {per['p90'] * 1e3:.0f} ms; "
           f"batch-aware mean {batch['mean'] * 1e3:.0f} ms, p90 {batch['p90'] * 1e3:.0f} ms; "
@@ -286,6 +274,6 @@ def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeat
         for tier in tiers:
             l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, compute_run, tmp)
             cells = ", ".join(f"{n}: {token[n] * 1e3:.0f}/{layer[n] * 1e3:.0f}" for n in sorted(token))
-            print(f"{bench.name} on {_tier_label(tier)}: L_delta = {l_delta} tokens "
+            print(f"{bench.name} on {tier_label(tier)}: L_delta = {l_delta} tokens "
                   f"(token-wise/layer-wise ms by prefix length: {cells})")
     print(f"saved to {profile.profile_path()}")

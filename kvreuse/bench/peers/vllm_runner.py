@@ -1,0 +1,66 @@
+"""Times vLLM's prefill on given prompts (token ids). Run by the vLLM venv's python, not imported by kvreuse:
+
+    python vllm_runner.py JOB.json RESULT.json
+
+JOB: {"model": DIR, "mode": "full" | "prefix", "repeats": N, "max_model_len": N, "dtype": "float32", "kv_cache_bytes": N,
+      "workloads": [{"id": str, "prompt": [ids], "chunk_requests": [[ids], ...]}, ...]}
+mode "full": prefix caching off, each prompt prefilled from scratch.
+mode "prefix": prefix caching on; before every timed prompt the cache is emptied and the chunk requests (each
+chunk behind the template head, as the requests that brought the chunks in) are run, so vLLM holds what it
+would hold in a RAG service that has seen every chunk before, and reuses whatever exact prefix it can.
+Each timed call is LLM.generate of one prompt with max_tokens=1: its wall time is the TTFT an offline caller
+sees. The first round of every prompt is a warm-up, not reported (as for the other engines).
+"""
+
+import json
+import sys
+import time
+
+
+def _generate(llm, prompts, params):
+    from vllm.inputs import TokensPrompt
+
+    return llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+
+
+def _time_workload(llm, workload, job, params):
+    seconds, cached = [], []
+    for _ in range(job["repeats"] + 1):
+        if job["mode"] == "prefix":
+            llm.reset_prefix_cache()
+            _generate(llm, workload["chunk_requests"], params)
+        start = time.perf_counter()
+        output = _generate(llm, [workload["prompt"]], params)[0]
+        seconds.append(time.perf_counter() - start)
+        cached.append(output.num_cached_tokens or 0)
+    return {"id": workload["id"], "seconds": seconds[1:], "cached_tokens": cached[1:]}
+
+
+def main(job_path, result_path):
+    import vllm
+    from vllm import LLM, SamplingParams
+
+    with open(job_path) as f:
+        job = json.load(f)
+    started = time.perf_counter()
+    llm = LLM(
+        model=job["model"],
+        dtype=job["dtype"],
+        max_model_len=job["max_model_len"],
+        # one prefill step per prompt, as the other engines do it (no chunked prefill across steps)
+        max_num_batched_tokens=job["max_model_len"],
+        enable_prefix_caching=job["mode"] == "prefix",
+        # explicit, not a share of the machine's memory: the machine is shared and its free memory varies
+        kv_cache_memory_bytes=job["kv_cache_bytes"],
+        seed=0,
+    )
+    startup = time.perf_counter() - started
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    results = [_time_workload(llm, w, job, params) for w in job["workloads"]]
+    with open(result_path, "w") as f:
+        json.dump({"vllm_version": vllm.__version__, "mode": job["mode"], "startup_seconds": startup,
+                   "results": results}, f)
+
+
+if __name__ == "__main__":  # vLLM starts worker processes: it runs only under this guard
+    main(sys.argv[1], sys.argv[2])

@@ -1,0 +1,75 @@
+"""What every benchmark of this package shares: variants timed in turns, and the limit a reuse method could reach
+(DESIGN.md, "Speed")."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Generic, Hashable, TypeVar
+
+import torch
+
+from kvreuse.engine.reuse import ReuseEngine
+from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.segments import Request
+
+K = TypeVar("K", bound=Hashable)
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    """What a benchmark keeps of one prefill: not its KV cache, which would pile up over the samples."""
+
+    logits: torch.Tensor
+    stats: dict
+
+
+def prefill_variant(engine: ReuseEngine, request: Request, method: str) -> Callable[[], PrefillOutcome]:
+    def call() -> PrefillOutcome:
+        out = engine.prefill(request, method)
+        return PrefillOutcome(out.logits, out.stats)
+
+    return call
+
+
+@dataclass
+class Samples(Generic[T]):
+    seconds: list[float]
+    last: T  # the result of the last call (results are not all kept: each may hold a whole KV cache)
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.seconds)
+
+
+def interleaved_samples(variants: dict[K, Callable[[], T]], repeats: int) -> dict[K, Samples[T]]:
+    """Wall seconds of `repeats` calls of each variant after one warm-up call. The variants take turns every
+    repeat, so load from elsewhere on the machine falls on all of them alike."""
+    samples = {name: Samples([], fn()) for name, fn in variants.items()}  # warm-up: allocator, kernels, page cache
+    for _ in range(repeats):
+        for name, fn in variants.items():
+            start = time.perf_counter()
+            samples[name].last = fn()
+            samples[name].seconds.append(time.perf_counter() - start)
+    return samples
+
+
+def read_all_seconds(engine: ReuseEngine, request: Request) -> tuple[float, int]:
+    """Time to read every stored entry of the request whole from the engine's tier, and their bytes: the
+    tier's bandwidth as measured on this very request, the load side of the limit."""
+    keys = [p.key for p in engine.lookup(request, parse_method("naive")) if p.hit]
+    start = time.perf_counter()
+    entries = [engine.store.get(k) for k in keys]
+    elapsed = time.perf_counter() - start
+    return elapsed, sum(e.k.nbytes + e.v.nbytes for e in entries if e is not None)
+
+
+def limit_seconds(stats: dict, read_all: tuple[float, int], full_seconds: float, prompt_rows: int) -> float:
+    """The larger of the time to read the bytes the method loaded (at the tier's measured rate) and the time to
+    compute the rows it recomputed (full prefill's time per row and layer, times the rows it computed)."""
+    seconds, nbytes = read_all
+    load_floor = seconds * stats["bytes_loaded"] / nbytes if nbytes else 0.0
+    compute_floor = full_seconds * stats["computed_rows_mean"] / prompt_rows
+    return max(load_floor, compute_floor)

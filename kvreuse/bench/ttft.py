@@ -1,0 +1,172 @@
+"""`kvreuse bench ttft`: TTFT of every reuse method x store tier x prompt length x number of chunks, with
+Hugging Face transformers and vLLM measured on the same prompts in the same run.
+
+    kvreuse bench ttft --dataset ../shared/datasets/hotpotqa.jsonl --out results/ttft
+
+Each prompt's chunks are compiled into every tier first (not timed, as in the papers). Then every variant (each
+tier x method, `full` once since it loads nothing, the transformers peer) runs once as a warm-up and `repeats`
+times in turns. vLLM runs afterwards in its own process and venv on the same token ids. Every figure is also
+given as a ratio to kvreuse's `full` on the same prompts, and each method's TTFT against its limit (DESIGN.md,
+"Speed"; see timing.limit_seconds).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+
+from kvreuse.bench.peers.transformers_peer import transformers_variants
+from kvreuse.bench.peers.vllm_peer import MODES, VllmSettings, default_venv, run_vllm, unavailable_reason
+from kvreuse.bench.tiers import TIER_SPECS, tier_spec
+from kvreuse.bench.timing import PrefillOutcome, interleaved_samples, limit_seconds, prefill_variant, read_all_seconds
+from kvreuse.bench.workload import Shape, TextSource, Workload, build_workload
+from kvreuse.engine.reuse import ReuseEngine
+from kvreuse.fusion.methods import parse_method
+from kvreuse.model.loader import LoadedModel, load_model
+from kvreuse.store.redis_server import LocalRedis
+from kvreuse.store.spec import open_store
+
+DEFAULT_METHODS = "full,naive,cacheblend:0.15,legolink:16,cachetune:0.15"
+DEFAULT_TIERS = "memory,disk,redis,ssd,hdd,net10g"
+PEERS = ("transformers", "vllm")
+NO_TIER = "-"  # full prefill and the peers load nothing from a store
+
+
+@dataclass(frozen=True)
+class TtftSettings:
+    methods: list[str]
+    tiers: list[str]
+    lengths: list[int]
+    chunks: list[int]
+    prompts: int  # distinct prompts per (length, chunks)
+    repeats: int
+    dataset: str | None
+    model: str | None
+    peers: list[str]
+    redis_url: str | None = None  # None: start a private redis-server when the redis tier is asked for
+    vllm_venv: Path = field(default_factory=default_venv)
+
+
+@dataclass
+class Cell:
+    """Everything measured for one (shape, tier, variant), over all prompts of the shape and repeats."""
+
+    engine: str  # kvreuse, transformers or vllm
+    seconds: list[float] = field(default_factory=list)
+    limits: list[float] = field(default_factory=list)  # kvreuse methods only: one per prompt
+    recompute_shares: list[float] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)  # vLLM: prompt tokens served from its prefix cache
+
+
+CellKey = tuple[Shape, str, str]  # shape, tier, variant
+
+
+def engine_of(variant: str) -> str:
+    """Peers' variants are named `PEER:how` (transformers:prefix); everything else is a kvreuse method."""
+    name = variant.partition(":")[0]
+    return name if name in PEERS else "kvreuse"
+
+
+def _engines(loaded: LoadedModel, settings: TtftSettings, stack: contextlib.ExitStack) -> dict[str, ReuseEngine]:
+    scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-ttft-"))
+    engines = {}
+    for tier in settings.tiers:
+        if tier == "redis":
+            spec = settings.redis_url or stack.enter_context(LocalRedis()).url
+        else:
+            spec = tier_spec(tier, scratch)
+        engines[tier] = ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint, dtype="float32"))
+        stack.callback(engines[tier].close)
+    return engines
+
+
+def _forget(engine: ReuseEngine, workload: Workload, methods: list[str]) -> None:
+    """Drop the workload's entries, so the tiers hold one prompt's chunks at a time (8K-token prompts are big)."""
+    for method in {parse_method(m).compile_mode: parse_method(m) for m in methods}.values():
+        for placed in engine.lookup(workload.request, method):
+            if placed.hit:
+                engine.store.delete(placed.key)
+
+
+def _measure_workload(engines: dict[str, ReuseEngine], loaded: LoadedModel, workload: Workload,
+                      settings: TtftSettings, cells: dict[CellKey, Cell]) -> None:
+    request = workload.request
+    for engine in engines.values():
+        engine.compile(request, settings.methods)
+    reference = next(iter(engines.values()))
+    variants = {(NO_TIER, "full"): prefill_variant(reference, request, "full")}
+    variants |= {(tier, method): prefill_variant(engine, request, method)
+                 for tier, engine in engines.items() for method in settings.methods if method != "full"}
+    if "transformers" in settings.peers:
+        peer = transformers_variants(loaded.runtime.hf_model, workload)
+        variants |= {(NO_TIER, name): fn for name, fn in peer.items()}
+    samples = interleaved_samples(variants, settings.repeats)
+    full_seconds = samples[NO_TIER, "full"].median
+    read_all = {tier: read_all_seconds(engine, request) for tier, engine in engines.items()}
+    for (tier, variant), sample in samples.items():
+        cell = cells.setdefault((workload.shape, tier, variant), Cell(engine_of(variant)))
+        cell.seconds += sample.seconds
+        if isinstance(sample.last, PrefillOutcome):
+            stats = sample.last.stats
+            cell.limits.append(limit_seconds(stats, read_all.get(tier, (0.0, 0)), full_seconds, len(request)))
+            cell.recompute_shares.append(stats["recompute_share"])
+    for engine in engines.values():
+        _forget(engine, workload, settings.methods)
+
+
+def _measure_vllm(loaded: LoadedModel, workloads: dict[str, Workload], settings: TtftSettings,
+                  cells: dict[CellKey, Cell]) -> dict:
+    vllm = VllmSettings(settings.vllm_venv, loaded.path, loaded.runtime.config.max_position_embeddings,
+                        threads=torch.get_num_threads())
+    reason = unavailable_reason(vllm)
+    if reason:
+        print(f"peer vllm skipped: {reason}")
+        return {"skipped": reason}
+    info = {}
+    for variant, mode in MODES.items():
+        print(f"peer vllm: {mode} prefill of {len(workloads)} prompts in {vllm.venv} ...")
+        try:
+            timings = run_vllm(vllm, mode, workloads, settings.repeats)
+        except RuntimeError as e:  # the peer failing must not cost the kvreuse and transformers figures
+            print(f"peer vllm failed: {e}")
+            return {**info, "failed": str(e)}
+        info[variant] = {"startup_seconds": timings.startup_seconds}
+        info["version"] = timings.version
+        for key, workload in workloads.items():
+            cell = cells.setdefault((workload.shape, NO_TIER, variant), Cell("vllm"))
+            cell.seconds += timings.seconds[key]
+            cell.cached_tokens += timings.cached_tokens[key]
+    return info
+
+
+def measure(settings: TtftSettings) -> dict:
+    """Run the grid; returns the raw measurements (cells) and what they were measured on."""
+    started = time.perf_counter()
+    loaded = load_model(settings.model, "float32")
+    window = loaded.runtime.config.max_position_embeddings
+    source = TextSource(settings.dataset)
+    shapes = [Shape(tokens, chunks) for tokens in settings.lengths for chunks in settings.chunks]
+    workloads = {f"{s.tokens}x{s.chunks}#{i}": build_workload(loaded.tokenizer, source, s, i, window)
+                 for s in shapes for i in range(settings.prompts)}
+    cells: dict[CellKey, Cell] = {}
+    with contextlib.ExitStack() as stack, torch.inference_mode(), Progress(transient=True) as progress:
+        engines = _engines(loaded, settings, stack)
+        task = progress.add_task("kvreuse and transformers", total=len(workloads))
+        for workload in workloads.values():
+            _measure_workload(engines, loaded, workload, settings, cells)
+            progress.advance(task)
+    peers = {"vllm": _measure_vllm(loaded, workloads, settings, cells)} if "vllm" in settings.peers else {}
+    prompt_tokens = defaultdict(list)
+    for workload in workloads.values():
+        prompt_tokens[workload.shape].append(len(workload.request))
+    return {"model": loaded.name, "source": source.name, "cells": cells, "prompt_tokens": dict(prompt_tokens),
+            "peers": peers, "duration_seconds": time.perf_counter() - started,
+            "settings": {**asdict(settings), "vllm_venv": str(settings.vllm_venv)},
+            "tier_specs": {t: TIER_SPECS.get(t, t) for t in settings.tiers}}

@@ -1,0 +1,85 @@
+"""`kvreuse bench ttft` plumbing: a tiny random model, two short lengths, the vLLM peer skipped. Timings are never
+asserted; the structure is, and that every ratio and statistic is computed from the measured samples."""
+
+import json
+
+import numpy as np
+import pytest
+
+from kvreuse.bench.ttft import NO_TIER, Cell
+from kvreuse.bench.ttft_report import summarize
+from kvreuse.bench.workload import Shape
+from kvreuse.cli import main
+
+METHODS = ["full", "naive", "cacheblend:0.15"]
+
+
+@pytest.fixture(scope="module")
+def ttft_run(tiny_model_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("ttft")
+    args = ["bench", "ttft", "--lengths", "96,160", "--chunks", "2", "--repeats", "2", "--tiers", "memory,disk",
+            "--methods", "naive,cacheblend:0.15", "--peers", "transformers,vllm", "--vllm-venv", str(out / "no-venv"),
+            "--model", str(tiny_model_dir), "--out", str(out)]
+    assert main(args) == 0
+    return out
+
+
+def test_writes_json_markdown_and_plot(ttft_run):
+    assert {p.name for p in ttft_run.iterdir()} >= {"ttft.json", "ttft.md", "ttft.png"}
+    assert ttft_run.joinpath("ttft.png").read_bytes().startswith(b"\x89PNG")
+    assert "| memory | cacheblend:0.15 |" in ttft_run.joinpath("ttft.md").read_text()
+
+
+def test_every_variant_of_every_shape_is_reported(ttft_run):
+    report = json.loads(ttft_run.joinpath("ttft.json").read_text())
+    assert "no vLLM venv" in report["peers"]["vllm"]["skipped"]
+    expected = {(NO_TIER, "full"), (NO_TIER, "transformers:full"), (NO_TIER, "transformers:prefix")}
+    expected |= {(tier, m) for tier in ("memory", "disk") for m in METHODS[1:]}
+    for tokens in (96, 160):
+        rows = [r for r in report["results"] if r["tokens"] == tokens and r["chunks"] == 2]
+        assert {(r["tier"], r["variant"]) for r in rows} == expected
+        assert all(r["completed"] == 2 and len(r["ttfts_ms"]) == 2 for r in rows)
+        assert all(abs(r["prompt_tokens_mean"] - tokens) <= 4 for r in rows)
+
+
+def test_ratios_and_limits_come_from_the_measured_samples(ttft_run):
+    report = json.loads(ttft_run.joinpath("ttft.json").read_text())
+    for tokens in (96, 160):
+        rows = {(r["tier"], r["variant"]): r for r in report["results"] if r["tokens"] == tokens}
+        full = rows[NO_TIER, "full"]
+        for row in rows.values():
+            samples = np.array(row["ttfts_ms"])
+            assert row["mean_ttft_ms"] == pytest.approx(samples.mean())
+            assert row["p99_ttft_ms"] == pytest.approx(np.percentile(samples, 99))
+            assert row["ratio_to_full"]["mean"] == pytest.approx(row["mean_ttft_ms"] / full["mean_ttft_ms"])
+            assert row["ratio_to_full"]["median"] == pytest.approx(row["median_ttft_ms"] / full["median_ttft_ms"])
+            if row["engine"] == "kvreuse":
+                assert row["mean_over_limit"] == pytest.approx(row["mean_ttft_ms"] / row["limit_ms"])
+            else:
+                assert row["limit_ms"] is None
+        # full computes every row and loads nothing: its limit is its own median time
+        assert full["limit_ms"] == pytest.approx(full["median_ttft_ms"])
+        assert rows["memory", "naive"]["limit_ms"] < full["limit_ms"]
+
+
+def test_summary_of_known_samples():
+    shape = Shape(1024, 4)
+    cells = {
+        (shape, NO_TIER, "full"): Cell("kvreuse", seconds=[1.0, 2.0, 3.0], limits=[2.0], recompute_shares=[0.0]),
+        (shape, "memory", "naive"): Cell("kvreuse", seconds=[0.5, 0.5, 0.5], limits=[0.25], recompute_shares=[0.0]),
+        (shape, NO_TIER, "vllm:prefix"): Cell("vllm", seconds=[4.0, 4.0, 4.0], cached_tokens=[256, 256, 256]),
+    }
+    raw = {"cells": cells, "prompt_tokens": {shape: [1020]}}
+    rows = {(r["tier"], r["variant"]): r for r in summarize(raw)}
+    assert list(rows) == [(NO_TIER, "full"), ("memory", "naive"), (NO_TIER, "vllm:prefix")]
+    naive, vllm = rows["memory", "naive"], rows[NO_TIER, "vllm:prefix"]
+    assert naive["ratio_to_full"]["mean"] == pytest.approx(0.25)  # 500 ms / 2000 ms
+    assert naive["ratio_to_full"]["median"] == pytest.approx(0.25)
+    assert naive["mean_over_limit"] == pytest.approx(2.0) and naive["gap_to_limit_ms"] == pytest.approx(250.0)
+    assert vllm["ratio_to_full"]["mean"] == pytest.approx(2.0) and vllm["cached_tokens_mean"] == 256
+    assert rows[NO_TIER, "full"]["p90_ttft_ms"] == pytest.approx(2800.0)
+
+
+def test_rejects_an_unknown_peer(capsys):
+    assert main(["bench", "ttft", "--peers", "sglang"]) == 2
+    assert "unknown peer 'sglang'" in capsys.readouterr().err
