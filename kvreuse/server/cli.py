@@ -13,6 +13,7 @@ FLAGS = {
     "--port": (int, "port (default 8000)"),
     "--api-key": (str, "require 'Authorization: Bearer KEY' on /v1/*"),
     "--store": (str, "store spec, e.g. memory:4GB,disk:/var/cache/kvreuse,redis://host:6379 (default memory:4GB)"),
+    "--prefix-block-size": (int, "tokens per stored block of a conversation's prefix; whole blocks are reused (256)"),
     "--method": (str, "reuse method of requests that choose none (default cacheblend:0.15)"),
     "--max-concurrency": (int, "sequences prefilled and decoded together (default 8)"),
     "--max-queue": (int, "requests that may wait beyond those; more get 429 (default 256)"),
@@ -54,7 +55,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = ReuseEngine.load(config.model, config.store, config.dtype)
+    engine = ReuseEngine.load(config.model, config.store, config.dtype, prefix_block_size=config.prefix_block_size)
     app = create_app(EngineService(engine, config))
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0

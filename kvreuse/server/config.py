@@ -26,6 +26,7 @@ class ServerConfig:
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     served_model_name: list[str] = field(default_factory=list)  # names clients use; default: the model's name
     store: str = "memory:4GB"
+    prefix_block_size: int = 256  # tokens per stored block of a conversation's exact prefix (whole blocks reused)
     method: str = DEFAULT_METHOD  # reuse method of requests that do not choose one
     max_concurrency: int = 8  # sequences prefilled and decoded together
     max_queue: int = 256  # requests waiting beyond those; one more is refused with 429
@@ -38,6 +39,7 @@ class ServerConfig:
     def __post_init__(self) -> None:
         checks = {
             "port": 0 <= self.port <= 65535,
+            "prefix_block_size": self.prefix_block_size >= 1,
             "max_concurrency": self.max_concurrency >= 1,
             "max_queue": self.max_queue >= 0,
             "request_timeout": self.request_timeout > 0,

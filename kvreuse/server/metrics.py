@@ -11,6 +11,12 @@ from kvreuse.engine.generate import Generation
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 
 
+def cached_tokens(stats: dict) -> int:
+    """Prompt tokens served from the cache: chunks and prefixes placed from the store, and the conversation
+    prefix restored exactly (loaded, or recomputed alongside the load by Cake/CacheFlow)."""
+    return stats["reused_tokens"] + stats["restored_tokens"]
+
+
 class Metrics:
     def __init__(self, waiting: Callable[[], int], running: Callable[[], int]):
         self.registry = CollectorRegistry()
@@ -32,7 +38,7 @@ class Metrics:
     def finished(self, endpoint: str, result: Generation) -> None:
         self.requests.labels(endpoint, "finished").inc()
         self.prompt_tokens.inc(result.prompt_tokens)
-        self.cached_tokens.inc(result.stats.get("reused_tokens", 0))
+        self.cached_tokens.inc(cached_tokens(result.stats))
         self.generation_tokens.inc(len(result.token_ids))
         self.ttft.observe(result.ttft)
         self.e2e.observe(result.total_seconds)

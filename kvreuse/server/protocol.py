@@ -153,7 +153,10 @@ class KvreuseUsage(BaseModel):
     """How the prompt's KV was obtained."""
 
     method: str
-    reused_tokens: int = Field(description="prompt tokens whose stored KV was placed (exact prefix and chunks)")
+    reused_tokens: int = Field(description="prompt tokens whose stored chunk KV was placed")
+    restored_prefix_tokens: int = Field(description="exact-prefix tokens restored from stored blocks (Cake/CacheFlow)")
+    restored_loaded_tokens_by_tier: dict[str, int] = Field(description="of those, the tokens loaded, per tier")
+    restore_seconds: float = Field(description="restoring the exact prefix")
     computed_tokens: int = Field(description="prompt rows computed at layer 0, fresh tokens included")
     recompute_share: float = Field(description="share of reused chunk rows recomputed, averaged over layers")
     loaded_tokens_by_tier: dict[str, int]

@@ -26,7 +26,7 @@ from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request,
 from kvreuse.server.caches import CacheRegistry, ContextCache, is_cache_id
 from kvreuse.server.config import ServerConfig
 from kvreuse.server.errors import APIError, bad_request
-from kvreuse.server.metrics import Metrics
+from kvreuse.server.metrics import Metrics, cached_tokens
 from kvreuse.server.protocol import (
     CacheCreateRequest,
     CacheInfo,
@@ -79,10 +79,13 @@ def usage_of(result: Generation) -> Usage:
         prompt_tokens=result.prompt_tokens,
         completion_tokens=completion,
         total_tokens=result.prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=s["reused_tokens"]),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens(s)),
         kvreuse=KvreuseUsage(
             method=s["method"],
             reused_tokens=s["reused_tokens"],
+            restored_prefix_tokens=s["restored_tokens"],
+            restored_loaded_tokens_by_tier=s["prefix_loaded_tokens"],
+            restore_seconds=s["prefix_restore_seconds"],
             computed_tokens=s["computed_tokens_layer0"],
             recompute_share=s["recompute_share"],
             loaded_tokens_by_tier=s["loaded_tokens_by_tier"],

@@ -19,6 +19,7 @@ from kvreuse.server.config import ServerConfig
 from kvreuse.server.service import EngineService
 
 MODEL_NAME = "tiny"
+PREFIX_BLOCK = 8  # small prefix blocks, so that a short test conversation spans several
 
 
 @dataclass
@@ -45,7 +46,8 @@ def start_server(model_dir, **settings) -> RunningServer:
     sock.bind(("127.0.0.1", 0))
     config = ServerConfig(model=str(model_dir), store="memory:256MB", served_model_name=[MODEL_NAME],
                           port=sock.getsockname()[1], **settings)
-    service = EngineService(ReuseEngine.load(config.model, config.store), config)
+    service = EngineService(ReuseEngine.load(config.model, config.store, prefix_block_size=config.prefix_block_size),
+                            config)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
@@ -73,7 +75,7 @@ def make_server(tiny_model_dir):
 
 @pytest.fixture(scope="session")
 def server(make_server) -> RunningServer:
-    return make_server()
+    return make_server(prefix_block_size=PREFIX_BLOCK)
 
 
 @pytest.fixture(scope="session")

@@ -11,7 +11,7 @@ import pytest
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.fusion.segments import chat_request, chunk_ids
 
-from .conftest import MODEL_NAME
+from .conftest import MODEL_NAME, PREFIX_BLOCK
 
 QUESTION = [{"role": "user", "content": "Which river runs through the city?"}]
 DOCUMENTS = ["The city lies on both banks of a wide river called the Vell.", "Its old bridge dates from 1420."]
@@ -105,8 +105,10 @@ def test_conversation_history_is_reused_as_an_exact_prefix(client):
         if again.usage.prompt_tokens_details.cached_tokens:
             break
         time.sleep(0.1)
-    # everything before the new question was reused: only the question and the template tail are computed
-    assert kvreuse_usage(again.usage)["computed_tokens"] < 15 < again.usage.prompt_tokens_details.cached_tokens
+    # the history's whole blocks were reused: only its last partial block, the question and the template tail
+    # are computed
+    assert kvreuse_usage(again.usage)["computed_tokens"] < PREFIX_BLOCK + 15
+    assert again.usage.prompt_tokens_details.cached_tokens >= 2 * PREFIX_BLOCK
 
 
 def test_a_request_chooses_its_method_and_ratio(client):
