@@ -1,0 +1,122 @@
+"""What this machine costs, per model and dtype: the numbers the controller's cost model runs on.
+
+CacheTune's t_c (recompute cost per token per layer), t_o (fixed per-layer overhead) and t_i (read cost per
+token per layer, per tier) are the linear summary; the cost model uses the finer measured curves behind them,
+since on a CPU a matmul over 64 rows runs at about half the rate of one over 2048 (kvreuse/docs/RESULTS.md).
+`kvreuse profile` measures a profile (kvreuse.controller.measure) and saves it as JSON in the kvreuse cache
+folder; the server and `method: auto` read it back.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from bisect import bisect_left
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from kvreuse.model.loader import cache_root
+
+
+@dataclass(frozen=True)
+class ComputeProfile:
+    """Seconds the executor spends per layer, as measured on this machine."""
+
+    rows: list[int]  # grid of computed row counts, increasing
+    dense_seconds: list[float]  # per layer: projections, RoPE, norms and MLP of that many rows
+    pair_seconds: float  # per layer, per (query, key) pair attention computes
+    place_seconds: float  # per layer, per loaded row: rotate its stored key and write it into the cache
+    request_seconds: float  # per request: lookups, plan, embedding, final norm and logits
+
+    def dense(self, rows: int) -> float:
+        """Interpolated linearly between grid points; extrapolated from the last two beyond the grid."""
+        if rows <= 0:
+            return 0.0
+        grid, seconds = self.rows, self.dense_seconds
+        if rows <= grid[0]:
+            return seconds[0] * rows / grid[0]
+        i = min(max(bisect_left(grid, rows), 1), len(grid) - 1)
+        slope = (seconds[i] - seconds[i - 1]) / (grid[i] - grid[i - 1])
+        return seconds[i - 1] + slope * (rows - grid[i - 1])
+
+    def layer_seconds(self, rows: int, pairs: int, placed: int = 0) -> float:
+        """One layer computing `rows` rows whose queries see `pairs` keys in all, after placing `placed`
+        loaded rows."""
+        return self.dense(rows) + pairs * self.pair_seconds + placed * self.place_seconds
+
+    @property
+    def t_c(self) -> float:
+        """Recompute cost per token per layer: the slope of the dense curve over the largest grid span."""
+        return (self.dense_seconds[-1] - self.dense_seconds[0]) / (self.rows[-1] - self.rows[0])
+
+    @property
+    def t_o(self) -> float:
+        """Fixed per-layer overhead: the dense curve's intercept at zero rows."""
+        return max(0.0, self.dense_seconds[0] - self.t_c * self.rows[0])
+
+
+@dataclass(frozen=True)
+class TierProfile:
+    """A store tier's read cost: every read pays `latency_seconds`, then its bytes at `bytes_per_second`."""
+
+    name: str
+    bytes_per_second: float
+    latency_seconds: float
+    emulated: bool = False  # an emulated device: the figures come from its model, not from a device
+
+    def read_seconds(self, nbytes: float, reads: int = 1) -> float:
+        return reads * self.latency_seconds + nbytes / self.bytes_per_second
+
+
+@dataclass(frozen=True)
+class MachineProfile:
+    model: str  # the model's fingerprint
+    dtype: str
+    num_layers: int
+    kv_bytes_per_token_layer: int  # stored K and V of one token in one layer
+    compute: ComputeProfile
+    tiers: dict[str, TierProfile] = field(default_factory=dict)
+    tuned_ratios: dict[str, float] = field(default_factory=dict)  # CacheTune's ratio per tier, from calibration
+    measured_at: str = ""
+
+    def t_i(self, tier: str) -> float:
+        """Read cost per token per layer on `tier`, bandwidth only (latency is per read)."""
+        return self.kv_bytes_per_token_layer / self.tiers[tier].bytes_per_second
+
+    def with_tuned_ratio(self, tier: str, ratio: float) -> MachineProfile:
+        return MachineProfile(**{**self.__dict__, "tuned_ratios": {**self.tuned_ratios, tier: ratio}})
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> MachineProfile:
+        try:
+            return cls(**{**data, "compute": ComputeProfile(**data["compute"]),
+                          "tiers": {name: TierProfile(**t) for name, t in data["tiers"].items()}})
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a kvreuse machine profile: {e}") from None
+
+
+def profile_path(model: str, dtype: str) -> Path:
+    return cache_root() / "controller" / f"{model}-{dtype}.json"
+
+
+def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
+    path = path or profile_path(profile.model, profile.dtype)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(profile.to_json(), f, indent=1)
+    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    return path
+
+
+def load_profile(model: str, dtype: str, path: Path | None = None) -> MachineProfile | None:
+    """The saved profile of this model and dtype, or None if it was never measured (or the file is unreadable)."""
+    path = path or profile_path(model, dtype)
+    try:
+        return MachineProfile.from_json(json.loads(path.read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, ValueError):
+        return None
