@@ -227,7 +227,13 @@ class ReuseEngine:
         sampling = sampling or SamplingParams()
         started = time.perf_counter()
         fused = self.prefill(request, method, extra_capacity=sampling.max_tokens)
-        generation = decode(self.loaded, fused.logits, fused.cache, sampling, started, len(request))
+        return self.generate_after(fused, sampling, started, len(request))
+
+    def generate_after(self, fused: FusedPrefill, sampling: SamplingParams, started: float, prompt_tokens: int
+                       ) -> Generation:
+        """Decode from a prefill's first-token logits and cache (which decoding extends); `started`: when the
+        request arrived, for its TTFT."""
+        generation = decode(self.loaded, fused.logits, fused.cache, sampling, started, prompt_tokens)
         generation.stats = fused.stats
         return generation
 
@@ -238,14 +244,23 @@ class ReuseEngine:
         request = self.build_request(chunks, question, system, history)
         return self.generate(request, method, SamplingParams(max_tokens=max_tokens))
 
-    @torch.inference_mode()
-    def answer_logprobs(self, request: Request, method: str | None, answer: str) -> torch.Tensor:
-        """Log-probabilities of `answer`'s tokens after the method's prefill (teacher-forced)."""
+    def answer_ids(self, answer: str) -> list[int]:
         answer_ids = self.tokenizer.encode(answer, add_special_tokens=False)
         if not answer_ids:
             raise ValueError("answer: must contain at least one token")
+        return answer_ids
+
+    def answer_logprobs(self, request: Request, method: str | None, answer: str) -> torch.Tensor:
+        """Log-probabilities of `answer`'s tokens after the method's prefill (teacher-forced)."""
+        answer_ids = self.answer_ids(answer)
         fused = self.prefill(request, method, extra_capacity=len(answer_ids))
-        logits = [fused.logits] + [self.model.decode(t, fused.cache) for t in answer_ids[:-1]]
+        return self.teacher_forced_logprobs(fused.logits, fused.cache, answer_ids)
+
+    @torch.inference_mode()
+    def teacher_forced_logprobs(self, first_logits: torch.Tensor, cache: KVCache, answer_ids: list[int]
+                                ) -> torch.Tensor:
+        """Log-probabilities of `answer_ids` fed one by one after a prefill (its logits and cache, extended)."""
+        logits = [first_logits] + [self.model.decode(t, cache) for t in answer_ids[:-1]]
         logprobs = torch.log_softmax(torch.stack(logits).float(), dim=-1)
         return logprobs[torch.arange(len(answer_ids)), torch.tensor(answer_ids)]
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict, dataclass, field
+import time
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -33,9 +34,12 @@ class Engine(Protocol):
 
     def build_request(self, chunks: list[str], question: str, system: str | None = None) -> Any: ...
     def compile(self, request: Any, methods: list[str]) -> Any: ...
-    def prefill(self, request: Any, method: str) -> Any: ...  # .logits, .ttft, .stats
+    def prefill(self, request: Any, method: str, extra_capacity: int = 0) -> Any: ...  # .logits .cache .ttft .stats
     def generate(self, request: Any, method: str, sampling: Any) -> Any: ...  # .text, .ttft
-    def answer_logprobs(self, request: Any, method: str, answer_text: str) -> torch.Tensor: ...
+    def generate_after(self, fused: Any, sampling: Any, started: float, prompt_tokens: int) -> Any: ...
+    def answer_ids(self, answer: str) -> list[int]: ...
+    def teacher_forced_logprobs(self, first_logits: torch.Tensor, cache: Any, answer_ids: list[int]
+                                ) -> torch.Tensor: ...
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -74,7 +78,7 @@ class MethodResult:
     agreement: float  # token F1 with full prefill's output
     gold_loglik: float  # mean log-probability of the (first) gold answer's tokens
     first_token_kl: float  # KL(full || method), nats
-    ttft: float  # seconds: the faster of the timed prefill and the generation's
+    ttft: float  # seconds: the prefill's
     recompute_share: float | None  # as reported by the engine
     output: str
     stats: dict = field(default_factory=dict)
@@ -123,6 +127,10 @@ class ExampleRun:
         self.reference_logits: torch.Tensor | None = None
         self.reference_output: str | None = None
 
+    def _sampling(self) -> SamplingParams:
+        """Only an output's first line is scored where the dataset says so: stop at the end of that line."""
+        return replace(self.sampling, stop=["\n"]) if self.dataset.first_line else self.sampling
+
     def use_cached_reference(self, cached: MethodResult) -> None:
         """Full prefill's first-token logits are not cached (a vocabulary-sized vector per example), so they
         are recomputed whenever another method of this example still has to run."""
@@ -130,12 +138,19 @@ class ExampleRun:
         self.reference_output = cached.output
 
     def measure(self, method: str) -> MethodResult:
-        out = self.engine.prefill(self.request, method=method)
-        generation = self.engine.generate(self.request, method=method, sampling=self.sampling)
+        """One prefill serves the generation and, from a copy of its cache, the gold answer's likelihood."""
+        answer_ids = self.engine.answer_ids(self.prompt.answers[0])
+        started = time.perf_counter()
+        out = self.engine.prefill(self.request, method=method, extra_capacity=self.sampling.max_tokens)
+        gold_cache = out.cache.clone()
+        generation = self.engine.generate_after(out, self._sampling(), started, len(self.request))
+        if self.dataset.first_line and not generation.text.lstrip("\n"):
+            # the model opened with a newline, where the first-line stop cut it: generate the whole budget
+            generation = self.engine.generate(self.request, method=method, sampling=self.sampling)
         output = first_line(generation.text) if self.dataset.first_line else generation.text.strip()
         if method == REFERENCE:
             self.reference_logits, self.reference_output = out.logits, output
-        logprobs = self.engine.answer_logprobs(self.request, method, self.prompt.answers[0])
+        logprobs = self.engine.teacher_forced_logprobs(out.logits, gold_cache, answer_ids)
         stats = _scalar_stats(out.stats)
         return MethodResult(
             example_id=self.prompt.id,
@@ -144,8 +159,7 @@ class ExampleRun:
             agreement=agreement(self.reference_output, output),
             gold_loglik=mean_log_likelihood(logprobs),
             first_token_kl=first_token_kl(self.reference_logits, out.logits),
-            # the better of the two prefills run anyway: one stall of a busy machine does not make the figure
-            ttft=min(float(out.ttft), float(generation.ttft)),
+            ttft=float(out.ttft),
             recompute_share=stats.get("recompute_share"),
             output=output,
             stats=stats,

@@ -63,6 +63,16 @@ class KVCache:
         self.values = [grown(v) for v in self.values]
         self._positions = grown(self._positions)
 
+    def clone(self) -> KVCache:
+        """An independent copy: two continuations of one prefill (a generation and a teacher-forced answer)."""
+        copy = KVCache.__new__(KVCache)
+        copy.num_layers, copy.length, copy._shape = self.num_layers, self.length, self._shape
+        copy._dtype, copy._device = self._dtype, self._device
+        copy.keys = [k.clone() for k in self.keys]
+        copy.values = [v.clone() for v in self.values]
+        copy._positions = self._positions.clone()
+        return copy
+
     def write(self, layer: int, rows: slice | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
         self.keys[layer][rows] = keys
         self.values[layer][rows] = values

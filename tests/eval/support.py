@@ -19,18 +19,28 @@ BEHAVIOUR = {
 
 
 @dataclass
+class FakeCache:
+    method: str
+
+    def clone(self) -> FakeCache:
+        return FakeCache(self.method)
+
+
+@dataclass
 class Output:
     logits: torch.Tensor
     ttft: float
     stats: dict
     text: str = ""
+    cache: FakeCache | None = None
 
 
 @dataclass
 class FakeEngine:
     fingerprint: str = "fake-model"
     calls: Counter = field(default_factory=Counter)
-    generation_slowdown: float = 1.0  # the generation's prefill takes this times as long as the timed one
+    samplings: list = field(default_factory=list)  # the sampling parameters each generation was asked for
+    text_override: dict = field(default_factory=dict)  # method -> generated text, replacing BEHAVIOUR's
 
     def build_request(self, chunks, question, system=None):
         return (tuple(chunks), question)
@@ -40,17 +50,30 @@ class FakeEngine:
 
     def _output(self, method: str) -> Output:
         logits, text, ttft, share = BEHAVIOUR[method]
-        return Output(torch.tensor(logits), ttft, {"method": method, "recompute_share": share}, text)
+        text = self.text_override.get(method, text)
+        return Output(torch.tensor(logits), ttft, {"method": method, "recompute_share": share}, text,
+                      FakeCache(method))
 
-    def prefill(self, request, method):
+    def prefill(self, request, method, extra_capacity=0):
         self.calls[("prefill", method)] += 1
         return self._output(method)
 
-    def generate(self, request, method, sampling):
+    def _generated(self, method: str, sampling) -> Output:
         self.calls[("generate", method)] += 1
+        self.samplings.append(sampling)
         output = self._output(method)
-        output.ttft *= self.generation_slowdown
+        cut = min((i for s in sampling.stop if (i := output.text.find(s)) >= 0), default=len(output.text))
+        output.text = output.text[:cut]
         return output
 
-    def answer_logprobs(self, request, method, answer_text):
-        return torch.tensor([-1.0, -2.0]) * (1 + BEHAVIOUR[method][3])
+    def generate(self, request, method, sampling):
+        return self._generated(method, sampling)
+
+    def generate_after(self, fused, sampling, started, prompt_tokens):
+        return self._generated(fused.cache.method, sampling)
+
+    def answer_ids(self, answer):
+        return [1, 2]
+
+    def teacher_forced_logprobs(self, first_logits, cache, answer_ids):
+        return torch.tensor([-1.0, -2.0]) * (1 + BEHAVIOUR[cache.method][3])

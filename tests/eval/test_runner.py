@@ -46,11 +46,18 @@ def test_run_measures_every_method_against_full(tmp_path):
     assert (blend.ttft, blend.recompute_share) == (0.2, 0.15)
 
 
-@pytest.mark.parametrize("slowdown, expected", [(3.0, 0.1), (0.5, 0.05)])
-def test_ttft_is_the_faster_of_the_two_prefills(tmp_path, slowdown, expected):
-    engine = FakeEngine(generation_slowdown=slowdown)
+def test_first_line_datasets_stop_generating_at_the_end_of_the_first_line(tmp_path):
+    engine = FakeEngine()
+    run(engine, toy_dataset(1), ["full", "naive"], SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)
+    assert [s.stop for s in engine.samplings] == [["\n"], ["\n"]]
+    assert all(s.max_tokens == SETTINGS.max_tokens for s in engine.samplings)
+
+
+def test_an_output_opening_with_a_newline_is_generated_again_without_the_stop(tmp_path):
+    engine = FakeEngine(text_override={"naive": "\nForbidden Ground\nmore"})
     naive = run(engine, toy_dataset(1), ["full", "naive"], SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)[1]
-    assert naive.ttft == pytest.approx(expected)
+    assert naive.output == "Forbidden Ground"  # the first non-empty line, as without the stop
+    assert engine.calls[("generate", "naive")] == 2 and engine.samplings[-1].stop == []
 
 
 def test_run_resumes_from_the_cache_file(tmp_path):
