@@ -28,6 +28,7 @@ class ComputeProfile:
     pair_seconds: float  # per layer, per (query, key) pair attention computes
     place_seconds: float  # per layer, per loaded row: rotate its stored key and write it into the cache
     request_seconds: float  # per request: lookups, plan, embedding, final norm and logits
+    qkv_share: float  # the share of the dense time spent projecting q, k and v
 
     def dense(self, rows: int) -> float:
         """Interpolated linearly between grid points; extrapolated from the last two beyond the grid."""
@@ -83,9 +84,6 @@ class MachineProfile:
     def t_i(self, tier: str) -> float:
         """Read cost per token per layer on `tier`, bandwidth only (latency is per read)."""
         return self.kv_bytes_per_token_layer / self.tiers[tier].bytes_per_second
-
-    def with_tuned_ratio(self, tier: str, ratio: float) -> MachineProfile:
-        return MachineProfile(**{**self.__dict__, "tuned_ratios": {**self.tuned_ratios, tier: ratio}})
 
     def to_json(self) -> dict:
         return asdict(self)

@@ -30,7 +30,8 @@ from kvreuse.engine.generate import Generation, decode
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.fusion.compile import compile_chunk
 from kvreuse.fusion.executor import FusionExecutor, FusionResult, StoredKVMissing
-from kvreuse.fusion.methods import Method, parse_method
+from kvreuse.controller.auto import AutoController, Choice
+from kvreuse.fusion.methods import Auto, Method, parse_method
 from kvreuse.fusion.plan import FusionPlan, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
 from kvreuse.model.kv_cache import KVCache
@@ -39,6 +40,7 @@ from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.store.base import KVStore
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
 from kvreuse.store.spec import open_store
+from kvreuse.store.tiered import tier_label
 
 log = logging.getLogger(__name__)
 DEFAULT_STORE = "memory:4GB"
@@ -54,9 +56,11 @@ class FusedPrefill:
 
 class ReuseEngine:
     def __init__(self, loaded: LoadedModel, store: KVStore, salt: str | None = None, *,
-                 prefix_block_size: int = DEFAULT_BLOCK_SIZE, prefix_strategy: str = "auto"):
+                 prefix_block_size: int = DEFAULT_BLOCK_SIZE, prefix_strategy: str = "auto",
+                 controller: AutoController | None = None):
         """prefix_block_size: tokens per stored prefix block; prefix_strategy: how a stored prefix is restored
-        (auto, load, compute, cake, layerwise: see kvreuse.restore)."""
+        (auto, load, compute, cake, layerwise: see kvreuse.restore); controller: what resolves method auto
+        (default: built from this machine's saved profile on first use, measuring what it lacks)."""
         if prefix_strategy != "auto" and prefix_strategy not in STRATEGIES:
             raise ValueError(f"prefix_strategy: unknown strategy {prefix_strategy!r}; known: auto, "
                              f"{', '.join(STRATEGIES)}")
@@ -67,6 +71,7 @@ class ReuseEngine:
         self.executor = FusionExecutor(self.model, store)
         self.restorer = PrefixRestorer(self.model, store, self._key_space("plain"), prefix_block_size)
         self.prefix_strategy = prefix_strategy
+        self._controller = controller
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
         self._pending: dict[str, Future] = {}
 
@@ -84,6 +89,19 @@ class ReuseEngine:
     @property
     def fingerprint(self) -> str:
         return self.loaded.fingerprint
+
+    @property
+    def controller(self) -> AutoController:
+        if self._controller is None:
+            from kvreuse.controller.fidelity import load_table
+            from kvreuse.controller.measure import ensure_profile
+
+            tiers = getattr(self.store, "tiers", [self.store])
+            labelled = {tier_label(self.store, i): tier for i, tier in enumerate(tiers)}
+            dtype = str(self.model.dtype).removeprefix("torch.")
+            profile = ensure_profile(self.model, self.fingerprint, dtype, labelled)
+            self._controller = AutoController(profile, load_table(self.fingerprint))
+        return self._controller
 
     def with_salt(self, salt: str | None) -> ReuseEngine:
         """This engine keying the store under `salt` (a tenant's own entries); model, store and write-back are
@@ -191,11 +209,15 @@ class ReuseEngine:
         started = time.perf_counter()
         restoration = self.restore_prefix(request, len(request) + extra_capacity) if policy.restores_prefix else None
         restored = restoration.rows if restoration else 0
+        choice = None
+        if isinstance(policy, Auto):
+            choice = self.controller.choose(policy, lambda m: self._plan_on_tiers(request, parse_method(m), restored))
+            policy = parse_method(choice.method)
         lost: set[str] = set()
         while True:
             placed = self.lookup(request, policy, lost, restored)
             plan = policy.plan(request, placed)
-            loaded_by_tier = self._loaded_tokens_by_tier(plan)
+            span_tiers = self._span_tiers(plan)
             try:
                 result: FusionResult = self.executor.run(
                     plan, request.token_ids, extra_capacity, restoration.cache if restoration else None
@@ -208,19 +230,19 @@ class ReuseEngine:
         if policy.restores_prefix:
             self._write_back_prefix(request, restored)
         stats = dict(result.stats, chunk_hits=sum(p.hit for p in placed if p.segment.kind == SegmentKind.CHUNK),
-                     chunks=len(request.of_kind(SegmentKind.CHUNK)), loaded_tokens_by_tier=loaded_by_tier,
-                     **prefix_stats(restoration))
+                     chunks=len(request.of_kind(SegmentKind.CHUNK)),
+                     loaded_tokens_by_tier=loaded_tokens_by_tier(plan, span_tiers),
+                     **prefix_stats(restoration), **auto_stats(method, choice))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
 
-    def _loaded_tokens_by_tier(self, plan: FusionPlan) -> dict[str, int]:
-        """Tokens each tier serves to `plan`, located before the run (a read promotes what it reads)."""
-        tiers = getattr(self.store, "tiers", [self.store])
-        by_tier: Counter[str] = Counter()
-        for span in plan.reused:
-            index = self.store.locate(span.key) if len(tiers) > 1 else 0
-            if index is not None and span.load.numel():
-                by_tier[tiers[index].name] += int(span.load.numel())
-        return dict(by_tier)
+    def _plan_on_tiers(self, request: Request, policy: Method, restored: int) -> tuple[FusionPlan, list[str]]:
+        plan = policy.plan(request, self.lookup(request, policy, restored=restored))
+        return plan, self._span_tiers(plan)
+
+    def _span_tiers(self, plan: FusionPlan) -> list[str]:
+        """The tier serving each reused span, located before the run (a read promotes what it reads)."""
+        located = [self.store.locate(span.key) if hasattr(self.store, "locate") else 0 for span in plan.reused]
+        return [tier_label(self.store, 0 if i is None else i) for i in located]
 
     def generate(self, request: Request, method: str | None = None, sampling: SamplingParams | None = None
                  ) -> Generation:
@@ -273,6 +295,23 @@ def exact_prefix(request: Request) -> Segment | None:
     """The request's leading exact-prefix segment, if it has one."""
     first = request.segments[0]
     return first if first.kind == SegmentKind.PREFIX else None
+
+
+def loaded_tokens_by_tier(plan: FusionPlan, span_tiers: list[str]) -> dict[str, int]:
+    by_tier: Counter[str] = Counter()
+    for span, tier in zip(plan.reused, span_tiers):
+        if span.load.numel():
+            by_tier[tier] += int(span.load.numel())
+    return dict(by_tier)
+
+
+def auto_stats(requested: str | None, choice: Choice | None) -> dict:
+    """What method auto chose, and the TTFT the cost model predicted for it (`kvreuse bench fusion` sets it
+    beside the measured one)."""
+    if choice is None:
+        return {}
+    return {"requested_method": requested, "predicted_ttft": choice.predicted_seconds,
+            "auto_candidates": {c.method: c.prediction.seconds for c in choice.candidates}}
 
 
 def prefix_stats(restoration: PrefixRestoration | None) -> dict:

@@ -9,6 +9,9 @@
     legolink0       chunks compiled behind dummy tokens, so they carry no sink; compute fresh tokens only
     cachetune:r     recompute, from layer 0 on, the r share of each chunk's tokens ranked highest offline by
                     its low-pass frequency score; transfer only the other rows (sparse transfer)
+    auto[:floor]    the fastest of the above whose expected fidelity meets the floor (kvreuse.controller.auto):
+                    auto:0.1 or auto:kl=0.1 bounds the first-token KL (default 0.15), auto:agreement=0.6 the
+                    agreement with full prefill's output
 """
 
 from __future__ import annotations
@@ -108,6 +111,44 @@ class CacheBlend(Method):
         return [Narrowing(layer, keep) for layer, keep in zip(self.check_layers, keeps)]
 
 
+DEFAULT_MAX_KL = 0.15
+
+
+@dataclass(frozen=True)
+class Auto(Method):
+    """Not a plan policy but a quality floor: the engine's controller replaces it, per request, by a method."""
+
+    max_kl: float | None = DEFAULT_MAX_KL
+    min_agreement: float | None = None
+
+    def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
+        raise RuntimeError("method auto must be resolved to a method by the engine's controller before planning")
+
+
+def _auto(spec: str, arg: str) -> Auto:
+    if not arg:
+        return Auto(spec)
+    measure, _, value = arg.rpartition("=")
+    bound = _positive(spec, value)
+    if measure in ("", "kl"):
+        return Auto(spec, max_kl=bound)
+    if measure == "agreement":
+        if bound > 1:
+            raise ValueError(f"method {spec}: an agreement floor is at most 1, got {bound}")
+        return Auto(spec, max_kl=None, min_agreement=bound)
+    raise ValueError(f"method {spec}: a floor is kl=X or agreement=X, got {measure!r}")
+
+
+def _positive(spec: str, text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise ValueError(f"method {spec}: floor {text!r} is not a number") from None
+    if not value > 0:
+        raise ValueError(f"method {spec}: floor must be positive, got {value}")
+    return value
+
+
 def _ratio(name: str, text: str) -> float:
     try:
         ratio = float(text)
@@ -132,8 +173,9 @@ METHODS = {
     "legolink": lambda spec, arg: LegoLink(spec, sink_tokens=_count("legolink", arg or "16")),
     "cacheblend": lambda spec, arg: CacheBlend(spec, ratio=_ratio("cacheblend", arg or "0.15")),
     "cachetune": lambda spec, arg: CacheTune(spec, ratio=_ratio("cachetune", arg or "0.15")),
+    "auto": _auto,
 }
-TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune"}
+TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "auto"}
 
 
 def parse_method(spec: str | None) -> Method:

@@ -12,19 +12,10 @@ import tempfile
 from pathlib import Path
 
 from kvreuse.model.loader import cache_root
-from kvreuse.store.base import KVStore
-from kvreuse.store.tiered import TieredStore
 
 
 def profile_path() -> Path:
     return cache_root() / "restore" / "l_delta.json"
-
-
-def tier_label(store: KVStore, tier: int) -> str:
-    """A tier's kind, stable across runs: memory, disk, redis, or the emulated device (ssd, hdd, net10g)."""
-    inner = store.tiers[tier] if isinstance(store, TieredStore) else store
-    device = getattr(inner, "device", None)
-    return device.name if device is not None else inner.name.split(":")[0].split(" ")[0]
 
 
 def _entry_name(model_fingerprint: str, tier: str) -> str:

@@ -31,7 +31,7 @@ from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Rates, UnitLog, two
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, prefix_block_keys
-from kvreuse.store.tiered import TieredStore
+from kvreuse.store.tiered import TieredStore, tier_label
 
 # strategy -> (axis, compute side on, I/O side on)
 STRATEGIES = {
@@ -151,7 +151,7 @@ class PrefixRestorer:
         if not blocks:
             return "compute"
         tier = max(b.tier for b in blocks)
-        threshold = profile.threshold(self.key_space.model_fingerprint, profile.tier_label(self.store, tier))
+        threshold = profile.threshold(self.key_space.model_fingerprint, tier_label(self.store, tier))
         prefix = blocks[-1].rows.stop
         return "layerwise" if threshold is not None and prefix < threshold else "cake"
 
@@ -246,7 +246,7 @@ class PrefixRestorer:
 def restore_stats(strategy: str, job: PrefixJob, axis: Axis, log: UnitLog, **seconds: float) -> dict:
     summary = log.summary(axis)
     for side in ("tokens_computed_by_tier", "tokens_loaded_by_tier"):
-        summary[side] = {profile.tier_label(job.store, tier): tokens for tier, tokens in summary[side].items()}
+        summary[side] = {tier_label(job.store, tier): tokens for tier, tokens in summary[side].items()}
     return {
         "strategy": strategy,
         "prompt_tokens": len(job.token_ids),

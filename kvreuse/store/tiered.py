@@ -200,3 +200,10 @@ class TieredStore(KVStore):
         self._writer.join()
         for tier in self.tiers:
             tier.close()
+
+
+def tier_label(store: KVStore, tier: int) -> str:
+    """A tier's kind, stable across runs: memory, disk, redis, or the emulated device (ssd, hdd, net10g)."""
+    inner = store.tiers[tier] if isinstance(store, TieredStore) else store
+    device = getattr(inner, "device", None)
+    return device.name if device is not None else inner.name.split(":")[0].split(" ")[0]

@@ -9,6 +9,7 @@ import torch
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import SegmentKind
 from kvreuse.store.spec import open_store
+from kvreuse.store.tiered import tier_label
 
 TOLERANCE = dict(atol=1e-4, rtol=0)
 
@@ -118,6 +119,6 @@ def test_loaded_tokens_are_counted_by_the_tier_serving_them(tiny_model, make_eng
         engine.compile(request, ["naive"])
         engine.store.tiers[0].clear()  # only the disk tier holds the entries now
         stats = engine.prefill(request, "naive").stats
-        assert stats["loaded_tokens_by_tier"] == {engine.store.tiers[1].name: stats["loaded_tokens"]}
+        assert stats["loaded_tokens_by_tier"] == {tier_label(engine.store, 1): stats["loaded_tokens"]}
     finally:
         engine.close()

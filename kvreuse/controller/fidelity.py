@@ -1,0 +1,96 @@
+"""What each method and ratio is expected to cost in quality, for one model: the eval's measured fidelity.
+
+`kvreuse controller fidelity RESULTS_DIR...` turns `kvreuse eval` outputs into a table; where several
+datasets measured a method, the table keeps the worst of them (highest first-token KL, lowest agreement), so
+a floor met by the table is met on each of them. The embedded model's table ships with the package
+(`kvreuse/controller/fidelity/`); tables made for other models go to the kvreuse cache folder.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from importlib import resources
+from pathlib import Path
+
+from kvreuse.model.loader import cache_root
+
+EXACT = "prefix"  # exact prefix restored, every chunk recomputed: full prefill's output, always available
+
+
+@dataclass(frozen=True)
+class Fidelity:
+    first_token_kl: float  # nats, from full prefill's first-token distribution
+    agreement: float  # token F1 between the method's output and full prefill's
+    examples: int = 0
+
+
+@dataclass(frozen=True)
+class FidelityTable:
+    model: str  # fingerprint
+    methods: dict[str, Fidelity]
+    sources: list[str] = field(default_factory=list)  # the eval runs it was built from
+
+    def of(self, method: str) -> Fidelity | None:
+        """The method's measured fidelity; for a ratio that was not measured, the fidelity of the largest
+        measured ratio below it (a conservative guess: recomputing more never made a method worse on the eval);
+        exact methods are exact."""
+        if method in (EXACT, "full"):
+            return Fidelity(0.0, 1.0)
+        if method in self.methods:
+            return self.methods[method]
+        name, _, arg = method.partition(":")
+        try:
+            ratio = float(arg)
+        except ValueError:
+            return None
+        below = [(float(m.partition(":")[2]), f) for m, f in self.methods.items()
+                 if m.partition(":")[0] == name and m.partition(":")[2] and float(m.partition(":")[2]) <= ratio]
+        return max(below, key=lambda rf: rf[0])[1] if below else None
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> FidelityTable:
+        try:
+            return cls(data["model"], {m: Fidelity(**f) for m, f in data["methods"].items()}, data.get("sources", []))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a kvreuse fidelity table: {e}") from None
+
+
+def from_eval_results(paths: list[Path]) -> FidelityTable:
+    """The worst fidelity of each method over the `kvreuse eval` result files (results.json) given."""
+    runs = [json.loads(Path(path).read_text()) for path in paths]
+    models = {run["settings"]["model"] for run in runs}
+    if len(models) != 1:
+        raise ValueError(f"eval results of {len(models)} models given ({', '.join(sorted(models))}); one table per model")
+    worst: dict[str, Fidelity] = {}
+    for run in runs:
+        for row in run["methods"]:
+            new = Fidelity(row["first_token_kl"], row["agreement"], row["examples"])
+            old = worst.get(row["method"])
+            worst[row["method"]] = new if old is None else Fidelity(
+                max(old.first_token_kl, new.first_token_kl), min(old.agreement, new.agreement),
+                old.examples + new.examples)
+    sources = [f"{run['settings']['dataset']}: {run['methods'][0]['examples']} examples" for run in runs]
+    return FidelityTable(models.pop(), worst, sources)
+
+
+def user_table_path(model: str) -> Path:
+    return cache_root() / "controller" / f"fidelity-{model}.json"
+
+
+def _shipped_tables() -> list[dict]:
+    folder = resources.files("kvreuse.controller") / "fidelity"
+    return [json.loads(f.read_text()) for f in folder.iterdir() if f.name.endswith(".json")]
+
+
+def load_table(model: str) -> FidelityTable | None:
+    """The model's table: one made on this machine first, else one shipped with the package, else None."""
+    try:
+        return FidelityTable.from_json(json.loads(user_table_path(model).read_text()))
+    except (FileNotFoundError, json.JSONDecodeError, ValueError):
+        pass
+    shipped = [t for t in _shipped_tables() if t.get("model") == model]
+    return FidelityTable.from_json(shipped[0]) if shipped else None
