@@ -50,6 +50,10 @@ def asymmetric(optimum: float):
     return lambda x: (optimum - x) if x < optimum else 20 * (x - optimum)
 
 
+def flat_between(left: float, right: float):
+    return lambda x: max(0.0, left - x, x - right)
+
+
 @pytest.mark.parametrize("curve,optimum", [
     (quadratic(0.42), 0.42),
     (asymmetric(0.3), 0.3),
@@ -73,8 +77,7 @@ def test_an_optimum_at_an_end_is_returned_exactly():
 
 @pytest.mark.parametrize("warm_start", [None, 0.2, 0.55, 0.9])
 def test_a_flat_bottom_returns_a_point_on_it(warm_start):
-    flat_from_04_to_06 = lambda x: max(0.0, abs(x - 0.5) - 0.1)  # noqa: E731
-    result = golden_section(flat_from_04_to_06, FLOOR, CEILING, warm_start=warm_start)
+    result = golden_section(flat_between(0.4, 0.6), FLOOR, CEILING, warm_start=warm_start)
     assert result.cost == 0.0 and 0.4 <= result.x <= 0.6
 
 
