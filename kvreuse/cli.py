@@ -11,6 +11,7 @@ from kvreuse.bench.fusion import add_arguments as add_fusion_arguments
 from kvreuse.bench.fusion import main as run_fusion_bench
 from kvreuse.bench.ttft_cli import add_arguments as add_ttft_arguments
 from kvreuse.bench.ttft_cli import main as run_ttft_bench
+from kvreuse.controller.cli import add_commands as add_profile_commands
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
 from kvreuse.restore.cli import add_commands as add_restore_commands
@@ -120,8 +121,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_ttft_arguments(ttft)
     ttft.set_defaults(func=run_ttft_bench)
 
+    profile = commands.add_parser("profile", help="measure this machine and model for the controller and restoration")
+    profiles = profile.add_subparsers(dest="profile", required=True)
+    add_profile_commands(profiles)
     add_cache_commands(commands)
-    add_restore_commands(commands, benches)
+    add_restore_commands(profiles, benches)
     add_eval_commands(commands)
     add_analysis_commands(commands)
     add_serve_commands(commands)

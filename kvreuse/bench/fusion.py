@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import statistics
 import tempfile
-from collections import defaultdict
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
 import torch
@@ -20,10 +20,13 @@ from rich.table import Table
 
 from kvreuse.bench.tiers import tier_spec
 from kvreuse.bench.timing import interleaved_samples, limit_seconds, read_all_seconds, prefill_variant
+from kvreuse.controller.auto import meets
+from kvreuse.controller.cost import predict
+from kvreuse.controller.fidelity import FidelityTable, load_table
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import Auto, parse_method
 from kvreuse.fusion.segments import Request
 from kvreuse.model.loader import load_model
 from kvreuse.store.spec import open_store
@@ -39,6 +42,8 @@ class Cell:
     kl: list[float] = field(default_factory=list)
     limit: list[float] = field(default_factory=list)
     recompute_share: list[float] = field(default_factory=list)
+    predicted: list[float] = field(default_factory=list)  # the controller's cost model, for the method run
+    chosen: list[str] = field(default_factory=list)  # the method that ran (what auto resolved to)
     peak_layers_held: int = 0
 
 
@@ -64,6 +69,7 @@ def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats:
     report = {"dataset": dataset, "examples": len(prompts), "prompt_tokens_mean": statistics.mean(lengths),
               "repeats": repeats, "specs": specs, "cells": {f"{t}|{m}": c.__dict__ for (t, m), c in cells.items()}}
     _print(report, methods, tiers, cells)
+    print_auto_against_fixed(methods, tiers, cells, load_table(loaded.fingerprint))
     return report
 
 
@@ -83,25 +89,58 @@ def _run_example(engines: dict[str, ReuseEngine], request: Request, methods: lis
             cell.recompute_share.append(out.stats["recompute_share"])
             cell.peak_layers_held = max(cell.peak_layers_held, out.stats["peak_stored_layers_held"])
             cell.limit.append(limit_seconds(out.stats, read_all, full_ttft, len(request)))
+            cell.chosen.append(out.stats["method"])
+            plan, span_tiers = engine.plan_on_tiers(request, out.stats["method"])
+            cell.predicted.append(predict(plan, span_tiers, engine.controller.profile).seconds)
 
 
 def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple[str, str], Cell]) -> None:
     table = Table(title=f"Chunk reuse TTFT, {report['dataset']}: {report['examples']} examples, "
                         f"{report['prompt_tokens_mean']:.0f} prompt tokens on average, median of {report['repeats']}")
     for column in ("tier", "method", "TTFT mean (s)", "speedup vs full", "limit (s)", "TTFT / limit",
-                   "first-token KL", "recompute share", "stored layers held"):
+                   "predicted (s)", "prediction error", "first-token KL", "recompute share", "stored layers held"):
         table.add_column(column, justify="right")
     for tier in tiers:
         full = statistics.mean(cells[tier, "full"].ttft)
         for method in methods:
             c = cells[tier, method]
             ttft, limit = statistics.mean(c.ttft), statistics.mean(c.limit)
-            table.add_row(tier, method, f"{ttft:.3f}", f"{full / ttft:.2f}x", f"{limit:.3f}", f"{ttft / limit:.2f}",
+            label = method if method == c.chosen[-1] else f"{method} ({_tally(c.chosen)})"
+            table.add_row(tier, label, f"{ttft:.3f}", f"{full / ttft:.2f}x", f"{limit:.3f}", f"{ttft / limit:.2f}",
+                          f"{statistics.mean(c.predicted):.3f}", f"{statistics.median(prediction_errors(c)):.0%}",
                           f"{statistics.mean(c.kl):.3f}", f"{statistics.mean(c.recompute_share):.3f}",
                           str(c.peak_layers_held))
-    Console(width=160).print(table)
+    Console(width=180).print(table)
     print("limit = max(read time of the bytes the method loads, full's TTFT x rows computed per layer / prompt rows);"
-          " 'stored layers held' is the executor's measured peak of stored layers alive at once.")
+          " 'stored layers held' is the executor's measured peak of stored layers alive at once; prediction error:"
+          " median over examples of |predicted - measured| / measured (kvreuse profile costs gives the profile).")
+    errors = [e for c in cells.values() for e in prediction_errors(c)]
+    print(f"cost model over every (example, tier, method): median error {statistics.median(errors):.1%}, "
+          f"p90 {statistics.quantiles(errors, n=10)[-1]:.1%}" if len(errors) > 1 else "")
+
+
+def print_auto_against_fixed(methods: list[str], tiers: list[str], cells: dict[tuple[str, str], Cell],
+                             table: FidelityTable | None) -> None:
+    """Per tier: auto's mean TTFT against the fastest fixed method the fidelity table says meets auto's floor,
+    and against the fastest fixed method of all (whatever its fidelity)."""
+    for auto in [m for m in methods if isinstance(parse_method(m), Auto)]:
+        floor = parse_method(auto)
+        fixed = [m for m in methods if not isinstance(parse_method(m), Auto)]
+        admitted = [m for m in fixed if table is not None and (f := table.of(m)) is not None and meets(f, floor)]
+        for tier in tiers:
+            ttft = {m: statistics.mean(cells[tier, m].ttft) for m in fixed + [auto]}
+            best = min(admitted or fixed, key=ttft.__getitem__)
+            fastest = min(fixed, key=ttft.__getitem__)
+            print(f"{tier}: {auto} {ttft[auto]:.3f} s = {ttft[auto] / ttft[best]:.2f}x the best fixed method meeting "
+                  f"its floor ({best}, {ttft[best]:.3f} s); fastest fixed: {fastest} {ttft[fastest]:.3f} s")
+
+
+def prediction_errors(cell: Cell) -> list[float]:
+    return [abs(p - t) / t for p, t in zip(cell.predicted, cell.ttft)]
+
+
+def _tally(chosen: list[str]) -> str:
+    return ", ".join(f"{m} x{n}" for m, n in sorted(Counter(chosen).items()))
 
 
 def add_arguments(parser) -> None:

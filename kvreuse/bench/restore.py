@@ -1,7 +1,7 @@
 """Prefix restoration benchmark: TTFT of load-only, compute-only, Cake (token-wise), layer-wise and CacheFlow
 (whichever of the two the profiled L_delta picks) per tier and prefix length, against the ideal split computed
 from the same run's per-block times; then a batch of requests with mixed prefix lengths, batch-aware scheduler
-against per-request Cake. Also `kvreuse profile`: measure L_delta on this machine and save it.
+against per-request Cake. Also `kvreuse profile l-delta`: measure L_delta on this machine and save it.
 
 Variants take turns within every repeat (and the order rotates), so load from other work on the machine falls
 on all of them alike; figures are medians over repeats.

@@ -15,6 +15,7 @@ import torch
 
 from kvreuse.controller.profile import ComputeProfile, MachineProfile
 from kvreuse.fusion.plan import FusionPlan
+from kvreuse.model.runtime import AttentionCall, attention_calls
 
 
 @dataclass(frozen=True)
@@ -26,32 +27,32 @@ class Prediction:
 
 @dataclass(frozen=True)
 class LayerWork:
-    rows: int  # rows whose attention and MLP run
+    rows: torch.Tensor  # positions of the rows whose attention and MLP run, sorted
     qkv_rows: int  # rows whose q/k/v are projected (more than `rows` on a layer that narrows)
-    pairs: int  # query-key pairs attention scores under the causal mask
 
 
 def layer_work(plan: FusionPlan, num_layers: int) -> list[LayerWork]:
-    """What each layer computes under `plan`. Where CacheBlend narrows, which rows survive depends on the KV,
-    so the survivors are taken at the mean position of the narrowable rows."""
+    """What each layer computes under `plan`; layers that compute the same rows share one LayerWork. Where
+    CacheBlend narrows, which rows survive depends on the KV, so the survivors are taken evenly spread over the
+    rows that could be dropped."""
     approximate = torch.zeros(plan.num_rows, dtype=torch.bool)
     for span in plan.reused:
         approximate[span.start : span.start + span.length] = span.approximate
     approximate[-1] = False
     selected = plan.compute_rows
-    exact_rows, narrowable = selected[~approximate[selected]], selected[approximate[selected]]
-    exact_pairs = int((exact_rows + 1).sum())
-    narrowable_count, narrowable_pairs = narrowable.numel(), int((narrowable + 1).sum())
+    exact, narrowable = selected[~approximate[selected]], selected[approximate[selected]]
     keeps = {n.layer: round(n.keep * plan.approximate_rows) for n in plan.narrowing}
-    work = []
+    work = LayerWork(selected, selected.numel())
+    layers = []
     for layer in range(num_layers):
-        before = exact_rows.numel() + narrowable_count
-        if layer in keeps and keeps[layer] < narrowable_count:
-            mean_pair = narrowable_pairs / max(narrowable_count, 1)
-            narrowable_count = keeps[layer]
-            narrowable_pairs = round(mean_pair * narrowable_count)
-        work.append(LayerWork(exact_rows.numel() + narrowable_count, before, exact_pairs + narrowable_pairs))
-    return work
+        if layer in keeps and keeps[layer] < narrowable.numel():
+            before = work.rows.numel()
+            narrowable = narrowable[torch.linspace(0, narrowable.numel() - 1, keeps[layer]).long()]
+            work = LayerWork(torch.cat([exact, narrowable]).sort().values, before)
+        elif work.qkv_rows != work.rows.numel():
+            work = LayerWork(work.rows, work.rows.numel())
+        layers.append(work)
+    return layers
 
 
 def predict(plan: FusionPlan, span_tiers: list[str], profile: MachineProfile) -> Prediction:
@@ -69,17 +70,23 @@ def predict(plan: FusionPlan, span_tiers: list[str], profile: MachineProfile) ->
 
     clock = loader_free = 0.0  # when compute is free; when the loader may read the next layer
     compute_total = 0.0
-    for work in layer_work(plan, profile.num_layers):
+    key_positions = torch.arange(plan.num_rows)
+    seconds_of: dict[int, float] = {}  # layers computing the same rows cost the same
+    for layer, work in enumerate(layer_work(plan, profile.num_layers)):
+        window = profile.windows[layer] if profile.windows else None
+        key = (id(work), window)
+        if key not in seconds_of:
+            seconds_of[key] = _layer_compute(work, attention_calls(work.rows, key_positions, window), compute)
         start = max(clock, loader_free + read) if loading else clock
         loader_free = start + place  # the next read starts once this layer's stored rows are placed
-        seconds = place + _layer_compute(work, compute)
-        clock = start + seconds
-        compute_total += seconds
+        clock = start + place + seconds_of[key]
+        compute_total += place + seconds_of[key]
     total_load = read * profile.num_layers if loading else 0.0
     return Prediction(compute.request_seconds + clock, compute_total, total_load)
 
 
-def _layer_compute(work: LayerWork, compute: ComputeProfile) -> float:
+def _layer_compute(work: LayerWork, attention: list[AttentionCall], compute: ComputeProfile) -> float:
+    rows = work.rows.numel()
     # On a narrowing layer the projections ran for every row before the selection shrank.
-    extra_qkv = compute.qkv_share * (compute.dense(work.qkv_rows) - compute.dense(work.rows))
-    return compute.layer_seconds(work.rows, work.pairs) + extra_qkv
+    extra_qkv = compute.qkv_share * (compute.dense(work.qkv_rows) - compute.dense(rows))
+    return compute.layer_seconds(rows, attention) + extra_qkv

@@ -94,3 +94,9 @@ def load_table(model: str) -> FidelityTable | None:
         pass
     shipped = [t for t in _shipped_tables() if t.get("model") == model]
     return FidelityTable.from_json(shipped[0]) if shipped else None
+
+
+def save_table(table: FidelityTable, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(table.to_json(), indent=1))
+    return path

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 
 from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile, load_profile, save_profile
-from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.model.runtime import AttentionCall, LayerwiseModel, attention_calls
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import KeySpace, chunk_key
@@ -53,30 +53,54 @@ def _dense_seconds(model: LayerwiseModel, rows: int, repeats: int, qkv_only: boo
     return statistics.mean(_median_seconds(lambda: step(layer), repeats) for layer in PROBE_LAYERS)
 
 
-def _attention_samples(model: LayerwiseModel, repeats: int) -> list[tuple[int, float]]:
-    """(query-key pairs, seconds) of attention as the executor runs it: a whole prompt causally, and a few
-    scattered sorted queries over a prompt in order (the shape of chunk reuse)."""
+def _query_layouts(context: int) -> list[torch.Tensor]:
+    """Query positions as the executor sees them: a whole prompt; a few spread rows (CacheBlend's, the fresh
+    tail); clusters at chunk starts (LegoLink's); most rows (a cold request)."""
+    spread = [torch.linspace(0, context - 1, q).long().unique() for q in (24, 64, 256)]
+    starts = torch.arange(0, context - 64, context // 10)
+    clusters = torch.cat([(starts[:, None] + torch.arange(16)).flatten(), torch.arange(context - 40, context)])
+    most = torch.randperm(context)[: context * 3 // 4].sort().values
+    return [torch.arange(context), *spread, clusters.unique(), most]
+
+
+def _attention_samples(model: LayerwiseModel, repeats: int) -> list[tuple[list[AttentionCall], float]]:
+    """(kernel calls, seconds) of attention as the executor runs it, over prompts of two lengths."""
     samples = []
-    for context, queries in [(512, 512), (2048, 2048), (1024, 128), (2048, 256), (2048, 64)]:
-        q_pos = torch.linspace(0, context - 1, queries).long().unique()
-        q = torch.randn(q_pos.numel(), model.num_q_heads, model.head_dim, dtype=model.dtype)
+    for context in (1024, 2048):
         keys = torch.randn(context, model.num_kv_heads, model.head_dim, dtype=model.dtype)
         values = torch.randn_like(keys)
         k_pos = torch.arange(context)
-        seconds = _median_seconds(lambda: model.attend(0, q, q_pos, keys, values, k_pos), repeats)
-        samples.append((int((q_pos + 1).sum()), seconds))
+        for q_pos in _query_layouts(context):
+            q = torch.randn(q_pos.numel(), model.num_q_heads, model.head_dim, dtype=model.dtype)
+            seconds = _median_seconds(lambda: model.attend(0, q, q_pos, keys, values, k_pos), repeats)
+            samples.append((attention_calls(q_pos, k_pos, model.windows[0]), seconds))
     return samples
 
 
+def _fit_attention(samples: list[tuple[list[AttentionCall], float]]) -> tuple[float, float, float]:
+    """Seconds per score, per key row read and per call, by least squares (each kept non-negative)."""
+    features = torch.tensor([[sum(c.scores for c in calls), sum(c.hi - c.lo for c in calls), len(calls)]
+                             for calls, _ in samples], dtype=torch.float64)
+    seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
+    scale = features.max(0).values  # the columns differ by orders of magnitude
+    fit = torch.linalg.lstsq(features / scale, seconds[:, None]).solution[:, 0] / scale
+    return tuple(float(x) for x in fit.clamp_min(0))
+
+
 def _place_seconds(model: LayerwiseModel, repeats: int, rows: int = 2048) -> float:
-    """Per loaded row: the stored key rotated to its position and both written into the request's cache."""
+    """Per loaded row: the stored key rotated to its position and both written into a request's cache, which is
+    new for every request (so the write also pays for first touching its memory)."""
     keys = torch.randn(rows, model.num_kv_heads, model.head_dim, dtype=model.dtype)
     values = torch.randn_like(keys)
     positions = torch.arange(rows)
     rotary = model.rotary(positions)
-    cache = model.new_cache(rows)
-    cache.allocate(positions)
-    return _median_seconds(lambda: cache.write(0, positions, model.rope(keys, rotary), values), repeats) / rows
+
+    def place() -> None:
+        cache = model.new_cache(rows)
+        cache.allocate(positions)
+        cache.write(0, positions, model.rope(keys, rotary), values)
+
+    return _median_seconds(place, repeats) / rows
 
 
 def _request_seconds(model: LayerwiseModel, repeats: int) -> float:
@@ -88,11 +112,9 @@ def _request_seconds(model: LayerwiseModel, repeats: int) -> float:
 @torch.inference_mode()
 def measure_compute(model: LayerwiseModel, repeats: int = 5) -> ComputeProfile:
     dense = [_dense_seconds(model, rows, repeats) for rows in ROW_GRID]
-    samples = _attention_samples(model, repeats)
-    # least squares through the origin: attention time grows with the pairs it scores
-    pair_seconds = sum(p * s for p, s in samples) / sum(p * p for p, _ in samples)
+    score_seconds, key_seconds, call_seconds = _fit_attention(_attention_samples(model, repeats))
     qkv_share = _dense_seconds(model, ROW_GRID[-1], repeats, qkv_only=True) / dense[-1]
-    return ComputeProfile(ROW_GRID, dense, pair_seconds, _place_seconds(model, repeats),
+    return ComputeProfile(ROW_GRID, dense, score_seconds, key_seconds, call_seconds, _place_seconds(model, repeats),
                           _request_seconds(model, repeats), qkv_share)
 
 
@@ -137,6 +159,7 @@ def measure_profile(model: LayerwiseModel, model_fingerprint: str, dtype: str, t
         kv_bytes_per_token_layer=kv_bytes_per_token_layer(model),
         compute=measure_compute(model, repeats),
         tiers={label: measure_tier(tier, label, model, model_fingerprint) for label, tier in tiers.items()},
+        windows=list(model.windows),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
     )
 

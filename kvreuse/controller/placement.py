@@ -14,7 +14,10 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from kvreuse.controller.profile import MachineProfile
+from kvreuse.model.runtime import attention_calls
 
 MEMORY = 0  # index of the fastest tier
 
@@ -73,12 +76,15 @@ def choose_tier(profile: MachineProfile, tiers: Sequence[tuple[str, int | None]]
 
 
 def recompute_seconds_per_layer(profile: MachineProfile, entry: NewEntry) -> float:
-    """One layer's compute while the next layer's read of the entry runs: its recomputed rows and the context rows,
-    and placing its loaded rows. Attention counts only the keys of the entry itself (its own rows see half of them
-    on average, the context rows after it all), a lower bound, so a slow tier is chosen only when it surely hides."""
+    """One layer's compute while the next layer's read of the entry runs: its recomputed rows (spread over it)
+    and the context rows (after it), and placing its loaded rows. Attention sees only the entry and the context
+    rows, a lower bound, so a slow tier is chosen only when it surely hides."""
     own_rows = math.ceil(entry.ratio * entry.tokens)
-    pairs = own_rows * entry.tokens // 2 + entry.context_rows * entry.tokens
-    return profile.compute.layer_seconds(own_rows + entry.context_rows, pairs, placed=entry.tokens - own_rows)
+    positions = torch.cat([torch.linspace(0, entry.tokens - 1, own_rows).long(),
+                           torch.arange(entry.tokens, entry.tokens + entry.context_rows)])
+    calls = attention_calls(positions, torch.arange(entry.tokens + entry.context_rows), None) if own_rows or \
+        entry.context_rows else []
+    return profile.compute.layer_seconds(positions.numel(), calls, placed=entry.tokens - own_rows)
 
 
 def _check_tiers(profile: MachineProfile, tiers: Sequence[tuple[str, int | None]]) -> None:

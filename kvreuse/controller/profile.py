@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvreuse.model.loader import cache_root
+from kvreuse.model.runtime import AttentionCall
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,10 @@ class ComputeProfile:
 
     rows: list[int]  # grid of computed row counts, increasing
     dense_seconds: list[float]  # per layer: projections, RoPE, norms and MLP of that many rows
-    pair_seconds: float  # per layer, per (query, key) pair attention computes
-    place_seconds: float  # per layer, per loaded row: rotate its stored key and write it into the cache
+    score_seconds: float  # attention, per query-key score a kernel call computes
+    key_seconds: float  # attention, per key row a kernel call reads
+    call_seconds: float  # attention, per kernel call
+    place_seconds: float  # per layer, per loaded row: rotate its stored key and write it into the fresh cache
     request_seconds: float  # per request: lookups, plan, embedding, final norm and logits
     qkv_share: float  # the share of the dense time spent projecting q, k and v
 
@@ -41,10 +44,14 @@ class ComputeProfile:
         slope = (seconds[i] - seconds[i - 1]) / (grid[i] - grid[i - 1])
         return seconds[i - 1] + slope * (rows - grid[i - 1])
 
-    def layer_seconds(self, rows: int, pairs: int, placed: int = 0) -> float:
-        """One layer computing `rows` rows whose queries see `pairs` keys in all, after placing `placed`
-        loaded rows."""
-        return self.dense(rows) + pairs * self.pair_seconds + placed * self.place_seconds
+    def attention(self, calls: list[AttentionCall]) -> float:
+        """One layer's attention, run as these kernel calls (kvreuse.model.runtime.attention_calls)."""
+        return sum(c.scores * self.score_seconds + (c.hi - c.lo) * self.key_seconds + self.call_seconds
+                   for c in calls)
+
+    def layer_seconds(self, rows: int, attention: list[AttentionCall], placed: int = 0) -> float:
+        """One layer computing `rows` rows, attending with `attention`, after placing `placed` loaded rows."""
+        return self.dense(rows) + self.attention(attention) + placed * self.place_seconds
 
     @property
     def t_c(self) -> float:
@@ -78,7 +85,8 @@ class MachineProfile:
     kv_bytes_per_token_layer: int  # stored K and V of one token in one layer
     compute: ComputeProfile
     tiers: dict[str, TierProfile] = field(default_factory=dict)
-    tuned_ratios: dict[str, float] = field(default_factory=dict)  # CacheTune's ratio per tier, from calibration
+    windows: list[int | None] = field(default_factory=list)  # sliding window of each layer (None: global)
+    tuned_ratios: dict[str, float] = field(default_factory=dict)  # "method@tier" -> ratio, from calibration
     measured_at: str = ""
 
     def t_i(self, tier: str) -> float:

@@ -211,7 +211,7 @@ class ReuseEngine:
         restored = restoration.rows if restoration else 0
         choice = None
         if isinstance(policy, Auto):
-            choice = self.controller.choose(policy, lambda m: self._plan_on_tiers(request, parse_method(m), restored))
+            choice = self.controller.choose(policy, lambda m: self.plan_on_tiers(request, m, restored))
             policy = parse_method(choice.method)
         lost: set[str] = set()
         while True:
@@ -235,7 +235,10 @@ class ReuseEngine:
                      **prefix_stats(restoration), **auto_stats(method, choice))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
 
-    def _plan_on_tiers(self, request: Request, policy: Method, restored: int) -> tuple[FusionPlan, list[str]]:
+    def plan_on_tiers(self, request: Request, method: str, restored: int = 0) -> tuple[FusionPlan, list[str]]:
+        """The method's plan for what the store holds now (the first `restored` rows restored already), and the
+        tier of each reused span: what the controller's cost model prices."""
+        policy = parse_method(method)
         plan = policy.plan(request, self.lookup(request, policy, restored=restored))
         return plan, self._span_tiers(plan)
 

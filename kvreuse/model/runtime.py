@@ -68,6 +68,56 @@ def _keys_are_positions(k_pos: torch.Tensor) -> bool:
     return int(k_pos[0]) == 0 and int(k_pos[-1]) == n - 1 and bool((k_pos.diff() == 1).all())
 
 
+@dataclass(frozen=True)
+class AttentionCall:
+    """One attention kernel call: queries [first, end) over key rows [lo, hi)."""
+
+    first: int
+    end: int
+    lo: int
+    hi: int
+    causal: bool = False  # the kernel's own lower triangle: queries are the key rows (or padded to them)
+    padded: bool = False  # the queries are scattered into a block as long as the keys, at their rows
+    masked: bool = False  # an explicit mask by position
+
+    @property
+    def scores(self) -> int:
+        """Query-key scores the kernel computes (a causal kernel skips the upper triangle)."""
+        keys = self.hi - self.lo
+        rows = keys if self.padded else self.end - self.first
+        return rows * (keys + 1) // 2 if self.causal else rows * keys
+
+
+def attention_calls(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> list[AttentionCall]:
+    """How `attend` runs queries at `q_pos` over keys at `k_pos`: the cheapest exact kernel calls. The cost model
+    prices the same calls (kvreuse.controller.cost)."""
+    n, m = q_pos.numel(), k_pos.numel()
+    if window is None and _is_plain_causal(q_pos, k_pos):
+        return [AttentionCall(0, n, 0, m, causal=True)]
+    if window is None and bool(k_pos.max() <= q_pos.min()):  # every key visible to every query, e.g. decoding
+        return [AttentionCall(0, n, 0, m)]
+    if _keys_are_positions(k_pos) and bool((q_pos.diff() > 0).all()):
+        if window is None and 2 * n > m:
+            # Many queries over a prompt in order: SDPA's causal kernel skips the masked blocks, which a general
+            # mask cannot, so the queries are placed at their rows and taken back out afterwards.
+            return [AttentionCall(0, n, 0, m, causal=True, padded=True)]
+        return _query_groups(q_pos, window)
+    return [AttentionCall(0, n, 0, m, masked=True)]
+
+
+def _query_groups(q_pos: torch.Tensor, window: int | None) -> list[AttentionCall]:
+    """Few sorted queries scattered over a prompt in order: a masked kernel would score every query against
+    every key, twice the work causality needs on average. Groups of neighbouring queries attend only the key
+    rows they can see (rows are positions here), which cuts most of that waste."""
+    groups = max(1, min(MAX_QUERY_GROUPS, q_pos.numel() // MIN_QUERIES_PER_GROUP))
+    bounds = torch.linspace(0, q_pos.numel(), groups + 1).long().tolist()
+    calls = []
+    for first, end in zip(bounds, bounds[1:]):
+        lo = 0 if window is None else max(0, int(q_pos[first]) - window + 1)
+        calls.append(AttentionCall(first, end, lo, int(q_pos[end - 1]) + 1, masked=True))
+    return calls
+
+
 class LayerwiseModel:
     def __init__(self, hf_model: nn.Module):
         self.hf_model = hf_model.eval()
@@ -121,35 +171,18 @@ class LayerwiseModel:
         """Rotated queries [n, Hq, D] over rotated keys/values [m, Hkv, D], exact causal mask by global
         position whatever the row order; returns [n, Hq * D]."""
         window = self.windows[layer]
-        if window is None and _is_plain_causal(q_pos, k_pos):
-            return self._sdpa(layer, q, keys, values, None, True)
-        visible_to_all = window is None and bool(k_pos.max() <= q_pos.min())  # e.g. decoding
-        if visible_to_all:
-            return self._sdpa(layer, q, keys, values, None, False)
-        if _keys_are_positions(k_pos) and bool((q_pos.diff() > 0).all()):
-            if window is None and 2 * q.shape[0] > keys.shape[0]:
-                # Many queries over a prompt in order: SDPA's causal kernel skips the masked blocks, which a
-                # general mask cannot, so place the queries at their rows and take them back out afterwards.
-                padded = q.new_zeros((keys.shape[0], *q.shape[1:]))
-                padded[q_pos] = q
-                return self._sdpa(layer, padded, keys, values, None, True)[q_pos]
-            return self._attend_in_groups(layer, q, q_pos, keys, values, window)
-        return self._sdpa(layer, q, keys, values, attention_mask(q_pos, k_pos, window), False)
+        outputs = [self._run(layer, call, q, q_pos, keys, values, k_pos, window)
+                   for call in attention_calls(q_pos, k_pos, window)]
+        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
-    def _attend_in_groups(self, layer, q, q_pos, keys, values, window) -> torch.Tensor:
-        """Few sorted queries scattered over a prompt in order: a masked kernel would score every query against
-        every key, twice the work causality needs on average. Groups of neighbouring queries attend only the
-        key rows they can see (rows are positions here), which cuts most of that waste."""
-        groups = max(1, min(MAX_QUERY_GROUPS, q.shape[0] // MIN_QUERIES_PER_GROUP))
-        bounds = torch.linspace(0, q.shape[0], groups + 1).long().tolist()
-        outputs = []
-        for first, end in zip(bounds, bounds[1:]):
-            group_pos = q_pos[first:end]
-            lo = 0 if window is None else max(0, int(group_pos[0]) - window + 1)
-            hi = int(group_pos[-1]) + 1
-            mask = attention_mask(group_pos, torch.arange(lo, hi, device=q_pos.device), window)
-            outputs.append(self._sdpa(layer, q[first:end], keys[lo:hi], values[lo:hi], mask, False))
-        return torch.cat(outputs)
+    def _run(self, layer, call: AttentionCall, q, q_pos, keys, values, k_pos, window) -> torch.Tensor:
+        if call.padded:
+            padded = q.new_zeros((keys.shape[0], *q.shape[1:]))
+            padded[q_pos] = q
+            return self._sdpa(layer, padded, keys, values, None, True)[q_pos]
+        queries = slice(call.first, call.end)
+        mask = attention_mask(q_pos[queries], k_pos[call.lo : call.hi], window) if call.masked else None
+        return self._sdpa(layer, q[queries], keys[call.lo : call.hi], values[call.lo : call.hi], mask, call.causal)
 
     def attention_weights(
         self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor

@@ -1,4 +1,4 @@
-"""`kvreuse bench restore` and `kvreuse profile`: registered on the main CLI by `add_commands`."""
+"""`kvreuse bench restore` and `kvreuse profile l-delta`: registered on the main CLI by `add_commands`."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(commands: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
+def add_commands(profiles: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
     bench = benches.add_parser("restore", help="prefix restoration: load, compute, Cake, CacheFlow, per tier")
     _add_common(bench, [512, 1024, 2048, 4096, 8192], 3)
     bench.add_argument("--batch-tier", default="hdd", choices=TIER_CHOICES + ["none"],
@@ -52,6 +52,6 @@ def add_commands(commands: argparse._SubParsersAction, benches: argparse._SubPar
     bench.add_argument("--json", help="also write the figures to this file")
     bench.set_defaults(func=cmd_bench_restore)
 
-    prof = commands.add_parser("profile", help="measure CacheFlow's L_delta (layer-wise vs token-wise) per tier")
+    prof = profiles.add_parser("l-delta", help="CacheFlow's L_delta (layer-wise vs token-wise restoration) per tier")
     _add_common(prof, [256, 512, 1024, 2048], 3)
     prof.set_defaults(func=cmd_profile)

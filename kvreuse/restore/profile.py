@@ -1,7 +1,7 @@
 """CacheFlow's threshold L_delta between layer-wise and token-wise restoration, profiled on this machine.
 
 L_delta = min{N : T_token(N) <= T_layer(N)} over measured prefix lengths N, per model and storage tier. It is
-kept in a JSON file in the kvreuse cache folder (`kvreuse profile` writes it) and read by strategy="auto".
+kept in a JSON file in the kvreuse cache folder (`kvreuse profile l-delta` writes it) and read by strategy="auto".
 """
 
 from __future__ import annotations

@@ -3,14 +3,18 @@
 from kvreuse.cli import main
 
 
-def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys):
+def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))  # the machine profile auto measures goes here
     args = ["bench", "fusion", "--dataset", "../shared/datasets/2wikimqa.jsonl", "--limit", "1", "--repeats", "1",
-            "--methods", "naive,cacheblend:0.15,cachetune:0.15", "--model", str(tiny_model_dir)]
+            "--methods", "naive,cacheblend:0.15,cachetune:0.15,auto", "--model", str(tiny_model_dir)]
     assert main(args) == 0
     out = capsys.readouterr().out
     for tier in ("memory", "disk"):
-        for method in ("full", "naive", "cacheblend:0.15", "cachetune:0.15"):
+        for method in ("full", "naive", "cacheblend:0.15", "cachetune:0.15", "auto"):
             assert any(tier in line and f" {method} " in line for line in out.splitlines()), (tier, method)
+        # no fidelity table for a random model: auto may only choose exact plans, as fast as full at best
+        assert f"{tier}: auto " in out and "the best fixed method meeting its floor (full" in out
+    assert "cost model over every (example, tier, method): median error" in out
 
 
 def test_fusion_bench_rejects_an_unknown_method(capsys):

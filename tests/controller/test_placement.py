@@ -7,27 +7,14 @@ from dataclasses import replace
 import pytest
 
 from kvreuse.controller.placement import NewEntry, PlacementPolicy, choose_tier, recompute_seconds_per_layer
-from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
 
-KV_BYTES = 1536  # SmolLM2-135M in fp32: 3 KV heads x 64 dims x K and V x 4 bytes
-LAYERS = 30
-TIERS = {
-    "memory": TierProfile("memory", bytes_per_second=10e9, latency_seconds=0.0),
-    "ssd": TierProfile("ssd", bytes_per_second=1e9, latency_seconds=100e-6, emulated=True),
-    "hdd": TierProfile("hdd", bytes_per_second=100e6, latency_seconds=10e-3, emulated=True),
-}
+from .support import KV_BYTES, LAYERS, synthetic_profile
+
 # 512 tokens read in one layer: memory 0.08 ms, ssd 0.89 ms, hdd 17.9 ms
 ENTRY = NewEntry(tokens=512, ratio=0.15, context_rows=32)  # 77 of its rows and 32 fresh ones recomputed
 ENTRY_BYTES = 512 * KV_BYTES * LAYERS
 ROOMY = [("memory", None), ("ssd", None), ("hdd", None)]
-
-
-def machine(seconds_per_row: float) -> MachineProfile:
-    """A machine whose dense compute costs `seconds_per_row` per row per layer and nothing else."""
-    compute = ComputeProfile(rows=[64, 2048], dense_seconds=[64 * seconds_per_row, 2048 * seconds_per_row],
-                             pair_seconds=0.0, place_seconds=0.0, request_seconds=0.0)
-    return MachineProfile(model="synthetic", dtype="float32", num_layers=LAYERS, kv_bytes_per_token_layer=KV_BYTES,
-                          compute=compute, tiers=TIERS)
+machine = synthetic_profile
 
 
 FAST = machine(1e-6)  # 109 rows: 0.11 ms per layer, hides no device read
@@ -84,11 +71,10 @@ def test_more_recompute_alongside_lets_a_slower_tier_hide():
 
 
 def test_recompute_counts_attention_and_placing_of_the_loaded_rows():
-    compute = ComputeProfile(rows=[64, 2048], dense_seconds=[0.0, 0.0], pair_seconds=1.0, place_seconds=1000.0,
-                             request_seconds=0.0)
-    profile = MachineProfile("synthetic", "float32", LAYERS, KV_BYTES, compute, TIERS)
-    entry = NewEntry(tokens=100, ratio=0.1, context_rows=5)  # 10 own rows see 50 keys, 5 context rows see 100
-    assert recompute_seconds_per_layer(profile, entry) == 10 * 50 + 5 * 100 + 90 * 1000.0
+    profile = synthetic_profile(0.0, score_seconds=1.0, place_seconds=1000.0)
+    entry = NewEntry(tokens=100, ratio=0.1, context_rows=5)
+    # 10 own rows and 5 context rows are too few to split: one masked call of 15 queries over all 105 keys
+    assert recompute_seconds_per_layer(profile, entry) == 15 * 105 + 90 * 1000.0
 
 
 def test_an_unknown_tier_name_is_named():

@@ -32,5 +32,5 @@ def test_cli_registers_the_restore_commands():
 
     args = build_parser().parse_args(["bench", "restore", "--tiers", "hdd", "--lengths", "512", "--layers", "0"])
     assert args.tiers == ["hdd"] and args.lengths == [512] and args.layers == 0 and args.batch_tier == "hdd"
-    args = build_parser().parse_args(["profile", "--tiers", "memory", "ssd"])
+    args = build_parser().parse_args(["profile", "l-delta", "--tiers", "memory", "ssd"])
     assert args.tiers == ["memory", "ssd"] and args.func.__name__ == "cmd_profile"

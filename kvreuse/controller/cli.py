@@ -1,0 +1,83 @@
+"""`kvreuse profile costs` and `kvreuse profile fidelity`: registered on the main CLI by `add_commands`."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+DEFAULT_TIERS = "memory,disk,ssd,hdd"
+
+
+def cmd_costs(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from kvreuse.bench.tiers import tier_spec
+    from kvreuse.controller.measure import measure_profile
+    from kvreuse.controller.profile import save_profile
+    from kvreuse.controller.report import profile_table
+    from kvreuse.model.loader import load_model
+    from kvreuse.store.spec import open_store
+
+    loaded = load_model(args.model, args.dtype)
+    with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as scratch:
+        stores = {tier: open_store(tier_spec(tier, scratch), model_fingerprint=loaded.fingerprint, dtype=args.dtype)
+                  for tier in args.tiers.split(",")}
+        profile = measure_profile(loaded.runtime, loaded.fingerprint, args.dtype, stores, args.repeats)
+        if args.calibrate:
+            profile = _calibrate(loaded, stores, profile, args.calibration_repeats)
+        for store in stores.values():
+            store.close()
+    path = save_profile(profile, Path(args.out) if args.out else None)
+    Console(width=140).print(profile_table(profile, loaded.name))
+    print(f"saved to {path}")
+    return 0
+
+
+def _calibrate(loaded, stores: dict, profile, repeats: int):
+    from kvreuse.controller.calibrate import calibrated, cacheblend_rule, mean_ttft, synthetic_requests, tune_cachetune
+    from kvreuse.controller.auto import AutoController
+    from kvreuse.engine.reuse import ReuseEngine
+
+    for tier, store in stores.items():
+        engine = ReuseEngine(loaded, store, controller=AutoController(profile, None))
+        requests = synthetic_requests(engine.build_request, loaded.tokenizer)
+        for request in requests:
+            engine.compile(request, ["cachetune"])
+        objective = mean_ttft(lambda request, method: engine.prefill(request, method).ttft, requests, repeats)
+        cachetune = tune_cachetune(objective, profile, tier)
+        cacheblend = cacheblend_rule(lambda method: engine.plan_on_tiers(requests[0], method), profile)
+        profile = calibrated(profile, tier, cachetune, cacheblend)
+    return profile
+
+
+def cmd_fidelity(args: argparse.Namespace) -> int:
+    from kvreuse.controller.fidelity import from_eval_results, user_table_path, save_table
+
+    table = from_eval_results([Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results])
+    path = save_table(table, Path(args.out) if args.out else user_table_path(table.model))
+    for method, fidelity in sorted(table.methods.items(), key=lambda mf: mf[1].first_token_kl):
+        print(f"{method:>18}: first-token KL {fidelity.first_token_kl:.3f}, agreement {fidelity.agreement:.3f} "
+              f"({fidelity.examples} examples)")
+    print(f"saved to {path}")
+    return 0
+
+
+def add_commands(kinds: argparse._SubParsersAction) -> None:
+    costs = kinds.add_parser("costs", help="the controller's machine profile: compute per layer, reads per tier")
+    costs.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
+    costs.add_argument("--dtype", default="float32")
+    costs.add_argument("--tiers", default=DEFAULT_TIERS, help="tiers to profile, comma-separated "
+                       "(memory, disk, or the emulated ssd, hdd, net10g)")
+    costs.add_argument("--repeats", type=int, default=5, help="timings per figure (their median is kept)")
+    costs.add_argument("--calibrate", action="store_true",
+                       help="also choose each tier's CacheTune ratio (golden-section search over measured TTFT) "
+                            "and CacheBlend's load-hiding ratio")
+    costs.add_argument("--calibration-repeats", type=int, default=2)
+    costs.add_argument("--out", default=None, help="profile file (default: in the kvreuse cache folder)")
+    costs.set_defaults(func=cmd_costs)
+
+    fidelity = kinds.add_parser("fidelity", help="the model's fidelity table for method auto, from eval results")
+    fidelity.add_argument("results", nargs="+", help="kvreuse eval output folders (or their results.json)")
+    fidelity.add_argument("--out", default=None, help="table file (default: in the kvreuse cache folder)")
+    fidelity.set_defaults(func=cmd_fidelity)
