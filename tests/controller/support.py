@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import torch
+
 from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
+from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.plan import FusionPlan, PlacedSegment
+from kvreuse.fusion.segments import Request, Segment, SegmentKind
 
 KV_BYTES = 1536  # SmolLM2-135M in fp32: 3 KV heads x 64 dims x K and V x 4 bytes
 LAYERS = 30
@@ -22,3 +27,19 @@ def synthetic_profile(seconds_per_row: float, score_seconds: float = 0.0, place_
                              place_seconds=place_seconds, request_seconds=0.0, qkv_share=0.0)
     return MachineProfile(model="synthetic", dtype="float32", num_layers=layers, kv_bytes_per_token_layer=KV_BYTES,
                           compute=compute, tiers=tiers)
+
+
+def rag_request() -> Request:
+    """A 4-token prefix, 5 chunks of 200 tokens, 20 fresh tokens (token ids are irrelevant to plans)."""
+    return Request([Segment(SegmentKind.PREFIX, [1] * 4), *(Segment(SegmentKind.CHUNK, [2] * 200) for _ in range(5)),
+                    Segment(SegmentKind.FRESH, [3] * 20)])
+
+
+def rag_plan(method: str, tier: str, request: Request | None = None) -> tuple[FusionPlan, list[str]]:
+    """The method's plan when every chunk is stored on `tier` (the prefix is not), and each span's tier."""
+    request = request or rag_request()
+    ranking = torch.Generator().manual_seed(0)
+    placed = [PlacedSegment(s, f"chunk-{i}", True, torch.rand(200, generator=ranking))
+              if s.kind == SegmentKind.CHUNK else PlacedSegment(s) for i, s in enumerate(request.segments)]
+    plan = parse_method(method).plan(request, placed)
+    return plan, [tier] * len(plan.reused)

@@ -122,3 +122,29 @@ def test_loaded_tokens_are_counted_by_the_tier_serving_them(tiny_model, make_eng
         assert stats["loaded_tokens_by_tier"] == {tier_label(engine.store, 1): stats["loaded_tokens"]}
     finally:
         engine.close()
+
+
+def test_auto_runs_the_method_its_controller_chooses(tiny_model, rag_request, make_engine):
+    """The engine resolves auto per request through its controller, and the result is that method's own."""
+    from kvreuse.controller.auto import AutoController
+    from kvreuse.controller.fidelity import Fidelity, FidelityTable
+    from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
+
+    compute = ComputeProfile([64, 2048], [64e-5, 2048e-5], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    profile = MachineProfile("tiny-model", "float32", tiny_model.num_layers, 64, compute,
+                             {"memory": TierProfile("memory", 1e10, 0.0)})
+    table = FidelityTable("tiny-model", {"naive": Fidelity(0.4, 0.4), "cacheblend:0.3": Fidelity(0.05, 0.7)})
+    engine = make_engine(tiny_model, controller=AutoController(profile, table))
+    request = rag_request()
+    engine.compile(request)
+    try:
+        chosen = engine.prefill(request, "auto")
+        direct = engine.prefill(request, "cacheblend:0.3")
+        loose = engine.prefill(request, "auto:kl=0.5")
+    finally:
+        engine.close()
+    assert (chosen.stats["method"], chosen.stats["requested_method"]) == ("cacheblend:0.3", "auto")
+    assert set(chosen.stats["auto_candidates"]) == {"cacheblend:0.3", "prefix"}
+    assert chosen.stats["predicted_ttft"] == chosen.stats["auto_candidates"]["cacheblend:0.3"]
+    torch.testing.assert_close(chosen.logits, direct.logits, **TOLERANCE)
+    assert loose.stats["method"] == "naive"

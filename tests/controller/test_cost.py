@@ -1,0 +1,67 @@
+"""The cost model on synthetic profiles: the pipeline it replays, the rows each layer computes."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvreuse.controller.cost import layer_work, predict
+from kvreuse.controller.profile import TierProfile
+from kvreuse.fusion.methods import parse_method
+
+from .support import KV_BYTES, LAYERS, rag_plan, synthetic_profile
+
+CHUNK_ROWS = 5 * 200  # rag_plan: 5 chunks of 200 tokens, after a 4-token prefix, before 20 fresh tokens
+
+
+def tier(seconds_per_layer_of_chunks: float) -> dict[str, TierProfile]:
+    """A tier reading all chunk rows of one layer in the given time, with no latency."""
+    return {"slow": TierProfile("slow", CHUNK_ROWS * KV_BYTES / seconds_per_layer_of_chunks, 0.0)}
+
+
+@pytest.mark.parametrize("read, compute", [(0.010, 0.001), (0.001, 0.010)])
+def test_naive_pipeline_is_bounded_by_the_slower_side_per_layer(read, compute):
+    """Layer i+1 loads while layer i computes: L x max(read, compute) + the first read or the last compute."""
+    computed_rows = 4 + 20  # the prefix (a miss here) and the fresh tokens
+    profile = synthetic_profile(compute / computed_rows, tiers=tier(read))
+    plan, tiers = rag_plan("naive", "slow")
+    predicted = predict(plan, tiers, profile)
+    assert predicted.seconds == pytest.approx(LAYERS * max(read, compute) + min(read, compute))
+    assert predicted.load_seconds == pytest.approx(LAYERS * read)
+    assert predicted.compute_seconds == pytest.approx(LAYERS * compute)
+
+
+def test_nothing_loaded_costs_only_compute():
+    profile = synthetic_profile(1e-4, tiers=tier(1.0))
+    plan, tiers = rag_plan("full", "slow")
+    assert predict(plan, tiers, profile).seconds == pytest.approx(LAYERS * 1e-4 * (4 + CHUNK_ROWS + 20))
+
+
+def test_cacheblend_layers_narrow_as_its_schedule_says():
+    plan, _ = rag_plan("cacheblend:0.2", "slow")
+    work = layer_work(plan, LAYERS)
+    exact = 4 + 20  # prefix and fresh rows are never dropped
+    assert [w.rows.numel() for w in work[:4]] == [exact + CHUNK_ROWS, exact + 300, exact + 200, exact + 200]
+    assert work[1].qkv_rows == exact + CHUNK_ROWS  # layer 1 projects every row before it narrows
+    assert work[2].qkv_rows == exact + 300
+    assert all(w.rows.numel() == exact + 200 for w in work[2:])
+
+
+def test_attention_is_priced_per_score_of_the_runtime_calls():
+    profile = synthetic_profile(0.0, score_seconds=1e-9)
+    plan, tiers = rag_plan("full", "memory")
+    rows = 4 + CHUNK_ROWS + 20
+    causal_scores = rows * (rows + 1) // 2  # one causal kernel call over the whole prompt
+    assert predict(plan, tiers, profile).seconds == pytest.approx(LAYERS * causal_scores * 1e-9)
+
+
+def test_an_unprofiled_tier_is_named():
+    plan, tiers = rag_plan("naive", "nvme")
+    with pytest.raises(ValueError, match="'nvme'"):
+        predict(plan, tiers, synthetic_profile(1e-4))
+
+
+def test_cachetune_reads_only_the_rows_it_does_not_recompute():
+    profile = synthetic_profile(0.0, tiers=tier(0.010))
+    plan, tiers = rag_plan("cachetune:0.25", "slow")
+    assert predict(plan, tiers, profile).load_seconds == pytest.approx(LAYERS * 0.010 * 0.75)
+    assert parse_method("cachetune:0.25").needs_ranking

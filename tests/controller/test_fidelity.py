@@ -1,0 +1,88 @@
+"""The fidelity table method auto reads: built from eval results, looked up by method and ratio, found on disk."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvreuse.controller.fidelity import (Fidelity, FidelityTable, from_eval_results, load_table, save_table,
+                                         user_table_path)
+from kvreuse.controller.measure import ensure_profile
+from kvreuse.controller.profile import MachineProfile, load_profile, save_profile
+
+from .support import synthetic_profile
+
+
+def eval_results(path, model: str, dataset: str, rows: dict[str, tuple[float, float]]):
+    methods = [{"method": m, "first_token_kl": kl, "agreement": agreement, "examples": 10}
+               for m, (kl, agreement) in rows.items()]
+    path.write_text(json.dumps({"settings": {"model": model, "dataset": dataset}, "methods": methods}))
+    return path
+
+
+def test_the_table_keeps_each_methods_worst_dataset(tmp_path):
+    a = eval_results(tmp_path / "a.json", "m", "2wikimqa", {"naive": (0.4, 0.5), "cacheblend:0.15": (0.15, 0.6)})
+    b = eval_results(tmp_path / "b.json", "m", "hotpotqa", {"naive": (0.3, 0.4), "cacheblend:0.15": (0.12, 0.7)})
+    table = from_eval_results([a, b])
+    assert table.methods["naive"] == Fidelity(0.4, 0.4, 20)
+    assert table.methods["cacheblend:0.15"] == Fidelity(0.15, 0.6, 20)
+    assert table.sources == ["2wikimqa: 10 examples", "hotpotqa: 10 examples"]
+
+
+def test_results_of_two_models_make_no_table(tmp_path):
+    a = eval_results(tmp_path / "a.json", "m1", "x", {"naive": (0.4, 0.5)})
+    b = eval_results(tmp_path / "b.json", "m2", "x", {"naive": (0.4, 0.5)})
+    with pytest.raises(ValueError, match="2 models"):
+        from_eval_results([a, b])
+
+
+def test_an_unmeasured_ratio_takes_the_largest_measured_ratio_below_it():
+    table = FidelityTable("m", {"cacheblend:0.15": Fidelity(0.15, 0.6), "cacheblend:0.3": Fidelity(0.06, 0.7)})
+    assert table.of("cacheblend:0.2") == Fidelity(0.15, 0.6)
+    assert table.of("cacheblend:0.45") == Fidelity(0.06, 0.7)
+    assert table.of("cacheblend:0.1") is None  # nothing measured below it: unknown, never assumed
+    assert table.of("legolink:16") is None
+    assert table.of("prefix") == table.of("full") == Fidelity(0.0, 1.0)
+
+
+def test_the_embedded_models_table_ships_with_the_package():
+    from importlib import resources
+
+    shipped = json.loads((resources.files("kvreuse.controller") / "fidelity" / "smollm2-135m-instruct.json").read_text())
+    table = load_table(shipped["model"])
+    assert table is not None and table.methods["cacheblend:0.15"].first_token_kl <= 0.15
+    assert load_table("no-such-model") is None
+
+
+def test_a_table_made_on_this_machine_comes_first(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    own = FidelityTable("m", {"naive": Fidelity(0.1, 0.9)})
+    save_table(own, user_table_path("m"))
+    assert load_table("m") == own
+
+
+def test_a_profile_round_trips_and_a_damaged_one_reads_as_none(tmp_path):
+    profile = synthetic_profile(1e-5)
+    path = save_profile(profile, tmp_path / "p.json")
+    assert load_profile("synthetic", "float32", path) == profile
+    path.write_text('{"model": "synthetic"')
+    assert load_profile("synthetic", "float32", path) is None
+    path.write_text('{"model": "synthetic"}')
+    assert load_profile("synthetic", "float32", path) is None
+    with pytest.raises(ValueError, match="machine profile"):
+        MachineProfile.from_json({"model": "x"})
+
+
+def test_ensure_profile_measures_only_the_tiers_the_saved_profile_lacks(tmp_path, monkeypatch, tiny_model):
+    from kvreuse.store.spec import open_store
+
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    first = ensure_profile(tiny_model, "tiny", "float32", {"memory": open_store("memory:64MB")})
+    again = ensure_profile(tiny_model, "tiny", "float32", {"memory": open_store("memory:64MB")})
+    assert again == first  # read back, not measured again
+    grown = ensure_profile(tiny_model, "tiny", "float32",
+                           {"memory": open_store("memory:64MB"), "ssd": open_store("throttled:ssd:memory:64MB")})
+    assert grown.compute == first.compute and grown.tiers["memory"] == first.tiers["memory"]
+    assert grown.tiers["ssd"].emulated and not grown.tiers["memory"].emulated
+    assert grown.tiers["ssd"].bytes_per_second < grown.tiers["memory"].bytes_per_second
