@@ -22,7 +22,7 @@ from kvreuse.bench.tiers import tier_spec
 from kvreuse.bench.timing import interleaved_samples, limit_seconds, read_all_seconds, prefill_variant
 from kvreuse.controller.auto import meets
 from kvreuse.controller.cost import predict
-from kvreuse.controller.fidelity import FidelityTable, load_table
+from kvreuse.controller.fidelity import FidelityTable, expected_fidelity, load_table
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
@@ -126,10 +126,10 @@ def print_auto_against_fixed(methods: list[str], tiers: list[str], cells: dict[t
     for auto in [m for m in methods if isinstance(parse_method(m), Auto)]:
         floor = parse_method(auto)
         fixed = [m for m in methods if not isinstance(parse_method(m), Auto)]
-        admitted = [m for m in fixed if table is not None and (f := table.of(m)) is not None and meets(f, floor)]
+        admitted = [m for m in fixed if (f := expected_fidelity(table, m)) is not None and meets(f, floor)]
         for tier in tiers:
             ttft = {m: statistics.mean(cells[tier, m].ttft) for m in fixed + [auto]}
-            best = min(admitted or fixed, key=ttft.__getitem__)
+            best = min(admitted, key=ttft.__getitem__)  # full is always there, and exact
             fastest = min(fixed, key=ttft.__getitem__)
             print(f"{tier}: {auto} {ttft[auto]:.3f} s = {ttft[auto] / ttft[best]:.2f}x the best fixed method meeting "
                   f"its floor ({best}, {ttft[best]:.3f} s); fastest fixed: {fastest} {ttft[fastest]:.3f} s")

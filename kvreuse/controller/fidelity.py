@@ -16,6 +16,7 @@ from pathlib import Path
 from kvreuse.model.loader import cache_root
 
 EXACT = "prefix"  # exact prefix restored, every chunk recomputed: full prefill's output, always available
+EXACT_METHODS = (EXACT, "full")
 
 
 @dataclass(frozen=True)
@@ -35,18 +36,7 @@ class FidelityTable:
         """The method's measured fidelity; for a ratio that was not measured, the fidelity of the largest
         measured ratio below it (a conservative guess: recomputing more never made a method worse on the eval);
         exact methods are exact."""
-        if method in (EXACT, "full"):
-            return Fidelity(0.0, 1.0)
-        if method in self.methods:
-            return self.methods[method]
-        name, _, arg = method.partition(":")
-        try:
-            ratio = float(arg)
-        except ValueError:
-            return None
-        below = [(float(m.partition(":")[2]), f) for m, f in self.methods.items()
-                 if m.partition(":")[0] == name and m.partition(":")[2] and float(m.partition(":")[2]) <= ratio]
-        return max(below, key=lambda rf: rf[0])[1] if below else None
+        return expected_fidelity(self, method)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -57,6 +47,32 @@ class FidelityTable:
             return cls(data["model"], {m: Fidelity(**f) for m, f in data["methods"].items()}, data.get("sources", []))
         except (KeyError, TypeError) as e:
             raise ValueError(f"not a kvreuse fidelity table: {e}") from None
+
+
+def expected_fidelity(table: FidelityTable | None, method: str) -> Fidelity | None:
+    """What `method` is expected to reach: exact methods are exact whatever the model; the others are what the
+    model's table measured (None without a table, or for a method it never measured)."""
+    if method in EXACT_METHODS:
+        return Fidelity(0.0, 1.0)
+    if table is None:
+        return None
+    if method in table.methods:
+        return table.methods[method]
+    name, _, arg = method.partition(":")
+    try:
+        ratio = float(arg)
+    except ValueError:
+        return None
+    below = [(r, f) for m, f in table.methods.items() if (r := _ratio_of(m, name)) is not None and r <= ratio]
+    return max(below, key=lambda rf: rf[0])[1] if below else None
+
+
+def _ratio_of(method: str, family: str) -> float | None:
+    name, _, arg = method.partition(":")
+    try:
+        return float(arg) if name == family and arg else None
+    except ValueError:
+        return None
 
 
 def from_eval_results(paths: list[Path]) -> FidelityTable:
