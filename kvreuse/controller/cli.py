@@ -37,10 +37,11 @@ def cmd_costs(args: argparse.Namespace) -> int:
 def _calibrate(loaded, stores: dict, profile, repeats: int):
     from kvreuse.controller.calibrate import calibrated, cacheblend_rule, mean_ttft, synthetic_requests, tune_cachetune
     from kvreuse.controller.auto import AutoController
+    from kvreuse.controller.fidelity import load_table
     from kvreuse.engine.reuse import ReuseEngine
 
     for tier, store in stores.items():
-        engine = ReuseEngine(loaded, store, controller=AutoController(profile, None))
+        engine = ReuseEngine(loaded, store, controller=AutoController(profile, load_table(loaded.fingerprint)))
         requests = synthetic_requests(engine.build_request, loaded.tokenizer)
         for request in requests:
             engine.compile(request, ["cachetune"])

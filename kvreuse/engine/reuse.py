@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
+from kvreuse.controller.auto import AutoController, Choice
+from kvreuse.controller.placement import NewEntry, PlacementPolicy, choose_tier
 from kvreuse.engine.generate import Generation, decode
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.fusion.compile import compile_chunk
 from kvreuse.fusion.executor import FusionExecutor, FusionResult, StoredKVMissing
-from kvreuse.controller.auto import AutoController, Choice
 from kvreuse.fusion.methods import Auto, Method, parse_method
 from kvreuse.fusion.plan import FusionPlan, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
@@ -38,9 +39,10 @@ from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.store.base import KVStore
+from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
 from kvreuse.store.spec import open_store
-from kvreuse.store.tiered import tier_label
+from kvreuse.store.tiered import TieredStore, tier_label
 
 log = logging.getLogger(__name__)
 DEFAULT_STORE = "memory:4GB"
@@ -57,10 +59,12 @@ class FusedPrefill:
 class ReuseEngine:
     def __init__(self, loaded: LoadedModel, store: KVStore, salt: str | None = None, *,
                  prefix_block_size: int = DEFAULT_BLOCK_SIZE, prefix_strategy: str = "auto",
-                 controller: AutoController | None = None):
+                 controller: AutoController | None = None, placement: PlacementPolicy | None = None):
         """prefix_block_size: tokens per stored prefix block; prefix_strategy: how a stored prefix is restored
         (auto, load, compute, cake, layerwise: see kvreuse.restore); controller: what resolves method auto
-        (default: built from this machine's saved profile on first use, measuring what it lacks)."""
+        (default: built from this machine's saved profile on first use, measuring what it lacks); placement:
+        put each new chunk on the slowest tier whose reads still hide behind recompute (CacheBlend's device
+        choice, kvreuse.controller.placement) instead of on every tier."""
         if prefix_strategy != "auto" and prefix_strategy not in STRATEGIES:
             raise ValueError(f"prefix_strategy: unknown strategy {prefix_strategy!r}; known: auto, "
                              f"{', '.join(STRATEGIES)}")
@@ -72,6 +76,7 @@ class ReuseEngine:
         self.restorer = PrefixRestorer(self.model, store, self._key_space("plain"), prefix_block_size)
         self.prefix_strategy = prefix_strategy
         self._controller = controller
+        self.placement = placement
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
         self._pending: dict[str, Future] = {}
 
@@ -144,7 +149,18 @@ class ReuseEngine:
     def _compile(self, segment: Segment, key: str, method: Method) -> None:
         dummies = int(method.compile_mode.partition(":")[2] or 0) if segment.kind == SegmentKind.CHUNK else 0
         dummy_id = self.model.config.bos_token_id or 0
-        self.store.put(compile_chunk(self.model, segment.token_ids, key, self.fingerprint, dummies, dummy_id))
+        entry = compile_chunk(self.model, segment.token_ids, key, self.fingerprint, dummies, dummy_id)
+        if self.placement is not None and isinstance(self.store, TieredStore) and len(self.store.tiers) > 1:
+            self.store.put(entry, self._placed_tier(entry))
+        else:
+            self.store.put(entry)
+
+    def _placed_tier(self, entry: KVEntry) -> int:
+        tiers = [(tier_label(self.store, i), self.store.free_bytes(i)) for i in range(len(self.store.tiers))]
+        ratio = getattr(parse_method(None), "ratio", 0.0)  # the default method's share of the entry recomputed
+        placement = choose_tier(self.controller.profile, tiers, NewEntry(entry.meta.num_tokens, ratio), self.placement)
+        log.debug("placed %s on tier %d: %s", entry.key, placement.tier, placement.reason)
+        return placement.tier
 
     def compile(self, request: Request, methods: list[str] | None = None) -> int:
         """Store the exact prefix's blocks and compile every chunk of `request` that the store lacks, in each

@@ -14,7 +14,10 @@ FLAGS = {
     "--api-key": (str, "require 'Authorization: Bearer KEY' on /v1/*"),
     "--store": (str, "store spec, e.g. memory:4GB,disk:/var/cache/kvreuse,redis://host:6379 (default memory:4GB)"),
     "--prefix-block-size": (int, "tokens per stored block of a conversation's prefix; whole blocks are reused (256)"),
-    "--method": (str, "reuse method of requests that choose none (default cacheblend:0.15)"),
+    "--method": (str, "reuse method of requests that choose none (default cacheblend:0.15; auto: the fastest "
+                      "meeting a quality floor, e.g. auto:kl=0.1)"),
+    "--placement": (str, "where new chunks are stored: every tier (all, default) or the slowest tier whose reads "
+                         "hide behind recompute (cost)"),
     "--max-concurrency": (int, "sequences prefilled and decoded together (default 8)"),
     "--max-queue": (int, "requests that may wait beyond those; more get 429 (default 256)"),
     "--request-timeout": (float, "seconds from arrival, queueing included, before a request is abandoned (600)"),
@@ -49,13 +52,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 def cmd_serve(args: argparse.Namespace) -> int:
     import uvicorn
 
+    from kvreuse.controller.placement import PlacementPolicy
     from kvreuse.engine.reuse import ReuseEngine
     from kvreuse.server.app import create_app
     from kvreuse.server.service import EngineService
 
     config = config_from_args(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
-    engine = ReuseEngine.load(config.model, config.store, config.dtype, prefix_block_size=config.prefix_block_size)
+    placement = PlacementPolicy() if config.placement == "cost" else None
+    engine = ReuseEngine.load(config.model, config.store, config.dtype, prefix_block_size=config.prefix_block_size,
+                              placement=placement)
     app = create_app(EngineService(engine, config))
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
     return 0

@@ -28,6 +28,7 @@ class ServerConfig:
     store: str = "memory:4GB"
     prefix_block_size: int = 256  # tokens per stored block of a conversation's exact prefix (whole blocks reused)
     method: str = DEFAULT_METHOD  # reuse method of requests that do not choose one
+    placement: str = "all"  # new chunks on every tier ("all"), or on the slowest whose reads hide ("cost")
     max_concurrency: int = 8  # sequences prefilled and decoded together
     max_queue: int = 256  # requests waiting beyond those; one more is refused with 429
     request_timeout: float = 600.0  # seconds from arrival (queueing included) until a request is abandoned
@@ -40,6 +41,7 @@ class ServerConfig:
         checks = {
             "port": 0 <= self.port <= 65535,
             "prefix_block_size": self.prefix_block_size >= 1,
+            "placement": self.placement in ("all", "cost"),
             "max_concurrency": self.max_concurrency >= 1,
             "max_queue": self.max_queue >= 0,
             "request_timeout": self.request_timeout > 0,

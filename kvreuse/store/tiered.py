@@ -117,17 +117,25 @@ class TieredStore(KVStore):
         self._queue.join()
 
     # -- the store interface -----------------------------------------------------------------------------
-    def put(self, entry: KVEntry) -> bool:
-        """Accept `entry` (True): written to cheap tiers now, queued for the others. Bad input raises here,
-        not later in the writer thread."""
+    def put(self, entry: KVEntry, tier: int = 0) -> bool:
+        """Accept `entry` (True) into tier `tier` and every tier below it: a placement policy may keep a new
+        entry out of the faster tiers, and a hit promotes it later. Cheap tiers are written now, the others
+        queued. Bad input raises here, not later in the writer thread."""
         if self._closed:
             raise RuntimeError(f"store {self.name} is closed")
-        for tier in self.tiers:
-            tier.check_put(entry)
+        if not 0 <= tier < len(self.tiers):
+            raise ValueError(f"tier: {tier} is not a tier of {self.name} (0..{len(self.tiers) - 1})")
+        for t in self.tiers:
+            t.check_put(entry)
         owned = entry.clone()  # the caller may reuse its tensors; async writes need a stable copy
-        for i in range(len(self.tiers)):
+        for i in range(tier, len(self.tiers)):
             self._write(i, owned)
         return True
+
+    def free_bytes(self, tier: int) -> int | None:
+        """Room left in tier `tier` before it evicts, or None if it has no capacity limit."""
+        stats = self.tiers[tier].stats()
+        return max(stats["capacity"] - stats["bytes_used"], 0) if stats.get("capacity") else None
 
     def _first_hit(self, read: Callable[[KVStore], Any]) -> tuple[int, Any]:
         for i, tier in enumerate(self.tiers):

@@ -148,3 +148,27 @@ def test_auto_runs_the_method_its_controller_chooses(tiny_model, rag_request, ma
     assert chosen.stats["predicted_ttft"] == chosen.stats["auto_candidates"]["cacheblend:0.3"]
     torch.testing.assert_close(chosen.logits, direct.logits, **TOLERANCE)
     assert loose.stats["method"] == "naive"
+
+
+def test_cost_placement_keeps_new_chunks_out_of_memory_when_the_slow_tier_hides_their_reads(tiny_model, rag_request,
+                                                                                               make_engine):
+    from kvreuse.controller.auto import AutoController
+    from kvreuse.controller.placement import PlacementPolicy
+    from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
+
+    slow_compute = ComputeProfile([64, 2048], [1.0, 32.0], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # hides any read
+    tiers = {"memory": TierProfile("memory", 1e10, 0.0), "hdd": TierProfile("hdd", 2e8, 8e-3, emulated=True)}
+    profile = MachineProfile("tiny-model", "float32", tiny_model.num_layers, 64, slow_compute, tiers)
+    store = open_store("memory:64MB,throttled:hdd:memory:64MB")
+    engine = make_engine(tiny_model, store, controller=AutoController(profile, None), placement=PlacementPolicy())
+    request = rag_request()
+    try:
+        engine.compile(request)
+        keys = [p.key for p in engine.lookup(request, parse_method(None)) if p.hit]
+        assert keys and all(store.locate(k) == 1 and not store.tiers[0].contains(k) for k in keys)
+        placed = engine.prefill(request, "cacheblend:0.15")
+        assert placed.stats["loaded_tokens_by_tier"] == {"hdd": placed.stats["loaded_tokens"]}
+        store.flush()
+        assert all(store.tiers[0].contains(k) for k in keys)  # a hit promotes them: hot entries live in memory
+    finally:
+        engine.close()
