@@ -35,9 +35,11 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        if self.params.temperature == 0:
+        scaled = logits.float() / self.params.temperature if self.params.temperature else None
+        if scaled is None or not bool(torch.isfinite(scaled).all()):
+            # greedy, or a temperature so close to 0 that the scaled logits overflow: greedy is its limit
             return int(logits.argmax())
-        probs = torch.softmax(logits.float() / self.params.temperature, dim=-1)
+        probs = torch.softmax(scaled, dim=-1)
         if self.params.top_p < 1:
             probs = _nucleus(probs, self.params.top_p)
         return int(torch.multinomial(probs, 1, generator=self.generator))

@@ -29,3 +29,8 @@ def test_top_p_keeps_only_the_nucleus():
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: value})
+
+
+def test_a_temperature_too_small_to_scale_the_logits_by_is_greedy():
+    logits = torch.tensor([1.0, 3.0, 2.0])
+    assert Sampler(SamplingParams(temperature=1e-45, seed=0))(logits) == 1  # logits / 1e-45 overflow to inf
