@@ -79,6 +79,7 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
     costs.set_defaults(func=cmd_costs)
 
     fidelity = kinds.add_parser("fidelity", help="the model's fidelity table for method auto, from eval results")
-    fidelity.add_argument("results", nargs="+", help="kvreuse eval output folders (or their results.json)")
+    fidelity.add_argument("results", nargs="+", help="kvreuse eval output folders (or their results.json), and "
+                          "earlier fidelity tables to fold in")
     fidelity.add_argument("--out", default=None, help="table file (default: in the kvreuse cache folder)")
     fidelity.set_defaults(func=cmd_fidelity)

@@ -1,6 +1,6 @@
 """What each method and ratio is expected to cost in quality, for one model: the eval's measured fidelity.
 
-`kvreuse controller fidelity RESULTS_DIR...` turns `kvreuse eval` outputs into a table; where several
+`kvreuse profile fidelity RESULTS_DIR...` turns `kvreuse eval` outputs (and earlier tables) into a table; where several
 datasets measured a method, the table keeps the worst of them (highest first-token KL, lowest agreement), so
 a floor met by the table is met on each of them. The embedded model's table ships with the package
 (`kvreuse/controller/fidelity/`); tables made for other models go to the kvreuse cache folder.
@@ -76,21 +76,33 @@ def _ratio_of(method: str, family: str) -> float | None:
 
 
 def from_eval_results(paths: list[Path]) -> FidelityTable:
-    """The worst fidelity of each method over the `kvreuse eval` result files (results.json) given."""
-    runs = [json.loads(Path(path).read_text()) for path in paths]
-    models = {run["settings"]["model"] for run in runs}
+    """The worst fidelity of each method over the inputs: `kvreuse eval` result files (results.json) and earlier
+    fidelity tables (so a new dataset's results fold into a table whose eval outputs are gone)."""
+    tables = [_as_table(json.loads(Path(path).read_text())) for path in paths]
+    models = {table.model for table in tables}
     if len(models) != 1:
         raise ValueError(f"eval results of {len(models)} models given ({', '.join(sorted(models))}); one table per model")
     worst: dict[str, Fidelity] = {}
-    for run in runs:
-        for row in run["methods"]:
-            new = Fidelity(row["first_token_kl"], row["agreement"], row["examples"])
-            old = worst.get(row["method"])
-            worst[row["method"]] = new if old is None else Fidelity(
+    for table in tables:
+        for method, new in table.methods.items():
+            old = worst.get(method)
+            worst[method] = new if old is None else Fidelity(
                 max(old.first_token_kl, new.first_token_kl), min(old.agreement, new.agreement),
                 old.examples + new.examples)
-    sources = [f"{run['settings']['dataset']}: {run['methods'][0]['examples']} examples" for run in runs]
-    return FidelityTable(models.pop(), worst, sources)
+    return FidelityTable(models.pop(), worst, [source for table in tables for source in table.sources])
+
+
+def _as_table(data: dict) -> FidelityTable:
+    """One eval run (results.json: a list of method rows) or a fidelity table (a dict of methods) as a table."""
+    if isinstance(data.get("methods"), dict):
+        return FidelityTable.from_json(data)
+    try:
+        methods = {row["method"]: Fidelity(row["first_token_kl"], row["agreement"], row["examples"])
+                   for row in data["methods"]}
+        source = f"{data['settings']['dataset']}: {data['methods'][0]['examples']} examples"
+        return FidelityTable(data["settings"]["model"], methods, [source])
+    except (KeyError, TypeError, IndexError) as e:
+        raise ValueError(f"neither kvreuse eval results nor a fidelity table: {e}") from None
 
 
 def user_table_path(model: str) -> Path:

@@ -51,7 +51,8 @@ def test_the_embedded_models_table_ships_with_the_package():
 
     shipped = json.loads((resources.files("kvreuse.controller") / "fidelity" / "smollm2-135m-instruct.json").read_text())
     table = load_table(shipped["model"])
-    assert table is not None and table.methods["cacheblend:0.15"].first_token_kl <= 0.15
+    assert table is not None and table.model == shipped["model"] and table.sources
+    assert {"naive", "cacheblend:0.15", "legolink:16", "cachetune:0.15"} <= table.methods.keys()
     assert load_table("no-such-model") is None
 
 
@@ -86,3 +87,21 @@ def test_ensure_profile_measures_only_the_tiers_the_saved_profile_lacks(tmp_path
     assert grown.compute == first.compute and grown.tiers["memory"] == first.tiers["memory"]
     assert grown.tiers["ssd"].emulated and not grown.tiers["memory"].emulated
     assert grown.tiers["ssd"].bytes_per_second < grown.tiers["memory"].bytes_per_second
+
+
+def test_an_earlier_table_folds_into_a_new_one(tmp_path):
+    earlier = FidelityTable("m", {"naive": Fidelity(0.4, 0.5, 20), "legolink:16": Fidelity(0.2, 0.5, 20)},
+                            ["2wikimqa: 10 examples", "hotpotqa: 10 examples"])
+    table_file = save_table(earlier, tmp_path / "table.json")
+    samsum = eval_results(tmp_path / "s.json", "m", "samsum", {"naive": (0.3, 0.3), "legolink:16": (0.25, 0.7)})
+    table = from_eval_results([table_file, samsum])
+    assert table.methods["naive"] == Fidelity(0.4, 0.3, 30)
+    assert table.methods["legolink:16"] == Fidelity(0.25, 0.5, 30)
+    assert table.sources == ["2wikimqa: 10 examples", "hotpotqa: 10 examples", "samsum: 10 examples"]
+
+
+def test_a_file_that_is_neither_results_nor_a_table_is_refused(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"settings": {}, "methods": [{"method": "naive"}]}))
+    with pytest.raises(ValueError, match="neither kvreuse eval results nor a fidelity table"):
+        from_eval_results([bad])
