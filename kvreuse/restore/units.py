@@ -181,7 +181,10 @@ class UnitLog:
     def compute(self, axis: Axis, pointers: TwoPointer, span: Span) -> None:
         start = time.perf_counter()
         axis.compute(span)
-        seconds = time.perf_counter() - start
+        self.settle_computed(pointers, span, time.perf_counter() - start)
+
+    def settle_computed(self, pointers: TwoPointer, span: Span, seconds: float) -> None:
+        """`span` is computed, in `seconds` (in a batch: the wall time of the step it shared with others)."""
         with self.lock:
             self.computed.append((span, seconds))
         pointers.settle(span, seconds, computed=True)

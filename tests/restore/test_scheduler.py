@@ -1,8 +1,10 @@
-"""The batch-aware scheduler: requests restored together, admitted and finished independently, stay exact; the
-I/O channel goes to the request with the most restoration work left."""
+"""The batch-aware scheduler: requests restored together in batched compute steps, admitted and finished
+independently, stay exact, lost blocks included; a step takes every request's next span; the I/O channel goes to
+the request with the most restoration work left."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvreuse.model.runtime import LayerwiseModel
@@ -11,6 +13,8 @@ from kvreuse.restore.scheduler import BatchRestorer, Restoration, most_remaining
 from kvreuse.restore.units import Span
 from kvreuse.store import KeySpace, open_store
 
+from .support import Evicting
+
 TOLERANCE = dict(atol=1e-4, rtol=0)
 
 
@@ -18,7 +22,16 @@ def ids_of(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_a_batch_of_mixed_requests_restores_exactly(make_tiny):
+def assert_full_prefill(model, prompt, result) -> None:
+    full = model.prefill(prompt)
+    torch.testing.assert_close(result.logits, full.logits, **TOLERANCE)
+    for layer in range(model.num_layers):
+        for got, want in zip(result.cache.layer(layer), full.cache.layer(layer)):
+            torch.testing.assert_close(got, want, **TOLERANCE)
+
+
+@pytest.mark.parametrize("compute_workers", [1, 2])
+def test_a_batch_of_mixed_requests_restores_exactly(make_tiny, compute_workers):
     model = LayerwiseModel(make_tiny("mistral-window"))
     restorer = PrefixRestorer(model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
     # (prompt, stored, strategy): mixed prefix lengths, both axes, one request with nothing stored.
@@ -27,7 +40,7 @@ def test_a_batch_of_mixed_requests_restores_exactly(make_tiny):
     for prompt, (_, stored, _) in zip(prompts, cases):
         if stored:
             restorer.store_prefix(prompt[:stored])
-    batch = BatchRestorer(restorer)
+    batch = BatchRestorer(restorer, compute_workers)
     try:
         futures = [batch.submit(p, s) for p, (_, _, s) in zip(prompts[:4], cases)]
         results = [f.result(timeout=60) for f in futures]
@@ -36,12 +49,29 @@ def test_a_batch_of_mixed_requests_restores_exactly(make_tiny):
     finally:
         batch.close()
     for prompt, result in zip(prompts, results):
-        full = model.prefill(prompt)
-        torch.testing.assert_close(result.logits, full.logits, **TOLERANCE)
-        for layer in range(model.num_layers):
-            for got, want in zip(result.cache.layer(layer), full.cache.layer(layer)):
-                torch.testing.assert_close(got, want, **TOLERANCE)
+        assert_full_prefill(model, prompt, result)
     assert [r.stats["prefix_tokens"] for r in results] == [56, 16, 24, 0, 47]
+
+
+def test_every_family_restores_a_mixed_batch_with_lost_blocks_exactly(tiny_model):
+    """Cake and layer-wise requests in one batch, two of them losing their back block (the first the I/O side
+    asks for) after the lookup: the failed spans are recomputed and every result is a full prefill's."""
+    store = Evicting(open_store("memory:64MB").tiers)
+    # short compute runs: many batched steps, and the I/O side reaches the lost blocks long before compute does
+    restorer = PrefixRestorer(tiny_model, store, KeySpace("tiny", "tok"), block_size=8, compute_run=4)
+    cases = [(50, 48, "cake"), (41, 40, "layerwise"), (33, 24, "layerwise"), (27, 16, "cake")]
+    prompts = [ids_of(n, 10 + seed) for seed, (n, _, _) in enumerate(cases)]
+    for prompt, (_, stored, _) in zip(prompts, cases):
+        restorer.store_prefix(prompt[:stored])
+    store.lost = {restorer.block_keys(prompts[i])[cases[i][1] // 8 - 1] for i in (0, 1)}
+    batch = BatchRestorer(restorer)
+    try:
+        results = [f.result(timeout=60) for f in [batch.submit(p, s) for p, (_, _, s) in zip(prompts, cases)]]
+    finally:
+        batch.close()
+    for prompt, result in zip(prompts, results):
+        assert_full_prefill(tiny_model, prompt, result)
+    assert results[0].stats["spans_failed"] and results[1].stats["spans_failed"]
 
 
 class FakeAxis:
@@ -76,15 +106,36 @@ def test_io_goes_to_the_request_with_the_most_work_left():
     assert most_remaining([short], tier=1) is None
 
 
-def test_compute_goes_to_the_request_with_the_least_work_left_and_finishing_comes_first():
-    def request(length: int) -> Restoration:
-        return Restoration(job=None, axis=FakeAxis(length), strategy="cake", future=None, compute_run=256)
+def fake_request(length: int) -> Restoration:
+    return Restoration(job=None, axis=FakeAxis(length), strategy="cake", future=None, compute_run=256)
 
+
+def test_a_step_takes_every_request_and_finishing_comes_first():
     batch = BatchRestorer(restorer=None, compute_workers=0)  # no worker threads: the choice alone
-    short, long_, done = request(512), request(1536), request(256)
+    short, long_, done = fake_request(512), fake_request(1536), fake_request(256)
     done.pointers.settle(done.pointers.claim_back(), seconds=0.01, computed=False)
     batch._active = [long_, short, done]
-    assert batch._next_compute() == (done, None)  # all in place: its remainder is computed first
-    assert batch._next_compute() == (short, Span(0, 256))
-    assert batch._next_compute() == (long_, Span(0, 256))  # short is busy: a worker is on it
-    assert batch._next_compute() is None
+    # all in place: its remainder goes in the step; every other request's next span too (Algorithm 1, line 11)
+    assert batch._next_step() == [(done, None), (short, Span(0, 256)), (long_, Span(0, 256))]
+    assert batch._next_step() is None  # all of them are in a step
+
+
+def test_a_request_admitted_during_a_step_joins_the_next():
+    batch = BatchRestorer(restorer=None, compute_workers=0)
+    first, second, late = fake_request(512), fake_request(1024), fake_request(1024)
+    batch._active = [first, second]
+    assert batch._next_step() == [(first, Span(0, 256)), (second, Span(0, 256))]
+    batch._active.append(late)  # admitted while that step runs
+    for request in (first, second):  # the step is over
+        request.busy = False
+    batch._stepping = 0
+    assert batch._next_step() == [(first, Span(256, 512)), (second, Span(256, 512)), (late, Span(0, 256))]
+
+
+def test_several_workers_split_the_batch_least_work_first():
+    batch = BatchRestorer(restorer=None, compute_workers=0)
+    batch.compute_workers = 2  # the choice alone, as two workers would make it
+    requests = [fake_request(n) for n in (2048, 512, 1536, 1024)]
+    batch._active = list(requests)
+    assert batch._next_step() == [(requests[1], Span(0, 256)), (requests[3], Span(0, 256))]
+    assert batch._next_step() == [(requests[2], Span(0, 256)), (requests[0], Span(0, 256))]
