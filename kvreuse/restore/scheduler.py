@@ -7,8 +7,8 @@ projections and MLP see all their rows at once while each attends over its own c
 positions are all in place joins the step with its remainder (the prompt after the prefix, its last token
 included), and its future resolves right after. Each store tier is one I/O channel with one worker; after
 every span it gives the channel to the request with the most restoration work left (unclaimed token-layers),
-since loading the back of a long prefix saves the most recomputation. Requests are admitted and finished
-independently: one admitted during a step joins the next.
+since loading the back of a long prefix saves the most recomputation (other priorities: IO_PRIORITIES).
+Requests are admitted and finished independently: one admitted during a step joins the next.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
+from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore.job import JobAxis, PrefixJob, Run, forward
 from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Span, TwoPointer, UnitLog
@@ -37,6 +38,7 @@ class Restoration:
     strategy: str
     future: Future
     compute_run: int = DEFAULT_COMPUTE_RUN
+    key_weight: float = 0.0  # see key_weight(): prices attention in remaining_recompute
     pointers: TwoPointer = field(init=False)
     log: UnitLog = field(default_factory=UnitLog)
     admitted: float = field(default_factory=time.perf_counter)
@@ -46,27 +48,65 @@ class Restoration:
     def __post_init__(self) -> None:
         self.pointers = TwoPointer(self.axis, self.compute_run, by_rates=False)
 
-    def remaining_work(self) -> int:
-        """Token-layers not yet claimed by either side."""
-        return self.pointers.unclaimed() * self.axis.token_layers
+    def remaining_work(self) -> float:
+        """Token-layers not yet claimed by either side: its length left to restore."""
+        return len(self.pointers.unclaimed()) * self.axis.token_layers
+
+    def remaining_recompute(self) -> float:
+        """What recomputing the unclaimed positions would cost, in token-layers of projections and MLP: each row
+        also attends over the rows before it, so the back of a long prefix costs the most (superlinear)."""
+        rows = self.axis.length // self.axis.positions_per_token  # rows per layer (all of them on the token axis)
+        return recompute_cost(self.pointers.unclaimed(), rows, self.key_weight) * self.axis.token_layers
 
     def next_load_tier(self) -> int | None:
         position = self.pointers.next_back()
         return None if position is None else self.axis.tier(position)
 
 
-def most_remaining(requests: Sequence[Restoration], tier: int) -> Restoration | None:
-    """The request that gets tier `tier`'s I/O channel next: the one with the most work left among those whose
-    next span to load lives on that tier."""
-    waiting = [r for r in requests if r.next_load_tier() == tier]
-    return max(waiting, key=Restoration.remaining_work, default=None)
+def key_weight(model: LayerwiseModel) -> float:
+    """What one key adds to a row's recompute cost, relative to the row's projections and MLP in one layer: the
+    FLOPs of its score and weighted value over all query heads over the FLOPs of the layer's weights."""
+    return 4 * model.num_q_heads * model.head_dim / (2 * sum(p.numel() for p in model.layers[0].parameters()))
+
+
+def recompute_cost(span: Span, rows: int, weight: float) -> float:
+    """Sum over the positions x of `span` of 1 + weight * (x mod rows): position x is row x mod `rows` of its
+    layer, which attends over that many rows before it."""
+    cost, x = 0.0, span.start
+    while x < span.stop:
+        lo = x % rows
+        hi = min(rows, lo + span.stop - x)
+        cost += (hi - lo) + weight * (hi * (hi - 1) - lo * (lo - 1)) / 2
+        x += hi - lo
+    return cost
+
+
+# Who gets a tier's I/O channel next, among the requests whose next span to load lives on it: what is measured,
+# and whether the most or the least of it wins.
+IO_PRIORITIES: dict[str, tuple[Callable[[Restoration], float], Callable[..., Restoration | None]]] = {
+    # CacheFlow: the longest length left to restore, whose loads save the most recomputation
+    "most-work": (Restoration.remaining_work, max),
+    # CacheFlow's stated measure, the remaining recomputation cost, attention included
+    "most-recompute": (Restoration.remaining_recompute, max),
+    # not CacheFlow: shortest remaining first, which minimises mean completion when the I/O is the bottleneck
+    "least-work": (Restoration.remaining_work, min),
+}
+
+
+def io_turn(requests: Sequence[Restoration], tier: int, priority: str = "most-work") -> Restoration | None:
+    """The request that gets tier `tier`'s I/O channel next, by `priority` (IO_PRIORITIES)."""
+    measure, pick = IO_PRIORITIES[priority]
+    return pick((r for r in requests if r.next_load_tier() == tier), key=measure, default=None)
 
 
 class BatchRestorer:
-    def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1):
+    def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1, io_priority: str = "most-work"):
         """compute_workers: threads running compute steps (one GPU stream: 1). With several, each step takes
-        its share of the requests not in a step, so that the workers split the batch between them."""
-        self.restorer = restorer
+        its share of the requests not in a step, so that the workers split the batch between them.
+        io_priority: who gets a tier's I/O channel after each span (IO_PRIORITIES); CacheFlow's by default."""
+        if io_priority not in IO_PRIORITIES:
+            raise ValueError(f"unknown I/O priority {io_priority!r}: expected one of {', '.join(IO_PRIORITIES)}")
+        self.restorer, self.io_priority = restorer, io_priority
         self._active: list[Restoration] = []
         self._cond = threading.Condition()
         self._closed = False
@@ -91,7 +131,8 @@ class BatchRestorer:
         blocks = restorer.plan(ids)
         strategy = restorer.choose(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
-        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run)
+        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run,
+                              key_weight(restorer.model))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")
@@ -182,7 +223,7 @@ class BatchRestorer:
 
     def _io_loop(self, tier: int) -> None:
         def claim() -> tuple[Restoration, Span] | None:
-            request = most_remaining(self._active, tier)
+            request = io_turn(self._active, tier, self.io_priority)
             span = None if request is None else request.pointers.claim_back()
             return None if span is None else (request, span)
 

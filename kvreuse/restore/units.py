@@ -145,9 +145,10 @@ class TwoPointer:
         with self._cond:
             return self.back - 1 if self.front < self.back else None
 
-    def unclaimed(self) -> int:
+    def unclaimed(self) -> Span:
+        """The positions neither side has claimed yet."""
         with self._cond:
-            return max(0, self.back - self.front)
+            return Span(self.front, max(self.front, self.back))
 
     def settle(self, span: Span, seconds: float, computed: bool) -> None:
         with self._cond:

@@ -9,7 +9,7 @@ import torch
 
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
-from kvreuse.restore.scheduler import BatchRestorer, Restoration, most_remaining
+from kvreuse.restore.scheduler import BatchRestorer, Restoration, io_turn, key_weight, recompute_cost
 from kvreuse.restore.units import Span
 from kvreuse.store import KeySpace, open_store
 
@@ -30,8 +30,9 @@ def assert_full_prefill(model, prompt, result) -> None:
             torch.testing.assert_close(got, want, **TOLERANCE)
 
 
-@pytest.mark.parametrize("compute_workers", [1, 2])
-def test_a_batch_of_mixed_requests_restores_exactly(make_tiny, compute_workers):
+@pytest.mark.parametrize("compute_workers,io_priority",
+                         [(1, "most-work"), (2, "most-work"), (1, "most-recompute"), (2, "least-work")])
+def test_a_batch_of_mixed_requests_restores_exactly(make_tiny, compute_workers, io_priority):
     model = LayerwiseModel(make_tiny("mistral-window"))
     restorer = PrefixRestorer(model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
     # (prompt, stored, strategy): mixed prefix lengths, both axes, one request with nothing stored.
@@ -40,7 +41,7 @@ def test_a_batch_of_mixed_requests_restores_exactly(make_tiny, compute_workers):
     for prompt, (_, stored, _) in zip(prompts, cases):
         if stored:
             restorer.store_prefix(prompt[:stored])
-    batch = BatchRestorer(restorer, compute_workers)
+    batch = BatchRestorer(restorer, compute_workers, io_priority)
     try:
         futures = [batch.submit(p, s) for p, (_, _, s) in zip(prompts[:4], cases)]
         results = [f.result(timeout=60) for f in futures]
@@ -98,12 +99,37 @@ def test_io_goes_to_the_request_with_the_most_work_left():
         return Restoration(job=None, axis=FakeAxis(length, tier), strategy="cake", future=None, compute_run=256)
 
     short, long_, other_tier = request(512), request(1536), request(5120, tier=1)
-    assert most_remaining([short, long_, other_tier], tier=0) is long_
+    assert io_turn([short, long_, other_tier], tier=0) is long_
+    assert io_turn([short, long_, other_tier], tier=0, priority="least-work") is short
     for _ in range(5):  # the long request's remaining work drops below the short one's
         long_.pointers.claim_back()
-    assert most_remaining([short, long_, other_tier], tier=0) is short
-    assert most_remaining([short, long_, other_tier], tier=1) is other_tier
-    assert most_remaining([short], tier=1) is None
+    assert io_turn([short, long_, other_tier], tier=0) is short
+    assert io_turn([short, long_, other_tier], tier=1) is other_tier
+    assert io_turn([short], tier=1) is None
+
+
+def test_remaining_recompute_prices_the_back_of_a_long_prefix_highest():
+    # 300 unclaimed rows at the back of a 1300-row prefix against 400 at the front of another: the second has
+    # more rows left, the first costs more to recompute once attention over the rows before is counted.
+    back, front = (Restoration(job=None, axis=FakeAxis(n), strategy="cake", future=None, key_weight=0.01)
+                   for n in (1300, 400))
+    while len(back.pointers.unclaimed()) > 300:
+        back.pointers.claim_front()
+    assert io_turn([back, front], tier=0) is front
+    assert io_turn([back, front], tier=0, priority="most-recompute") is back
+
+
+def test_recompute_cost_counts_each_row_and_the_rows_before_it():
+    assert recompute_cost(Span(2, 5), rows=10, weight=0.5) == 3 + 0.5 * (2 + 3 + 4)
+    # layer-major positions of 4 rows a layer: 3..8 are rows 3 | 0 1 2 3 | 0
+    assert recompute_cost(Span(3, 9), rows=4, weight=1.0) == 6 + (3 + 0 + 1 + 2 + 3 + 0)
+    assert recompute_cost(Span(5, 5), rows=4, weight=1.0) == 0
+
+
+def test_key_weight_is_attention_flops_over_the_layer_weights(tiny_model):
+    layer_weights = sum(p.numel() for p in tiny_model.layers[0].parameters())
+    weight = key_weight(tiny_model)
+    assert weight * 2 * layer_weights == 4 * tiny_model.num_q_heads * tiny_model.head_dim
 
 
 def fake_request(length: int) -> Restoration:
