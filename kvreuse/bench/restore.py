@@ -150,38 +150,43 @@ def _length_row(bench: BenchModel, length: int, tier: str, runs: dict, repeats: 
 
 
 def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
-                tmp: str, compute_workers: int) -> dict:
-    """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once."""
+                tmp: str, compute_workers: int, io_priorities: list[str]) -> dict:
+    """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once: per-request
+    Cake, and the batch-aware scheduler with each I/O priority."""
     stores = open_tiers([tier], tmp)
     restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
     prompts = [stored_prompt(bench, stores, n, seed=1000 + n, block=block) for n in lengths]
     for prompt in prompts:
         warm_up(restorer, prompt)
-    times: dict[str, list[list[float]]] = {"per-request cake": [], "batch-aware": []}
 
     def per_request() -> list[float]:
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: restorer.restore(p, "cake"), prompts))
         return [r.stats["total_seconds"] for r in results]
 
-    def batch_aware() -> list[float]:
-        batch = BatchRestorer(restorer, compute_workers=compute_workers)
+    def batch_aware(io_priority: str) -> list[float]:
+        batch = BatchRestorer(restorer, compute_workers, io_priority)
         try:
             futures = [batch.submit(p, "cake") for p in prompts]
             return [f.result().stats["total_seconds"] for f in futures]
         finally:
             batch.close()
 
+    variants = [("per-request cake", per_request)] + [
+        (f"batch-aware {p}", lambda p=p: batch_aware(p)) for p in io_priorities]
+    times: dict[str, list[list[float]]] = {name: [] for name, _ in variants}
     try:
-        variants = [("per-request cake", per_request), ("batch-aware", batch_aware)]
         for r in range(repeats):
-            for name, variant in variants if r % 2 == 0 else variants[::-1]:
+            for name, variant in variants[r % len(variants):] + variants[: r % len(variants)]:
                 times[name].append(variant())
     finally:
         stores[tier].close()
     summary = {name: {"mean": statistics.median(float(np.mean(t)) for t in ts),
-                      "p90": statistics.median(float(np.percentile(t, 90)) for t in ts)} for name, ts in times.items()}
-    return {"tier": tier, "lengths": lengths, "compute_workers": compute_workers, **summary}
+                      "p90": statistics.median(float(np.percentile(t, 90)) for t in ts),
+                      "per_request": [statistics.median(t[i] for t in ts) for i in range(len(lengths))]}
+               for name, ts in times.items()}
+    return {"tier": tier, "lengths": lengths, "compute_workers": compute_workers, "repeats": repeats,
+            "variants": summary}
 
 
 def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
@@ -235,31 +240,35 @@ def print_lengths(rows: list[dict], title: str) -> None:
 
 
 def print_batch(result: dict) -> None:
-    per, batch = result["per-request cake"], result["batch-aware"]
+    variants = result["variants"]
+    base = variants["per-request cake"]
     print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {tier_label(result['tier'])}, "
-          f"{result['compute_workers']} compute worker(s): "
-          f"per-request Cake mean {per['mean'] * 1e3:.0f} ms, p90 {per['p90'] * 1e3:.0f} ms; "
-          f"batch-aware mean {batch['mean'] * 1e3:.0f} ms, p90 {batch['p90'] * 1e3:.0f} ms; "
-          f"speed-up mean {per['mean'] / batch['mean']:.2f}x, p90 {per['p90'] / batch['p90']:.2f}x")
+          f"{result['compute_workers']} compute worker(s), median of {result['repeats']} batches:")
+    for name, v in variants.items():
+        each = ", ".join(f"{t * 1e3:.0f}" for t in v["per_request"])
+        print(f"  {name:28s} mean {v['mean'] * 1e3:5.0f} ms, p90 {v['p90'] * 1e3:5.0f} ms "
+              f"(per request {each}); speed-up over per-request Cake: mean {base['mean'] / v['mean']:.2f}x, "
+              f"p90 {base['p90'] / v['p90']:.2f}x")
 
 
 def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
-        compute_run: int, batch_tier: str | None, batch_lengths: list[int], batch_compute_workers: int,
-        json_out: str | None) -> dict:
+        compute_run: int, batch_tiers: list[str], batch_lengths: list[int], batch_compute_workers: int,
+        batch_io: list[str], batch_repeats: int, json_out: str | None) -> dict:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvreuse-restore-bench-", dir="/var/tmp") as tmp:
-        rows = bench_lengths(bench, tiers, lengths, repeats, block, compute_run, tmp)
-        batch = bench_batch(bench, batch_tier, batch_lengths, repeats, block, compute_run, tmp,
-                            batch_compute_workers) if batch_tier else None
-    print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, compute run {compute_run}, "
-                        f"{threads} torch thread(s), median of {repeats}")
-    if batch:
+        rows = bench_lengths(bench, tiers, lengths, repeats, block, compute_run, tmp) if lengths else []
+        batches = [bench_batch(bench, tier, batch_lengths, batch_repeats, block, compute_run, tmp,
+                               batch_compute_workers, batch_io) for tier in batch_tiers]
+    if rows:
+        print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, compute run {compute_run}, "
+                            f"{threads} torch thread(s), median of {repeats}")
+    for batch in batches:
         print_batch(batch)
     print(f"total bench time {time.perf_counter() - started:.0f} s")
     result = {"model": bench.name, "block": block, "compute_run": compute_run, "threads": threads,
-              "repeats": repeats, "rows": rows, "batch": batch}
+              "repeats": repeats, "rows": rows, "batches": batches}
     if json_out:
         with open(json_out, "w") as f:
             json.dump(result, f, indent=1)

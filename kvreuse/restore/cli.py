@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kvreuse.restore.scheduler import IO_PRIORITIES
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE
 
@@ -26,9 +27,9 @@ def _add_common(parser: argparse.ArgumentParser, lengths: list[int], repeats: in
 def cmd_bench_restore(args: argparse.Namespace) -> int:
     from kvreuse.bench.restore import run
 
-    run(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads, args.compute_run,
-        None if args.batch_tier == "none" else args.batch_tier, args.batch_lengths, args.batch_compute_workers,
-        args.json)
+    run(args.layers or None, args.tiers, [] if args.batch_only else args.lengths, args.repeats, args.block,
+        args.threads, args.compute_run, [t for t in args.batch_tiers if t != "none"], args.batch_lengths,
+        args.batch_compute_workers, args.batch_io, args.batch_repeats, args.json)
     return 0
 
 
@@ -43,12 +44,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def add_commands(profiles: argparse._SubParsersAction, benches: argparse._SubParsersAction) -> None:
     bench = benches.add_parser("restore", help="prefix restoration: load, compute, Cake, CacheFlow, per tier")
     _add_common(bench, [512, 1024, 2048, 4096, 8192], 3)
-    bench.add_argument("--batch-tier", default="hdd", choices=TIER_CHOICES + ["none"],
-                       help="tier of the batch experiment ('none' skips it)")
+    bench.add_argument("--batch-only", action="store_true", help="run only the batch experiment")
+    bench.add_argument("--batch-tiers", nargs="+", default=["hdd", "ssd", "memory"],
+                       choices=TIER_CHOICES + ["none"], help="tiers of the batch experiment ('none' skips it)")
     bench.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
     bench.add_argument("--batch-compute-workers", type=int, default=2,
-                       help="compute workers of the batch-aware scheduler: one per core of this 2-core CPU "
-                            "(per-request Cake has one per request)")
+                       help="compute workers of the batch-aware scheduler, each running batched steps over its "
+                            "share of the batch: one per core of this 2-core CPU (per-request Cake: one per request)")
+    bench.add_argument("--batch-io", nargs="+", choices=list(IO_PRIORITIES), default=list(IO_PRIORITIES),
+                       help="I/O priorities of the batch-aware scheduler to measure (most-work is CacheFlow's)")
+    bench.add_argument("--batch-repeats", type=int, default=5, help="batches per variant")
     bench.add_argument("--json", help="also write the figures to this file")
     bench.set_defaults(func=cmd_bench_restore)
 

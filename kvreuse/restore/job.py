@@ -2,8 +2,10 @@
 
 The request's KVCache is the meeting place of compute and I/O: row r holds position r, a loaded block's keys
 are rotated to their positions and written at their rows, a computed block writes its own. Every computation
-(a prefix block, a layer of the whole prefix, the remainder after the prefix) is the same step, `PrefixJob.step`:
-run one layer for a contiguous run of rows, attending over every row before their end.
+(a run of prefix rows, a layer of the whole prefix, the remainder after the prefix, a stage's layers) is a `Run`
+of one request's contiguous rows through some of its layers, and every run goes through the one layer loop,
+`forward`, whose `step` runs one layer for several runs at once (the batch scheduler's requests; a lone
+restoration's single run): each run attends over its own cache's rows before its end.
 
 Two axes say what a position of the two-pointer line is: a prefix row through every layer (TokenAxis) or one
 row of one layer, layer-major (LayerAxis). On both, the I/O side reads stored blocks (whole, or the part past
@@ -12,9 +14,11 @@ the compute side's pointer) and the compute side runs short runs of rows.
 
 from __future__ import annotations
 
+import itertools
 import threading
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -67,8 +71,62 @@ class Capture:
     v: list[torch.Tensor] = field(default_factory=list)
     boundary: list[torch.Tensor] = field(default_factory=list)
 
+    def record(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """What a step of `layer` computed for the captured rows: the hidden state entering it if it starts a
+        stage, and its KV in stored form."""
+        if layer in self.boundary_layers:
+            self.boundary.append(hidden)
+        self.k.append(k)
+        self.v.append(v)
+
 
 HiddenSource = Callable[[slice], torch.Tensor]
+
+
+@dataclass
+class Run:
+    """Rows [rows.start, rows.stop) of one request through `layers`, from `hidden`, the state entering
+    layers.start; the rows before rows.start hold those layers' KV already. One request's part of a step."""
+
+    job: PrefixJob
+    rows: slice
+    layers: range
+    hidden: torch.Tensor
+    capture: Capture | None = None
+
+
+def forward(runs: Sequence[Run]) -> list[torch.Tensor]:
+    """The one layer loop: every run through its own layers, bottom-up; at each layer, all the runs on it (of
+    one request, or of every request in a batch) go through one step together. Returns each run's output."""
+    hidden = [run.hidden for run in runs]
+    for layer in sorted(set().union(*(run.layers for run in runs))):
+        on = [i for i, run in enumerate(runs) if layer in run.layers]
+        for i, out in zip(on, step(layer, [runs[i] for i in on], [hidden[i] for i in on])):
+            hidden[i] = out
+    return hidden
+
+
+def step(layer: int, runs: Sequence[Run], hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """`layer` for several runs, given each one's entering hidden state. Projections, norms and MLP run on all
+    their rows at once: one weight read, and a matmul of many rows costs little more than one of a few on a CPU
+    as on a GPU. RoPE, the cache writes and attention run per run, over its own request's cache."""
+    model = runs[0].job.model
+    sizes = [h.shape[0] for h in hidden]
+    joined = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
+    q, k, v = model.qkv(layer, joined)
+    outputs = []
+    for run, h, part in zip(runs, hidden, _parts(sizes)):
+        if run.capture is not None:
+            run.capture.record(layer, h, k[part], v[part])
+        outputs.append(run.job.attend(layer, run.rows, q[part], k[part], v[part]))
+    out = model.finish_layer(layer, joined, torch.cat(outputs) if len(outputs) > 1 else outputs[0])
+    return list(out.split(sizes))
+
+
+def _parts(sizes: list[int]) -> list[slice]:
+    """Consecutive slices of the given sizes: where each run's rows sit in a step's concatenated rows."""
+    ends = list(itertools.accumulate(sizes))
+    return [slice(end - size, end) for size, end in zip(sizes, ends)]
 
 
 class PrefixJob:
@@ -95,32 +153,26 @@ class PrefixJob:
 
     # ---- compute --------------------------------------------------------------------------------------
 
-    def step(self, layer: int, hidden: torch.Tensor, rows: slice, capture: Capture | None = None) -> torch.Tensor:
-        """Run `layer` for the rows [rows.start, rows.stop) given their entering hidden state; rows before
-        rows.start must hold this layer's KV already. Writes the rows' KV, returns their output hidden state."""
+    def run(self, rows: slice, layers: range | None = None, hidden: torch.Tensor | None = None,
+            capture: Capture | None = None) -> Run:
+        """Rows through `layers` (default: all of this job's), from `hidden` (default: their entering state)."""
+        layers = self.layers if layers is None else layers
+        return Run(self, rows, layers, self.hidden_in(rows) if hidden is None else hidden, capture)
+
+    def compute_rows(self, rows: slice, capture: Capture | None = None, *, layers: range | None = None,
+                     hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """Rows through `layers` alone (default: all of this job's, from their entering state); their output."""
+        return forward([self.run(rows, layers, hidden, capture)])[0]
+
+    def attend(self, layer: int, rows: slice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This job's part of a step: rotate q and k to the rows' positions, write the rows' KV, attend over every
+        row before their end. Only rows up to rows.stop: later rows may be unwritten memory (NaN), which a mask
+        does not make safe."""
         model, rotary = self.model, self.rotary[rows]
-        q, k, v = model.qkv(layer, hidden)
         self.cache.write(layer, rows, model.rope(k, rotary), v)
-        # Only rows up to rows.stop: later rows may be unwritten memory (NaN), which a mask does not make safe.
         keys, values = self.cache.keys[layer][: rows.stop], self.cache.values[layer][: rows.stop]
         positions = self.positions[: rows.stop]
-        out = model.attend(layer, model.rope(q, rotary), positions[rows], keys, values, positions)
-        if capture is not None:
-            capture.k.append(k)
-            capture.v.append(v)
-        return model.finish_layer(layer, hidden, out)
-
-    def run_layers(self, layers: range, hidden: torch.Tensor, rows: slice, capture: Capture | None = None
-                   ) -> torch.Tensor:
-        for layer in layers:
-            if capture is not None and layer in capture.boundary_layers:
-                capture.boundary.append(hidden)
-            hidden = self.step(layer, hidden, rows, capture)
-        return hidden
-
-    def compute_rows(self, rows: slice, capture: Capture | None = None) -> torch.Tensor:
-        """Rows through all of this job's layers, from their entering hidden state."""
-        return self.run_layers(self.layers, self.hidden_in(rows), rows, capture)
+        return model.attend(layer, model.rope(q, rotary), positions[rows], keys, values, positions)
 
     # ---- load -----------------------------------------------------------------------------------------
 
@@ -150,12 +202,30 @@ class PrefixJob:
             self.cache.write(layer, rows, kv[0][i], kv[1][i])
 
 
-class TokenAxis:
+class JobAxis(ABC):
+    """What both axes share: a span is computed as a `Run`, alone (`compute`) or as one request's part of a
+    batched step (the batch scheduler calls `run`, `forward` and `ran` itself)."""
+
+    def __init__(self, job: PrefixJob):
+        self.job = job
+
+    @abstractmethod
+    def run(self, span: Span) -> Run:
+        """The computation of `span`; every position before it is in place by the time it runs."""
+
+    def ran(self, span: Span, hidden: torch.Tensor) -> None:
+        """Take the output hidden state of `span`'s run."""
+
+    def compute(self, span: Span) -> None:
+        self.ran(span, forward([self.run(span)])[0])
+
+
+class TokenAxis(JobAxis):
     """A position is a prefix row through every layer. The compute side runs rows from the front (each run
     needs the KV of the rows before it), the I/O side loads blocks from the back (they need nothing)."""
 
     def __init__(self, job: PrefixJob):
-        self.job = job
+        super().__init__(job)
         self.length = job.prefix_length
         self.positions_per_token = 1
         self.token_layers = len(job.layers)
@@ -166,8 +236,8 @@ class TokenAxis:
     def load_start(self, stop: int, limit: int) -> int:
         return max(self.job.block_at(stop - 1).rows.start, limit)
 
-    def compute(self, span: Span) -> None:
-        self.job.compute_rows(slice(span.start, span.stop))
+    def run(self, span: Span) -> Run:
+        return self.job.run(slice(span.start, span.stop))  # its output is not needed: the KV is in the cache
 
     def read(self, span: Span) -> KV | None:
         return self.job.read(self.job.block_at(span.start), self.job.layers, slice(span.start, span.stop))
@@ -183,14 +253,14 @@ class TokenAxis:
         return self.job.block_at(position).tier
 
 
-class LayerAxis:
+class LayerAxis(JobAxis):
     """A position is one prefix row of one layer, layer-major: position u * P + r is row r of the job's u-th
     layer (P = prefix length). The compute side runs layers bottom-up, a run of rows of one layer at a time
     (each layer needs the hidden state the whole layer below produced); the I/O side loads one layer of one
     block at a time, top-down."""
 
     def __init__(self, job: PrefixJob):
-        self.job = job
+        super().__init__(job)
         self.rows = job.prefix_length
         self.length = self.rows * len(job.layers)
         self.positions_per_token = len(job.layers)
@@ -215,13 +285,16 @@ class LayerAxis:
         unit, row = self._cell(stop - 1)
         return max(unit * self.rows + self.job.block_at(row).rows.start, limit)
 
-    def compute(self, span: Span) -> None:
+    def run(self, span: Span) -> Run:
         assert span.start == self.next, f"layer cells are computed in order: expected {self.next}, got {span}"
         layers, rows = self._rows(span)
         if self._hidden is None:
             self._hidden = self.job.hidden_in(slice(0, self.rows))
-        self._outputs.append(self.job.step(layers.start, self._hidden[rows], rows))
-        if rows.stop == self.rows:  # layer done: its output enters the next one
+        return self.job.run(rows, layers, self._hidden[rows])
+
+    def ran(self, span: Span, hidden: torch.Tensor) -> None:
+        self._outputs.append(hidden)
+        if span.stop % self.rows == 0:  # layer done: its output enters the next one
             self._hidden, self._outputs = torch.cat(self._outputs), []
         self.next = span.stop
 

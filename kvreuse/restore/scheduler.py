@@ -1,11 +1,14 @@
 """CacheFlow's batch-aware restoration scheduler: several requests restore at once over shared resources.
 
-Each request keeps its own axis and two pointers (the same spans and claim logic as a lone restoration). One
-compute worker serves every request, a span at a time in turn. Each store tier is one I/O channel with one
-worker; after every span it gives the channel to the request with the most restoration work left (unclaimed
-token-layers), since loading the back of a long prefix saves the most recomputation. Requests are admitted
-and finished independently: a request's future resolves as soon as its own prefix is in place and its
-remainder computed.
+Each request keeps its own axis and two pointers (the same spans and claim logic as a lone restoration).
+Compute goes in batched steps, as in CacheFlow's Algorithm 1 (line 11: every request's next compute unit in
+one step): a step takes the next span of every request it serves and runs them through one `forward`, whose
+projections and MLP see all their rows at once while each attends over its own cache. A request whose
+positions are all in place joins the step with its remainder (the prompt after the prefix, its last token
+included), and its future resolves right after. Each store tier is one I/O channel with one worker; after
+every span it gives the channel to the request with the most restoration work left (unclaimed token-layers),
+since loading the back of a long prefix saves the most recomputation (other priorities: IO_PRIORITIES).
+Requests are admitted and finished independently: one admitted during a step joins the next.
 """
 
 from __future__ import annotations
@@ -14,13 +17,16 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
-from kvreuse.restore.job import PrefixJob
+from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.restore.job import JobAxis, PrefixJob, Run, forward
 from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
-from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Span, TwoPointer, UnitLog
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Span, TwoPointer, UnitLog
+
+T = TypeVar("T")
 
 
 @dataclass(eq=False)
@@ -28,45 +34,87 @@ class Restoration:
     """One admitted request's state."""
 
     job: PrefixJob
-    axis: Axis
+    axis: JobAxis
     strategy: str
     future: Future
     compute_run: int = DEFAULT_COMPUTE_RUN
+    key_weight: float = 0.0  # see key_weight(): prices attention in remaining_recompute
     pointers: TwoPointer = field(init=False)
     log: UnitLog = field(default_factory=UnitLog)
     admitted: float = field(default_factory=time.perf_counter)
-    busy: bool = False  # a compute worker is on one of its spans (they are computed in order)
+    restored: float = 0.0  # when its prefix was all in place
+    busy: bool = False  # in a compute step (its spans are computed in order)
 
     def __post_init__(self) -> None:
         self.pointers = TwoPointer(self.axis, self.compute_run, by_rates=False)
 
-    def remaining_work(self) -> int:
-        """Token-layers not yet claimed by either side."""
-        return self.pointers.unclaimed() * self.axis.token_layers
+    def remaining_work(self) -> float:
+        """Token-layers not yet claimed by either side: its length left to restore."""
+        return len(self.pointers.unclaimed()) * self.axis.token_layers
+
+    def remaining_recompute(self) -> float:
+        """What recomputing the unclaimed positions would cost, in token-layers of projections and MLP: each row
+        also attends over the rows before it, so the back of a long prefix costs the most (superlinear)."""
+        rows = self.axis.length // self.axis.positions_per_token  # rows per layer (all of them on the token axis)
+        return recompute_cost(self.pointers.unclaimed(), rows, self.key_weight) * self.axis.token_layers
 
     def next_load_tier(self) -> int | None:
         position = self.pointers.next_back()
         return None if position is None else self.axis.tier(position)
 
 
-def most_remaining(requests: Sequence[Restoration], tier: int) -> Restoration | None:
-    """The request that gets tier `tier`'s I/O channel next: the one with the most work left among those whose
-    next span to load lives on that tier."""
-    waiting = [r for r in requests if r.next_load_tier() == tier]
-    return max(waiting, key=Restoration.remaining_work, default=None)
+def key_weight(model: LayerwiseModel) -> float:
+    """What one key adds to a row's recompute cost, relative to the row's projections and MLP in one layer: the
+    FLOPs of its score and weighted value over all query heads over the FLOPs of the layer's weights."""
+    return 4 * model.num_q_heads * model.head_dim / (2 * sum(p.numel() for p in model.layers[0].parameters()))
+
+
+def recompute_cost(span: Span, rows: int, weight: float) -> float:
+    """Sum over the positions x of `span` of 1 + weight * (x mod rows): position x is row x mod `rows` of its
+    layer, which attends over that many rows before it."""
+    cost, x = 0.0, span.start
+    while x < span.stop:
+        lo = x % rows
+        hi = min(rows, lo + span.stop - x)
+        cost += (hi - lo) + weight * (hi * (hi - 1) - lo * (lo - 1)) / 2
+        x += hi - lo
+    return cost
+
+
+# Who gets a tier's I/O channel next, among the requests whose next span to load lives on it: what is measured,
+# and whether the most or the least of it wins.
+IO_PRIORITIES: dict[str, tuple[Callable[[Restoration], float], Callable[..., Restoration | None]]] = {
+    # CacheFlow: the longest length left to restore, whose loads save the most recomputation
+    "most-work": (Restoration.remaining_work, max),
+    # CacheFlow's stated measure, the remaining recomputation cost, attention included
+    "most-recompute": (Restoration.remaining_recompute, max),
+    # not CacheFlow: shortest remaining first, which minimises mean completion when the I/O is the bottleneck
+    "least-work": (Restoration.remaining_work, min),
+}
+
+
+def io_turn(requests: Sequence[Restoration], tier: int, priority: str = "most-work") -> Restoration | None:
+    """The request that gets tier `tier`'s I/O channel next, by `priority` (IO_PRIORITIES)."""
+    measure, pick = IO_PRIORITIES[priority]
+    return pick((r for r in requests if r.next_load_tier() == tier), key=measure, default=None)
 
 
 class BatchRestorer:
-    def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1):
-        """compute_workers: threads computing spans, each of another request (one GPU stream: 1; a CPU may
-        give each core one)."""
-        self.restorer = restorer
+    def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1, io_priority: str = "most-work"):
+        """compute_workers: threads running compute steps (one GPU stream: 1). With several, each step takes
+        its share of the requests not in a step, so that the workers split the batch between them.
+        io_priority: who gets a tier's I/O channel after each span (IO_PRIORITIES); CacheFlow's by default."""
+        if io_priority not in IO_PRIORITIES:
+            raise ValueError(f"unknown I/O priority {io_priority!r}: expected one of {', '.join(IO_PRIORITIES)}")
+        self.restorer, self.io_priority = restorer, io_priority
         self._active: list[Restoration] = []
         self._cond = threading.Condition()
         self._closed = False
         self._io_workers: dict[int, threading.Thread] = {}
+        self.compute_workers = compute_workers
         self._compute = [threading.Thread(target=self._compute_loop, name=f"restore-compute-{i}", daemon=True)
                          for i in range(compute_workers)]
+        self._stepping = 0  # compute workers in a step
         for worker in self._compute:
             worker.start()
 
@@ -83,7 +131,8 @@ class BatchRestorer:
         blocks = restorer.plan(ids)
         strategy = restorer.choose(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
-        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run)
+        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run,
+                              key_weight(restorer.model))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")
@@ -105,46 +154,83 @@ class BatchRestorer:
 
     # ---- workers --------------------------------------------------------------------------------------
 
-    def _next_compute(self) -> tuple[Restoration, Span | None] | None:
-        """A request whose positions are all settled is finished first (span None); else a span of the request
-        with the least restoration work left, while I/O serves the one with the most: the two sides work
-        from the two ends of the batch, as they do from the two ends of a prefix."""
-        idle = [r for r in self._active if not r.busy]
-        for request in sorted(idle, key=lambda r: (not r.pointers.settled, r.remaining_work())):
+    def _next_step(self) -> list[tuple[Restoration, Span | None]] | None:
+        """The next compute step's work, under the lock: for each request not in a step, its next span, or None
+        if all its positions are in place (it is finished in the step). With several workers a step takes its
+        share of those requests, those with the least work left first (finishing ones before all), while I/O
+        serves the one with the most: the two sides work from the two ends of the batch, as they do from the
+        two ends of a prefix."""
+        idle = sorted((r for r in self._active if not r.busy),
+                      key=lambda r: (not r.pointers.settled, r.remaining_work()))
+        share = -(-len(idle) // max(1, self.compute_workers - self._stepping))
+        work = []
+        for request in idle:
+            if len(work) == share:
+                break
             span = request.pointers.claim_front()
             if span is not None or request.pointers.settled:
                 request.busy = True
-                return request, span
-        return None
+                work.append((request, span))
+        if not work:
+            return None
+        self._stepping += 1
+        return work
 
     def _compute_loop(self) -> None:
         with torch.inference_mode():
-            while (work := self._wait(self._next_compute, lambda: not self._active)) is not None:
-                request, span = work
-                try:
-                    if span is None:
-                        self._finish(request)
-                    else:
-                        request.log.compute(request.axis, request.pointers, span)
-                except BaseException as e:  # that request fails; the others go on
-                    self._drop(request, e)
+            while (work := self._wait(self._next_step, lambda: not self._active)) is not None:
+                self._step(work)
                 with self._cond:
-                    request.busy = False
+                    self._stepping -= 1
+                    for request, _ in work:
+                        request.busy = False
                     self._cond.notify_all()
+
+    def _step(self, work: list[tuple[Restoration, Span | None]]) -> None:
+        """One batched compute step. A request that fails on its own is dropped and the others go on; if the
+        shared forward fails, every request in it fails."""
+        runs = [(request, span, run) for request, span in work
+                if (run := self._guarded(request, self._run_of, request, span)) is not None]
+        start = time.perf_counter()
+        try:
+            outputs = forward([run for _, _, run in runs])
+        except BaseException as e:
+            for request, _, _ in runs:
+                self._drop(request, e)
+            return
+        seconds = time.perf_counter() - start
+        for (request, span, _), hidden in zip(runs, outputs):
+            self._guarded(request, self._took, request, span, hidden, seconds)
+
+    def _guarded(self, request: Restoration, action: Callable[..., T], *args: Any) -> T | None:
+        """action(*args); if it raises, `request` fails with the error (the others go on)."""
+        try:
+            return action(*args)
+        except BaseException as e:
+            self._drop(request, e)
+            return None
+
+    @staticmethod
+    def _run_of(request: Restoration, span: Span | None) -> Run:
+        """A span's run; for a request whose positions are all in place, its remainder's run, once the spans
+        whose load failed are recomputed (on their own: faults are rare, and each needs the rows before it)."""
+        if span is not None:
+            return request.axis.run(span)
+        job = request.job
+        request.log.recompute_failed(request.axis)
+        request.restored = time.perf_counter()
+        return job.run(slice(job.prefix_length, len(job.token_ids)))
 
     def _io_loop(self, tier: int) -> None:
         def claim() -> tuple[Restoration, Span] | None:
-            request = most_remaining(self._active, tier)
+            request = io_turn(self._active, tier, self.io_priority)
             span = None if request is None else request.pointers.claim_back()
             return None if span is None else (request, span)
 
         with torch.inference_mode():
             while (work := self._wait(claim, lambda: not self._active)) is not None:
                 request, span = work
-                try:
-                    request.log.load(request.axis, request.pointers, span)
-                except BaseException as e:
-                    self._drop(request, e)
+                self._guarded(request, request.log.load, request.axis, request.pointers, span)
                 with self._cond:
                     self._cond.notify_all()
 
@@ -157,15 +243,18 @@ class BatchRestorer:
                 self._cond.wait()
             return work
 
-    def _finish(self, request: Restoration) -> None:
+    def _took(self, request: Restoration, span: Span | None, hidden: torch.Tensor, seconds: float) -> None:
+        """A step's output for `request`: its span is in place (it took the step's `seconds`), or, for its
+        remainder's run (span None), the first-token logits: the request is done and its future resolves."""
+        if span is not None:
+            request.axis.ran(span, hidden)
+            request.log.settle_computed(request.pointers, span, seconds)
+            return
         job = request.job
-        request.log.recompute_failed(request.axis)
-        restored = time.perf_counter()
-        hidden = job.compute_rows(slice(job.prefix_length, len(job.token_ids)))
         logits = job.model.logits(hidden[-1:])[0]
         done = time.perf_counter()
-        stats = restore_stats(request.strategy, job, request.axis, request.log, restore=restored - request.admitted,
-                              total=done - request.admitted)
+        stats = restore_stats(request.strategy, job, request.axis, request.log,
+                              restore=request.restored - request.admitted, total=done - request.admitted)
         self._remove(request)
         request.future.set_result(RestoreResult(logits, job.cache, stats))
 

@@ -83,7 +83,7 @@ def restore_stage(restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Ten
     else:
         hidden = torch.empty(rows.stop - rows.start, model.hidden_size, dtype=model.dtype, device=model.device)
         dist.recv(hidden, src=rank - 1)
-    hidden = job.run_layers(layers, hidden, rows)
+    hidden = job.compute_rows(rows, layers=layers, hidden=hidden)
     logits = None
     if rank + 1 < world:
         dist.send(hidden.contiguous(), dst=rank + 1)

@@ -145,9 +145,10 @@ class TwoPointer:
         with self._cond:
             return self.back - 1 if self.front < self.back else None
 
-    def unclaimed(self) -> int:
+    def unclaimed(self) -> Span:
+        """The positions neither side has claimed yet."""
         with self._cond:
-            return max(0, self.back - self.front)
+            return Span(self.front, max(self.front, self.back))
 
     def settle(self, span: Span, seconds: float, computed: bool) -> None:
         with self._cond:
@@ -181,7 +182,10 @@ class UnitLog:
     def compute(self, axis: Axis, pointers: TwoPointer, span: Span) -> None:
         start = time.perf_counter()
         axis.compute(span)
-        seconds = time.perf_counter() - start
+        self.settle_computed(pointers, span, time.perf_counter() - start)
+
+    def settle_computed(self, pointers: TwoPointer, span: Span, seconds: float) -> None:
+        """`span` is computed, in `seconds` (in a batch: the wall time of the step it shared with others)."""
         with self.lock:
             self.computed.append((span, seconds))
         pointers.settle(span, seconds, computed=True)

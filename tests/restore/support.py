@@ -1,8 +1,10 @@
-"""Test support: restore an axis with the two pointers meeting at a chosen position, deterministically."""
+"""Test support: restore an axis with the two pointers meeting at a chosen position, deterministically; a store
+that loses entries after the lookup."""
 
 from __future__ import annotations
 
 from kvreuse.restore.units import Axis, Span
+from kvreuse.store.tiered import TieredStore
 
 
 def restore_split(axis: Axis, split: int, compute_size: int = 3) -> None:
@@ -18,3 +20,15 @@ def restore_split(axis: Axis, split: int, compute_size: int = 3) -> None:
         start = axis.load_start(back, split)
         axis.place(Span(start, back), axis.read(Span(start, back)))
         back = start
+
+
+class Evicting(TieredStore):
+    """A store whose entries `lost` disappear between the lookup and the load (evicted, or its server gone)."""
+
+    lost: set[str] = set()
+
+    def get_layers(self, key, start, stop):
+        return None if key in self.lost else super().get_layers(key, start, stop)
+
+    def get_rows(self, key, rows, layers=None):
+        return None if key in self.lost else super().get_rows(key, rows, layers)

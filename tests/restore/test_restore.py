@@ -10,9 +10,8 @@ from kvreuse.restore import STRATEGIES, PrefixRestorer
 from kvreuse.restore.job import LayerAxis, TokenAxis
 from kvreuse.restore.restorer import _as_ids
 from kvreuse.store import KeySpace, open_store
-from kvreuse.store.tiered import TieredStore
 
-from .support import restore_split
+from .support import Evicting, restore_split
 
 TOLERANCE = dict(atol=1e-4, rtol=0)
 BLOCK = 8
@@ -93,18 +92,6 @@ def test_stored_blocks_carry_their_boundary_activations(tiny_model):
     assert restorer.boundary_layers == [1, 2]
     meta = restorer.store.meta(restorer.block_keys(ids_of(16))[1], with_extras=True)
     assert meta.boundary_layers == [1, 2] and tuple(meta.boundary.shape) == (2, BLOCK, tiny_model.hidden_size)
-
-
-class Evicting(TieredStore):
-    """A store whose entry `lost` disappears between the lookup and the load (evicted, or its server gone)."""
-
-    lost: set[str] = set()
-
-    def get_layers(self, key, start, stop):
-        return None if key in self.lost else super().get_layers(key, start, stop)
-
-    def get_rows(self, key, rows, layers=None):
-        return None if key in self.lost else super().get_rows(key, rows, layers)
 
 
 @pytest.mark.parametrize("strategy", ["load", "cake", "layerwise"])

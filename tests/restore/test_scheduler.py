@@ -1,15 +1,19 @@
-"""The batch-aware scheduler: requests restored together, admitted and finished independently, stay exact; the
-I/O channel goes to the request with the most restoration work left."""
+"""The batch-aware scheduler: requests restored together in batched compute steps, admitted and finished
+independently, stay exact, lost blocks included; a step takes every request's next span; the I/O channel goes to
+the request with the most restoration work left."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
-from kvreuse.restore.scheduler import BatchRestorer, Restoration, most_remaining
+from kvreuse.restore.scheduler import BatchRestorer, Restoration, io_turn, key_weight, recompute_cost
 from kvreuse.restore.units import Span
 from kvreuse.store import KeySpace, open_store
+
+from .support import Evicting
 
 TOLERANCE = dict(atol=1e-4, rtol=0)
 
@@ -18,7 +22,17 @@ def ids_of(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-def test_a_batch_of_mixed_requests_restores_exactly(make_tiny):
+def assert_full_prefill(model, prompt, result) -> None:
+    full = model.prefill(prompt)
+    torch.testing.assert_close(result.logits, full.logits, **TOLERANCE)
+    for layer in range(model.num_layers):
+        for got, want in zip(result.cache.layer(layer), full.cache.layer(layer)):
+            torch.testing.assert_close(got, want, **TOLERANCE)
+
+
+@pytest.mark.parametrize("compute_workers,io_priority",
+                         [(1, "most-work"), (2, "most-work"), (1, "most-recompute"), (2, "least-work")])
+def test_a_batch_of_mixed_requests_restores_exactly(make_tiny, compute_workers, io_priority):
     model = LayerwiseModel(make_tiny("mistral-window"))
     restorer = PrefixRestorer(model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
     # (prompt, stored, strategy): mixed prefix lengths, both axes, one request with nothing stored.
@@ -27,7 +41,7 @@ def test_a_batch_of_mixed_requests_restores_exactly(make_tiny):
     for prompt, (_, stored, _) in zip(prompts, cases):
         if stored:
             restorer.store_prefix(prompt[:stored])
-    batch = BatchRestorer(restorer)
+    batch = BatchRestorer(restorer, compute_workers, io_priority)
     try:
         futures = [batch.submit(p, s) for p, (_, _, s) in zip(prompts[:4], cases)]
         results = [f.result(timeout=60) for f in futures]
@@ -36,12 +50,29 @@ def test_a_batch_of_mixed_requests_restores_exactly(make_tiny):
     finally:
         batch.close()
     for prompt, result in zip(prompts, results):
-        full = model.prefill(prompt)
-        torch.testing.assert_close(result.logits, full.logits, **TOLERANCE)
-        for layer in range(model.num_layers):
-            for got, want in zip(result.cache.layer(layer), full.cache.layer(layer)):
-                torch.testing.assert_close(got, want, **TOLERANCE)
+        assert_full_prefill(model, prompt, result)
     assert [r.stats["prefix_tokens"] for r in results] == [56, 16, 24, 0, 47]
+
+
+def test_every_family_restores_a_mixed_batch_with_lost_blocks_exactly(tiny_model):
+    """Cake and layer-wise requests in one batch, two of them losing their back block (the first the I/O side
+    asks for) after the lookup: the failed spans are recomputed and every result is a full prefill's."""
+    store = Evicting(open_store("memory:64MB").tiers)
+    # short compute runs: many batched steps, and the I/O side reaches the lost blocks long before compute does
+    restorer = PrefixRestorer(tiny_model, store, KeySpace("tiny", "tok"), block_size=8, compute_run=4)
+    cases = [(50, 48, "cake"), (41, 40, "layerwise"), (33, 24, "layerwise"), (27, 16, "cake")]
+    prompts = [ids_of(n, 10 + seed) for seed, (n, _, _) in enumerate(cases)]
+    for prompt, (_, stored, _) in zip(prompts, cases):
+        restorer.store_prefix(prompt[:stored])
+    store.lost = {restorer.block_keys(prompts[i])[cases[i][1] // 8 - 1] for i in (0, 1)}
+    batch = BatchRestorer(restorer)
+    try:
+        results = [f.result(timeout=60) for f in [batch.submit(p, s) for p, (_, _, s) in zip(prompts, cases)]]
+    finally:
+        batch.close()
+    for prompt, result in zip(prompts, results):
+        assert_full_prefill(tiny_model, prompt, result)
+    assert results[0].stats["spans_failed"] and results[1].stats["spans_failed"]
 
 
 class FakeAxis:
@@ -68,23 +99,69 @@ def test_io_goes_to_the_request_with_the_most_work_left():
         return Restoration(job=None, axis=FakeAxis(length, tier), strategy="cake", future=None, compute_run=256)
 
     short, long_, other_tier = request(512), request(1536), request(5120, tier=1)
-    assert most_remaining([short, long_, other_tier], tier=0) is long_
+    assert io_turn([short, long_, other_tier], tier=0) is long_
+    assert io_turn([short, long_, other_tier], tier=0, priority="least-work") is short
     for _ in range(5):  # the long request's remaining work drops below the short one's
         long_.pointers.claim_back()
-    assert most_remaining([short, long_, other_tier], tier=0) is short
-    assert most_remaining([short, long_, other_tier], tier=1) is other_tier
-    assert most_remaining([short], tier=1) is None
+    assert io_turn([short, long_, other_tier], tier=0) is short
+    assert io_turn([short, long_, other_tier], tier=1) is other_tier
+    assert io_turn([short], tier=1) is None
 
 
-def test_compute_goes_to_the_request_with_the_least_work_left_and_finishing_comes_first():
-    def request(length: int) -> Restoration:
-        return Restoration(job=None, axis=FakeAxis(length), strategy="cake", future=None, compute_run=256)
+def test_remaining_recompute_prices_the_back_of_a_long_prefix_highest():
+    # 300 unclaimed rows at the back of a 1300-row prefix against 400 at the front of another: the second has
+    # more rows left, the first costs more to recompute once attention over the rows before is counted.
+    back, front = (Restoration(job=None, axis=FakeAxis(n), strategy="cake", future=None, key_weight=0.01)
+                   for n in (1300, 400))
+    while len(back.pointers.unclaimed()) > 300:
+        back.pointers.claim_front()
+    assert io_turn([back, front], tier=0) is front
+    assert io_turn([back, front], tier=0, priority="most-recompute") is back
 
+
+def test_recompute_cost_counts_each_row_and_the_rows_before_it():
+    assert recompute_cost(Span(2, 5), rows=10, weight=0.5) == 3 + 0.5 * (2 + 3 + 4)
+    # layer-major positions of 4 rows a layer: 3..8 are rows 3 | 0 1 2 3 | 0
+    assert recompute_cost(Span(3, 9), rows=4, weight=1.0) == 6 + (3 + 0 + 1 + 2 + 3 + 0)
+    assert recompute_cost(Span(5, 5), rows=4, weight=1.0) == 0
+
+
+def test_key_weight_is_attention_flops_over_the_layer_weights(tiny_model):
+    layer_weights = sum(p.numel() for p in tiny_model.layers[0].parameters())
+    weight = key_weight(tiny_model)
+    assert weight * 2 * layer_weights == 4 * tiny_model.num_q_heads * tiny_model.head_dim
+
+
+def fake_request(length: int) -> Restoration:
+    return Restoration(job=None, axis=FakeAxis(length), strategy="cake", future=None, compute_run=256)
+
+
+def test_a_step_takes_every_request_and_finishing_comes_first():
     batch = BatchRestorer(restorer=None, compute_workers=0)  # no worker threads: the choice alone
-    short, long_, done = request(512), request(1536), request(256)
+    short, long_, done = fake_request(512), fake_request(1536), fake_request(256)
     done.pointers.settle(done.pointers.claim_back(), seconds=0.01, computed=False)
     batch._active = [long_, short, done]
-    assert batch._next_compute() == (done, None)  # all in place: its remainder is computed first
-    assert batch._next_compute() == (short, Span(0, 256))
-    assert batch._next_compute() == (long_, Span(0, 256))  # short is busy: a worker is on it
-    assert batch._next_compute() is None
+    # all in place: its remainder goes in the step; every other request's next span too (Algorithm 1, line 11)
+    assert batch._next_step() == [(done, None), (short, Span(0, 256)), (long_, Span(0, 256))]
+    assert batch._next_step() is None  # all of them are in a step
+
+
+def test_a_request_admitted_during_a_step_joins_the_next():
+    batch = BatchRestorer(restorer=None, compute_workers=0)
+    first, second, late = fake_request(512), fake_request(1024), fake_request(1024)
+    batch._active = [first, second]
+    assert batch._next_step() == [(first, Span(0, 256)), (second, Span(0, 256))]
+    batch._active.append(late)  # admitted while that step runs
+    for request in (first, second):  # the step is over
+        request.busy = False
+    batch._stepping = 0
+    assert batch._next_step() == [(first, Span(256, 512)), (second, Span(256, 512)), (late, Span(0, 256))]
+
+
+def test_several_workers_split_the_batch_least_work_first():
+    batch = BatchRestorer(restorer=None, compute_workers=0)
+    batch.compute_workers = 2  # the choice alone, as two workers would make it
+    requests = [fake_request(n) for n in (2048, 512, 1536, 1024)]
+    batch._active = list(requests)
+    assert batch._next_step() == [(requests[1], Span(0, 256)), (requests[3], Span(0, 256))]
+    assert batch._next_step() == [(requests[2], Span(0, 256)), (requests[0], Span(0, 256))]
