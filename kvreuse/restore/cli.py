@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvreuse.restore.scheduler import IO_PRIORITIES
+from kvreuse.restore.scheduler import IO_PRIORITY_CHOICES
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE
 
@@ -51,8 +51,9 @@ def add_commands(profiles: argparse._SubParsersAction, benches: argparse._SubPar
     bench.add_argument("--batch-compute-workers", type=int, default=2,
                        help="compute workers of the batch-aware scheduler, each running batched steps over its "
                             "share of the batch: one per core of this 2-core CPU (per-request Cake: one per request)")
-    bench.add_argument("--batch-io", nargs="+", choices=list(IO_PRIORITIES), default=list(IO_PRIORITIES),
-                       help="I/O priorities of the batch-aware scheduler to measure (most-work is CacheFlow's)")
+    bench.add_argument("--batch-io", nargs="+", choices=list(IO_PRIORITY_CHOICES), default=list(IO_PRIORITY_CHOICES),
+                       help="I/O priorities of the batch-aware scheduler to measure (most-work is CacheFlow's; "
+                            "auto, the default, takes it or least-work by the tier's measured rates)")
     bench.add_argument("--batch-repeats", type=int, default=5, help="batches per variant")
     bench.add_argument("--json", help="also write the figures to this file")
     bench.set_defaults(func=cmd_bench_restore)

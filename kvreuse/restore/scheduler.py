@@ -7,7 +7,8 @@ projections and MLP see all their rows at once while each attends over its own c
 positions are all in place joins the step with its remainder (the prompt after the prefix, its last token
 included), and its future resolves right after. Each store tier is one I/O channel with one worker; after
 every span it gives the channel to the request with the most restoration work left (unclaimed token-layers),
-since loading the back of a long prefix saves the most recomputation (other priorities: IO_PRIORITIES).
+since loading the back of a long prefix saves the most recomputation; on a tier that loads faster than the
+machine computes, to the one with the least (auto_priority; other priorities: IO_PRIORITIES).
 Requests are admitted and finished independently: one admitted during a step joins the next.
 """
 
@@ -24,7 +25,7 @@ import torch
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore.job import JobAxis, PrefixJob, Run, forward
 from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
-from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Span, TwoPointer, UnitLog
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Rates, Span, TwoPointer, UnitLog
 
 T = TypeVar("T")
 
@@ -93,19 +94,41 @@ IO_PRIORITIES: dict[str, tuple[Callable[[Restoration], float], Callable[..., Res
 }
 
 
-def io_turn(requests: Sequence[Restoration], tier: int, priority: str = "most-work") -> Restoration | None:
-    """The request that gets tier `tier`'s I/O channel next, by `priority` (IO_PRIORITIES)."""
+AUTO_PRIORITY = "auto"  # per tier, from the measured rates: see auto_priority
+IO_PRIORITY_CHOICES = (AUTO_PRIORITY, *IO_PRIORITIES)
+
+
+def auto_priority(rates: Rates) -> str:
+    """CacheFlow's rule assumes compute can finish a short request while the channel serves a long one, which
+    holds where compute outpaces loading (a GPU over slow storage). Where this tier loads faster than the
+    machine recomputes, the channel does most of the restoring and is the batch's bottleneck; then shortest
+    remaining first (SRPT) minimises the mean completion time. Rates not measured yet: CacheFlow's rule."""
+    if rates.load and rates.compute and rates.load > rates.compute:
+        return "least-work"
+    return "most-work"
+
+
+def io_turn(requests: Sequence[Restoration], tier: int, priority: str = "most-work",
+            rates: Callable[[Restoration], Rates] = lambda r: r.pointers.rates()) -> Restoration | None:
+    """The request that gets tier `tier`'s I/O channel next, by `priority` (IO_PRIORITY_CHOICES); `rates`: the
+    compute and load rates of a request's restoration, which priority auto decides by."""
+    waiting = [r for r in requests if r.next_load_tier() == tier]
+    if not waiting:
+        return None
+    if priority == AUTO_PRIORITY:
+        priority = auto_priority(rates(waiting[0]))
     measure, pick = IO_PRIORITIES[priority]
-    return pick((r for r in requests if r.next_load_tier() == tier), key=measure, default=None)
+    return pick(waiting, key=measure)
 
 
 class BatchRestorer:
-    def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1, io_priority: str = "most-work"):
+    def __init__(self, restorer: PrefixRestorer, compute_workers: int = 1, io_priority: str = AUTO_PRIORITY):
         """compute_workers: threads running compute steps (one GPU stream: 1). With several, each step takes
         its share of the requests not in a step, so that the workers split the batch between them.
-        io_priority: who gets a tier's I/O channel after each span (IO_PRIORITIES); CacheFlow's by default."""
-        if io_priority not in IO_PRIORITIES:
-            raise ValueError(f"unknown I/O priority {io_priority!r}: expected one of {', '.join(IO_PRIORITIES)}")
+        io_priority: who gets a tier's I/O channel after each span (IO_PRIORITY_CHOICES); by default CacheFlow's
+        rule, or shortest remaining first on a tier that loads faster than this machine computes (auto_priority)."""
+        if io_priority not in IO_PRIORITY_CHOICES:
+            raise ValueError(f"unknown I/O priority {io_priority!r}: expected one of {', '.join(IO_PRIORITY_CHOICES)}")
         self.restorer, self.io_priority = restorer, io_priority
         self._active: list[Restoration] = []
         self._cond = threading.Condition()
@@ -223,7 +246,7 @@ class BatchRestorer:
 
     def _io_loop(self, tier: int) -> None:
         def claim() -> tuple[Restoration, Span] | None:
-            request = io_turn(self._active, tier, self.io_priority)
+            request = io_turn(self._active, tier, self.io_priority, self._rates)
             span = None if request is None else request.pointers.claim_back()
             return None if span is None else (request, span)
 
@@ -233,6 +256,11 @@ class BatchRestorer:
                 self._guarded(request, request.log.load, request.axis, request.pointers, span)
                 with self._cond:
                     self._cond.notify_all()
+
+    def _rates(self, request: Restoration) -> Rates:
+        """The rates `request` has shown in this batch, else those earlier restorations from its tier showed."""
+        measured, prior = request.pointers.rates(), self.restorer.prior_rates(request.axis, request.job)
+        return Rates(measured.compute or prior.compute, measured.load or prior.load)
 
     def _wait(self, take, idle):
         """take() under the lock, waiting until it gives work; None once closed and idle."""
@@ -255,6 +283,7 @@ class BatchRestorer:
         done = time.perf_counter()
         stats = restore_stats(request.strategy, job, request.axis, request.log,
                               restore=request.restored - request.admitted, total=done - request.admitted)
+        self.restorer.remember_rates(request.axis, job, request.pointers.rates())
         self._remove(request)
         request.future.set_result(RestoreResult(logits, job.cache, stats))
 

@@ -9,7 +9,9 @@ import torch
 
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
-from kvreuse.restore.scheduler import BatchRestorer, Restoration, io_turn, key_weight, recompute_cost
+from kvreuse.restore.scheduler import (BatchRestorer, Restoration, auto_priority, io_turn, key_weight,
+                                      recompute_cost)
+from kvreuse.restore.units import Rates
 from kvreuse.restore.units import Span
 from kvreuse.store import KeySpace, open_store
 
@@ -31,7 +33,7 @@ def assert_full_prefill(model, prompt, result) -> None:
 
 
 @pytest.mark.parametrize("compute_workers,io_priority",
-                         [(1, "most-work"), (2, "most-work"), (1, "most-recompute"), (2, "least-work")])
+                         [(1, "most-work"), (2, "most-work"), (1, "most-recompute"), (2, "least-work"), (1, "auto")])
 def test_a_batch_of_mixed_requests_restores_exactly(make_tiny, compute_workers, io_priority):
     model = LayerwiseModel(make_tiny("mistral-window"))
     restorer = PrefixRestorer(model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
@@ -106,6 +108,18 @@ def test_io_goes_to_the_request_with_the_most_work_left():
     assert io_turn([short, long_, other_tier], tier=0) is short
     assert io_turn([short, long_, other_tier], tier=1) is other_tier
     assert io_turn([short], tier=1) is None
+
+
+def test_auto_priority_serves_the_shortest_first_where_loading_outpaces_compute():
+    def request(length: int) -> Restoration:
+        return Restoration(job=None, axis=FakeAxis(length), strategy="cake", future=None, compute_run=256)
+
+    short, long_ = request(512), request(1536)
+    loads_faster, computes_faster = Rates(compute=1000.0, load=8000.0), Rates(compute=8000.0, load=1000.0)
+    assert io_turn([short, long_], 0, "auto", lambda r: loads_faster) is short
+    assert io_turn([short, long_], 0, "auto", lambda r: computes_faster) is long_  # CacheFlow's rule
+    assert io_turn([short, long_], 0, "auto", lambda r: Rates()) is long_  # nothing measured yet: CacheFlow's
+    assert auto_priority(Rates(compute=1000.0)) == "most-work"
 
 
 def test_remaining_recompute_prices_the_back_of_a_long_prefix_highest():
