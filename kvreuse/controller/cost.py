@@ -2,7 +2,8 @@
 
 The executor's loader reads layer i+1 once layer i's stored rows are placed, while layer i computes; so the
 prediction replays that pipeline layer by layer with the profiled costs: a layer starts when the previous one
-has finished and its stored KV has arrived; placing its loaded rows lets the next read start. This is
+has finished and its stored KV has arrived; placing its loaded rows lets the next read start. Reads from
+tiers that do not wait (CPU-bound: memory, page-cached disk) run inline, before their layer's compute. This is
 CacheTune's roofline, sum over layers of max(recompute, load) + t_o, with the pipeline's start-up and the
 CPU's row-count-dependent matmul rate kept in.
 """
@@ -67,6 +68,7 @@ def predict(plan: FusionPlan, span_tiers: list[str], profile: MachineProfile) ->
     loading = [(profile.tiers[t], s.load.numel()) for s, t in zip(plan.reused, span_tiers) if s.load.numel()]
     read = sum(tier.read_seconds(rows * bytes_per_row) for tier, rows in loading)  # the loader reads spans in turn
     place = sum(rows for _, rows in loading) * compute.place_seconds
+    overlapped = any(tier.reads_wait for tier, _ in loading)  # else each layer reads inline, before computing
 
     clock = loader_free = 0.0  # when compute is free; when the loader may read the next layer
     compute_total = 0.0
@@ -77,8 +79,11 @@ def predict(plan: FusionPlan, span_tiers: list[str], profile: MachineProfile) ->
         key = (id(work), window)
         if key not in seconds_of:
             seconds_of[key] = _layer_compute(work, attention_calls(work.rows, key_positions, window), compute)
-        start = max(clock, loader_free + read) if loading else clock
-        loader_free = start + place  # the next read starts once this layer's stored rows are placed
+        if overlapped:
+            start = max(clock, loader_free + read)
+            loader_free = start + place  # the next read starts once this layer's stored rows are placed
+        else:
+            start = clock + read if loading else clock
         clock = start + place + seconds_of[key]
         compute_total += place + seconds_of[key]
     total_load = read * profile.num_layers if loading else 0.0

@@ -146,8 +146,10 @@ def measure_tier(tier: KVStore, label: str, model: LayerwiseModel, model_fingerp
     small, large = TIER_PROBE_TOKENS
     per_token = max((layer_seconds[1] - layer_seconds[0]) / (large - small), 1e-12)
     latency = max(layer_seconds[0] - small * per_token, 0.0)
-    emulated = any(isinstance(t, ThrottledTier) for t in getattr(tier, "tiers", [tier]))
-    return TierProfile(label, kv_bytes_per_token_layer(model) / per_token, latency, emulated)
+    inner = getattr(tier, "tiers", [tier])
+    emulated = any(isinstance(t, ThrottledTier) for t in inner)
+    return TierProfile(label, kv_bytes_per_token_layer(model) / per_token, latency, emulated,
+                       reads_wait=any(t.reads_wait for t in inner))
 
 
 def measure_profile(model: LayerwiseModel, model_fingerprint: str, dtype: str, tiers: dict[str, KVStore],

@@ -72,6 +72,7 @@ class TierProfile:
     bytes_per_second: float
     latency_seconds: float
     emulated: bool = False  # an emulated device: the figures come from its model, not from a device
+    reads_wait: bool = True  # its reads wait (device, network), so the executor overlaps them with compute
 
     def read_seconds(self, nbytes: float, reads: int = 1) -> float:
         return reads * self.latency_seconds + nbytes / self.bytes_per_second

@@ -233,10 +233,12 @@ class ReuseEngine:
         while True:
             placed = self.lookup(request, policy, lost, restored)
             plan = policy.plan(request, placed)
-            span_tiers = self._span_tiers(plan)
+            located = self._locate_spans(plan)
+            span_tiers = [tier_label(self.store, i) for i in located]
             try:
                 result: FusionResult = self.executor.run(
-                    plan, request.token_ids, extra_capacity, restoration.cache if restoration else None
+                    plan, request.token_ids, extra_capacity, restoration.cache if restoration else None,
+                    overlap_loads=self._loads_wait(plan, located),
                 )
                 break
             except StoredKVMissing as e:  # evicted or damaged since the lookup: compute it instead
@@ -256,12 +258,18 @@ class ReuseEngine:
         tier of each reused span: what the controller's cost model prices."""
         policy = parse_method(method)
         plan = policy.plan(request, self.lookup(request, policy, restored=restored))
-        return plan, self._span_tiers(plan)
+        return plan, [tier_label(self.store, i) for i in self._locate_spans(plan)]
 
-    def _span_tiers(self, plan: FusionPlan) -> list[str]:
+    def _locate_spans(self, plan: FusionPlan) -> list[int]:
         """The tier serving each reused span, located before the run (a read promotes what it reads)."""
         located = [self.store.locate(span.key) if hasattr(self.store, "locate") else 0 for span in plan.reused]
-        return [tier_label(self.store, 0 if i is None else i) for i in located]
+        return [0 if i is None else i for i in located]
+
+    def _loads_wait(self, plan: FusionPlan, located: list[int]) -> bool:
+        """Whether any of the plan's reads waits on a device or the network: only then does a loader thread
+        beside the compute pay (kvreuse.fusion.executor.LayerLoader)."""
+        tiers = getattr(self.store, "tiers", [self.store])
+        return any(tiers[i].reads_wait for span, i in zip(plan.reused, located) if span.load.numel())
 
     def generate(self, request: Request, method: str | None = None, sampling: SamplingParams | None = None
                  ) -> Generation:

@@ -39,16 +39,20 @@ class FusionResult:
 
 
 class LayerLoader:
-    """Fetches each layer's stored KV for all reused spans, one layer ahead of the compute, as one tensor pair
-    whose rows follow the spans' order (the plan's `loaded_rows`).
+    """Fetches each layer's stored KV for all reused spans as one tensor pair whose rows follow the spans' order
+    (the plan's `loaded_rows`).
 
-    At most one layer of stored KV is alive at a time: the loader reads layer i+1 once the consumer has placed
-    layer i in the request's KV cache (`placed`), so it reads while layer i computes.
+    Threaded, it reads one layer ahead of the compute: layer i+1 once the consumer has placed layer i in the
+    request's KV cache (`placed`), so the read waits while layer i computes. Inline, `take` reads the layer on
+    the caller's thread: on a CPU host a read that is CPU work itself (a memory or page-cached disk tier) gains
+    nothing from overlap and a thread beside the compute's threads only slows both (kvreuse.store.base,
+    `reads_wait`). Either way at most one layer of stored KV is alive at a time.
     """
 
-    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int):
+    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int, threaded: bool = True):
         self.store, self.num_layers = store, num_layers
         self.spans = [s for s in spans if s.load.numel()]
+        self.threaded = threaded and bool(self.spans)
         self.read_seconds = 0.0
         self.wait_seconds = 0.0
         self.bytes_read = 0
@@ -59,9 +63,8 @@ class LayerLoader:
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(1)
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name="kv-loader", daemon=True)
-        if self.spans:
-            self._thread.start()
+        if self.threaded:
+            threading.Thread(target=self._run, name="kv-loader", daemon=True).start()
 
     def _read(self, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         if span.load.numel() == span.length:
@@ -72,30 +75,36 @@ class LayerLoader:
             raise StoredKVMissing(span.key)
         return kv[0][0], kv[1][0]
 
+    def _read_layer(self, layer: int) -> None:
+        """Read `layer` of every span into its slot (or the error that stopped it) and mark it ready."""
+        start = time.perf_counter()
+        try:
+            kv = [self._read(span, layer) for span in self.spans]
+            self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
+            self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
+            del kv
+            with self._lock:
+                self._held += 1
+                self.peak_layers_held = max(self.peak_layers_held, self._held)
+        except BaseException as e:  # handed to the consumer, which raises it on its own thread
+            self._layers[layer] = e
+        self.read_seconds += time.perf_counter() - start
+        self._ready[layer].set()
+
     def _run(self) -> None:
         for layer in range(self.num_layers):
             self._may_read.acquire()
             if self._closed:
                 return
-            start = time.perf_counter()
-            try:
-                kv = [self._read(span, layer) for span in self.spans]
-                self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
-                self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
-                del kv
-                with self._lock:
-                    self._held += 1
-                    self.peak_layers_held = max(self.peak_layers_held, self._held)
-            except BaseException as e:  # handed to the consumer, which raises it on its own thread
-                self._layers[layer] = e
-            self.read_seconds += time.perf_counter() - start
-            self._ready[layer].set()
+            self._read_layer(layer)
             if isinstance(self._layers[layer], BaseException):
                 return
 
     def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
         if not self.spans:
             return None
+        if not self.threaded:
+            self._read_layer(layer)
         start = time.perf_counter()
         self._ready[layer].wait()
         self.wait_seconds += time.perf_counter() - start
@@ -129,10 +138,12 @@ class FusionExecutor:
 
     @torch.inference_mode()
     def run(self, plan: FusionPlan, token_ids: torch.Tensor, extra_capacity: int = 0,
-            restored: KVCache | None = None, observer: LayerObserver | None = None) -> FusionResult:
+            restored: KVCache | None = None, observer: LayerObserver | None = None,
+            overlap_loads: bool = True) -> FusionResult:
         """restored: the cache a plan with restored rows starts from (its rows at positions 0.., the first
         plan.restored_rows of them filled with exact KV, e.g. by `PrefixRestorer.restore_prefix`); the plan
-        fills the rest of it. observer: called after each layer's KV is written (analyses)."""
+        fills the rest of it. observer: called after each layer's KV is written (analyses). overlap_loads: read
+        each layer on a loader thread while the previous one computes, or inline (see LayerLoader)."""
         model, started = self.model, time.perf_counter()
         positions = torch.arange(plan.num_rows)
         cache = self._starting_cache(plan, restored, extra_capacity, positions)
@@ -149,7 +160,7 @@ class FusionExecutor:
         selected_rotary = rotary[selected]
         hidden = model.embed(token_ids[selected])
         computed_rows = []
-        loader = LayerLoader(self.store, plan.reused, model.num_layers)
+        loader = LayerLoader(self.store, plan.reused, model.num_layers, threaded=overlap_loads)
         try:
             for layer in range(model.num_layers):
                 stored = loader.take(layer)
@@ -217,5 +228,6 @@ class FusionExecutor:
             "peak_stored_layers_held": loader.peak_layers_held,
             "load_seconds": loader.read_seconds,
             "load_wait_seconds": loader.wait_seconds,
+            "loads_overlapped": loader.threaded,
             "prefill_seconds": elapsed,
         }

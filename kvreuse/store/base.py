@@ -30,6 +30,9 @@ class KVStore(ABC):
 
     name: str
     writes_are_cheap = False  # True where a put costs no I/O, so the tiered store does it inline
+    # True where a read mostly waits (network, a device) rather than runs on the CPU. Only such reads gain from
+    # a loader thread beside the compute on a CPU host: a CPU-bound read there only contends with it.
+    reads_wait = False
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...

@@ -52,6 +52,7 @@ class RedisSource(ByteSource):
 
 class RedisTier(BlobTier):
     backend_errors = (OSError, redis.RedisError)
+    reads_wait = True  # a round trip to the server per read
 
     def __init__(self, url: str, *, prefix: str = "kvreuse", part_size: int = DEFAULT_PART_SIZE,
                  timeout: float = 2.0, quantize: bool = False, **expect: str | None):

@@ -40,6 +40,7 @@ class ThrottledTier(KVStore):
         self.name = f"{inner.name}@{device}"
         self.sleep_seconds = 0.0
         self.writes_are_cheap = inner.writes_are_cheap
+        self.reads_wait = True  # the device model's latency and bandwidth are waits
 
     def _throttled(self, read: Callable[[], T], nbytes: Callable[[T], int]) -> T:
         start = time.perf_counter()

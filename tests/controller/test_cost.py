@@ -30,6 +30,16 @@ def test_naive_pipeline_is_bounded_by_the_slower_side_per_layer(read, compute):
     assert predicted.compute_seconds == pytest.approx(LAYERS * compute)
 
 
+@pytest.mark.parametrize("read, compute", [(0.010, 0.001), (0.001, 0.010)])
+def test_reads_that_do_not_wait_run_before_each_layer_not_beside_it(read, compute):
+    """A CPU-bound tier is read inline: every layer pays its read and its compute one after the other."""
+    computed_rows = 4 + 20
+    cpu_bound = {"slow": TierProfile("slow", CHUNK_ROWS * KV_BYTES / read, 0.0, reads_wait=False)}
+    profile = synthetic_profile(compute / computed_rows, tiers=cpu_bound)
+    plan, tiers = rag_plan("naive", "slow")
+    assert predict(plan, tiers, profile).seconds == pytest.approx(LAYERS * (read + compute))
+
+
 def test_nothing_loaded_costs_only_compute():
     profile = synthetic_profile(1e-4, tiers=tier(1.0))
     plan, tiers = rag_plan("full", "slow")

@@ -75,18 +75,31 @@ def test_entry_lost_after_lookup_is_recomputed(slow_engine, rag_request):
     assert (out.logits - reference.logits).abs().max() > 0  # that chunk now sees its context
 
 
-def test_slow_loader_does_not_change_results(slow_engine, rag_request):
+def test_reading_inline_or_on_a_slow_loader_thread_does_not_change_results(slow_engine, rag_request):
     engine, store = slow_engine
     request = rag_request()
     engine.compile(request, ["cacheblend", "cachetune"])
     for method in ["cacheblend:0.3", "cachetune:0.3", "naive"]:
-        fast = engine.prefill(request, method)
+        plan, _ = engine.plan_on_tiers(request, method)
+        inline = engine.executor.run(plan, request.token_ids, overlap_loads=False)
         store.read_delay = 0.002
-        slow = engine.prefill(request, method)
+        threaded = engine.executor.run(plan, request.token_ids, overlap_loads=True)
         store.read_delay = 0.0
-        assert torch.equal(fast.logits, slow.logits), method
+        assert torch.equal(inline.logits, threaded.logits), method
+        assert (inline.stats["loads_overlapped"], threaded.stats["loads_overlapped"]) == (False, True)
         # the executor never holds more than one layer of stored KV beyond the request's own cache
-        assert fast.stats["peak_stored_layers_held"] == slow.stats["peak_stored_layers_held"] == 1
+        assert inline.stats["peak_stored_layers_held"] == threaded.stats["peak_stored_layers_held"] == 1
+
+
+def test_only_reads_that_wait_on_a_device_get_a_loader_thread(tiny_model, make_engine, rag_request):
+    request = rag_request()
+    for spec, overlapped in [("memory:64MB", False), ("throttled:ssd:memory:64MB", True)]:
+        engine = make_engine(tiny_model, open_store(spec))
+        try:
+            engine.compile(request)
+            assert engine.prefill(request, "naive").stats["loads_overlapped"] is overlapped, spec
+        finally:
+            engine.close()
 
 
 def test_prompt_longer_than_the_context_window_names_the_field(tiny_engine, rag_request):
