@@ -77,12 +77,14 @@ def _attention_samples(model: LayerwiseModel, repeats: int) -> list[tuple[list[A
     return samples
 
 
-def _fit_attention(samples: list[tuple[list[AttentionCall], float]]) -> tuple[float, float, float]:
-    """Seconds per score, per key row read and per call, by least squares (each kept non-negative)."""
-    features = torch.tensor([[sum(c.scores for c in calls), sum(c.hi - c.lo for c in calls), len(calls)]
+def _fit_attention(samples: list[tuple[list[AttentionCall], float]]) -> tuple[float, float, float, float]:
+    """Seconds per score of masked calls, per score of causal calls, per key row read and per call, by least
+    squares (each kept non-negative)."""
+    features = torch.tensor([[sum(c.scores for c in calls if not c.causal), sum(c.scores for c in calls if c.causal),
+                              sum(c.hi - c.lo for c in calls), len(calls)]
                              for calls, _ in samples], dtype=torch.float64)
     seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
-    scale = features.max(0).values  # the columns differ by orders of magnitude
+    scale = features.max(0).values.clamp_min(1)  # the columns differ by orders of magnitude (or are all 0)
     fit = torch.linalg.lstsq(features / scale, seconds[:, None]).solution[:, 0] / scale
     return tuple(float(x) for x in fit.clamp_min(0))
 
@@ -112,10 +114,10 @@ def _request_seconds(model: LayerwiseModel, repeats: int) -> float:
 @torch.inference_mode()
 def measure_compute(model: LayerwiseModel, repeats: int = 5) -> ComputeProfile:
     dense = [_dense_seconds(model, rows, repeats) for rows in ROW_GRID]
-    score_seconds, key_seconds, call_seconds = _fit_attention(_attention_samples(model, repeats))
+    score_seconds, causal_score_seconds, key_seconds, call_seconds = _fit_attention(_attention_samples(model, repeats))
     qkv_share = _dense_seconds(model, ROW_GRID[-1], repeats, qkv_only=True) / dense[-1]
     return ComputeProfile(ROW_GRID, dense, score_seconds, key_seconds, call_seconds, _place_seconds(model, repeats),
-                          _request_seconds(model, repeats), qkv_share)
+                          _request_seconds(model, repeats), qkv_share, causal_score_seconds)
 
 
 def kv_bytes_per_token_layer(model: LayerwiseModel) -> int:

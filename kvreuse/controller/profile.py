@@ -32,6 +32,9 @@ class ComputeProfile:
     place_seconds: float  # per layer, per loaded row: rotate its stored key and write it into the fresh cache
     request_seconds: float  # per request: lookups, plan, embedding, final norm and logits
     qkv_share: float  # the share of the dense time spent projecting q, k and v
+    # per score of a causal kernel call, which skips masked blocks and runs faster per score than a masked one
+    # (None: as score_seconds, in profiles measured before the two were told apart)
+    causal_score_seconds: float | None = None
 
     def dense(self, rows: int) -> float:
         """Interpolated linearly between grid points; extrapolated from the last two beyond the grid."""
@@ -46,8 +49,13 @@ class ComputeProfile:
 
     def attention(self, calls: list[AttentionCall]) -> float:
         """One layer's attention, run as these kernel calls (kvreuse.model.runtime.attention_calls)."""
-        return sum(c.scores * self.score_seconds + (c.hi - c.lo) * self.key_seconds + self.call_seconds
-                   for c in calls)
+        causal = self.causal_seconds_per_score
+        return sum(c.scores * (causal if c.causal else self.score_seconds) + (c.hi - c.lo) * self.key_seconds
+                   + self.call_seconds for c in calls)
+
+    @property
+    def causal_seconds_per_score(self) -> float:
+        return self.score_seconds if self.causal_score_seconds is None else self.causal_score_seconds
 
     def layer_seconds(self, rows: int, attention: list[AttentionCall], placed: int = 0) -> float:
         """One layer computing `rows` rows, attending with `attention`, after placing `placed` loaded rows."""

@@ -11,10 +11,12 @@ from kvreuse.controller.search import roofline_ratio
 
 def profile_table(profile: MachineProfile, model_name: str) -> Table:
     compute = profile.compute
+    causal = compute.causal_seconds_per_score
     table = Table(title=f"Machine profile, {model_name} ({profile.dtype}), {profile.measured_at}: "
                         f"t_c {compute.t_c * 1e6:.1f} us/token/layer, t_o {compute.t_o * 1e3:.2f} ms/layer, "
-                        f"attention {compute.score_seconds * 1e9:.2f} ns/score + {compute.key_seconds * 1e9:.0f} ns/key "
-                        f"+ {compute.call_seconds * 1e6:.0f} us/call, place {compute.place_seconds * 1e9:.0f} ns/row")
+                        f"attention {compute.score_seconds * 1e9:.2f} ns/score ({causal * 1e9:.2f} causal) "
+                        f"+ {compute.key_seconds * 1e9:.0f} ns/key + {compute.call_seconds * 1e6:.0f} us/call, "
+                        f"place {compute.place_seconds * 1e9:.0f} ns/row")
     for column in ("tier", "read GB/s", "latency (ms)", "t_i (us/token/layer)", "roofline r0", "CacheTune ratio",
                    "CacheBlend ratio"):
         table.add_column(column, justify="right")

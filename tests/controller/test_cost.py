@@ -64,6 +64,30 @@ def test_attention_is_priced_per_score_of_the_runtime_calls():
     assert predict(plan, tiers, profile).seconds == pytest.approx(LAYERS * causal_scores * 1e-9)
 
 
+def test_causal_calls_have_a_price_per_score_of_their_own():
+    from dataclasses import replace
+
+    profile = synthetic_profile(0.0, score_seconds=1e-9)
+    profile = replace(profile, compute=replace(profile.compute, causal_score_seconds=4e-10))
+    plan, tiers = rag_plan("full", "memory")
+    rows = 4 + CHUNK_ROWS + 20
+    assert predict(plan, tiers, profile).seconds == pytest.approx(LAYERS * rows * (rows + 1) // 2 * 4e-10)
+
+
+def test_the_attention_fit_tells_causal_from_masked_scores():
+    from kvreuse.controller.measure import _fit_attention
+    from kvreuse.model.runtime import AttentionCall
+
+    def seconds(calls):  # 3 ns per masked score, 1 ns per causal one, 50 ns per key, 20 us per call
+        return sum((1e-9 if c.causal else 3e-9) * c.scores + 50e-9 * (c.hi - c.lo) + 20e-6 for c in calls)
+
+    layouts = [[AttentionCall(0, n, 0, n, causal=True)] for n in (512, 1024, 2048)]
+    layouts += [[AttentionCall(0, q, 0, n, masked=True)] * groups for q, n, groups in
+                [(16, 1024, 1), (64, 2048, 4), (32, 512, 2), (128, 1024, 8)]]
+    masked, causal, key, call = _fit_attention([(calls, seconds(calls)) for calls in layouts])
+    assert (masked, causal, key, call) == pytest.approx((3e-9, 1e-9, 50e-9, 20e-6), rel=1e-3)
+
+
 def test_an_unprofiled_tier_is_named():
     plan, tiers = rag_plan("naive", "nvme")
     with pytest.raises(ValueError, match="'nvme'"):
