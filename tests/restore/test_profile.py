@@ -32,6 +32,6 @@ def test_cli_registers_the_restore_commands():
 
     args = build_parser().parse_args(["bench", "restore", "--tiers", "hdd", "--lengths", "512", "--layers", "0"])
     assert args.tiers == ["hdd"] and args.lengths == [512] and args.layers == 0
-    assert args.batch_tiers == ["hdd", "ssd", "memory"] and args.batch_io[0] == "most-work" and not args.batch_only
+    assert args.batch_tiers == ["hdd", "ssd", "memory"] and args.batch_io[0] == "auto" and not args.batch_only
     args = build_parser().parse_args(["profile", "l-delta", "--tiers", "memory", "ssd"])
     assert args.tiers == ["memory", "ssd"] and args.func.__name__ == "cmd_profile"
