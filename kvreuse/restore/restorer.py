@@ -212,7 +212,7 @@ class PrefixRestorer:
 
     def remember_rates(self, axis: Axis, job: PrefixJob, rates: Rates) -> None:
         old = self.prior_rates(axis, job)
-        self._rates[self._rates_key(axis, job)] = Rates(rates.compute or old.compute, rates.load or old.load)
+        self._rates[self._rates_key(axis, job)] = rates.merged_over(old)
 
     # ---- storing --------------------------------------------------------------------------------------
 

@@ -40,6 +40,7 @@ class Restoration:
     future: Future
     compute_run: int = DEFAULT_COMPUTE_RUN
     key_weight: float = 0.0  # see key_weight(): prices attention in remaining_recompute
+    prior: Rates = Rates()  # what earlier restorations from its tier achieved
     pointers: TwoPointer = field(init=False)
     log: UnitLog = field(default_factory=UnitLog)
     admitted: float = field(default_factory=time.perf_counter)
@@ -47,7 +48,7 @@ class Restoration:
     busy: bool = False  # in a compute step (its spans are computed in order)
 
     def __post_init__(self) -> None:
-        self.pointers = TwoPointer(self.axis, self.compute_run, by_rates=False)
+        self.pointers = TwoPointer(self.axis, self.compute_run, self.prior)
 
     def remaining_work(self) -> float:
         """Token-layers not yet claimed by either side: its length left to restore."""
@@ -103,7 +104,8 @@ def auto_priority(rates: Rates) -> str:
     holds where compute outpaces loading (a GPU over slow storage). Where this tier loads faster than the
     machine recomputes, the channel does most of the restoring and is the batch's bottleneck; then shortest
     remaining first (SRPT) minimises the mean completion time. Rates not measured yet: CacheFlow's rule."""
-    if rates.load and rates.compute and rates.load > rates.compute:
+    load = rates.load or rates.load_shared
+    if load and rates.compute and load > rates.compute:
         return "least-work"
     return "most-work"
 
@@ -119,6 +121,23 @@ def io_turn(requests: Sequence[Restoration], tier: int, priority: str = "most-wo
         priority = auto_priority(rates(waiting[0]))
     measure, pick = IO_PRIORITIES[priority]
     return pick(waiting, key=measure)
+
+
+def io_wait(requests: Sequence[Restoration], request: Restoration, priority: str = "most-work",
+            rates: Callable[[Restoration], Rates] = lambda r: r.pointers.rates()) -> float:
+    """Seconds before `request`'s tier channel turns to it: the loading left of the requests on the same tier
+    that `priority` serves first. Its compute side claims by it: a request far back in the channel's queue
+    is worth computing even where a lone one would just load."""
+    tier = request.next_load_tier()
+    if tier is None:
+        return 0.0
+    if priority == AUTO_PRIORITY:
+        priority = auto_priority(rates(request))
+    measure, pick = IO_PRIORITIES[priority]
+    mine = measure(request)
+    ahead = [r for r in requests if r is not request and r.next_load_tier() == tier
+             and (measure(r) > mine if pick is max else measure(r) < mine)]
+    return sum(r.pointers.load_seconds() for r in ahead)
 
 
 class BatchRestorer:
@@ -154,8 +173,9 @@ class BatchRestorer:
         blocks = restorer.plan(ids)
         strategy = restorer.choose(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
-        request = Restoration(job, STRATEGIES[strategy][0](job), strategy, Future(), restorer.compute_run,
-                              key_weight(restorer.model))
+        axis = STRATEGIES[strategy][0](job)
+        request = Restoration(job, axis, strategy, Future(), restorer.compute_run, key_weight(restorer.model),
+                              restorer.prior_rates(axis, job))
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")
@@ -190,7 +210,7 @@ class BatchRestorer:
         for request in idle:
             if len(work) == share:
                 break
-            span = request.pointers.claim_front()
+            span = request.pointers.claim_front(io_wait(self._active, request, self.io_priority))
             if span is not None or request.pointers.settled:
                 request.busy = True
                 work.append((request, span))
@@ -246,7 +266,7 @@ class BatchRestorer:
 
     def _io_loop(self, tier: int) -> None:
         def claim() -> tuple[Restoration, Span] | None:
-            request = io_turn(self._active, tier, self.io_priority, self._rates)
+            request = io_turn(self._active, tier, self.io_priority)
             span = None if request is None else request.pointers.claim_back()
             return None if span is None else (request, span)
 
@@ -256,11 +276,6 @@ class BatchRestorer:
                 self._guarded(request, request.log.load, request.axis, request.pointers, span)
                 with self._cond:
                     self._cond.notify_all()
-
-    def _rates(self, request: Restoration) -> Rates:
-        """The rates `request` has shown in this batch, else those earlier restorations from its tier showed."""
-        measured, prior = request.pointers.rates(), self.restorer.prior_rates(request.axis, request.job)
-        return Rates(measured.compute or prior.compute, measured.load or prior.load)
 
     def _wait(self, take, idle):
         """take() under the lock, waiting until it gives work; None once closed and idle."""

@@ -13,14 +13,16 @@ with whole blocks on both sides, a restoration could never be faster than comput
 is often slower than loading every block. The compute side claims no more than its share of the gap at the
 two sides' rates (measured in this restoration, or in earlier ones until both sides have finished a span), and
 stops when that share is under a quarter run: it would hold the I/O side up with a span it could not finish
-first.
+first. The share counts what a span costs beyond its rows: a fixed cost per span (one step per layer), and the
+I/O it slows down, since on a CPU both sides share the cores. A span is claimed only if the loading it saves
+outweighs the loading lost while it runs.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import astuple, dataclass, field
 from typing import Any, Callable, Protocol
 
 import torch
@@ -86,51 +88,114 @@ class Rate:
         return self.positions / self.seconds
 
 
+@dataclass
+class SpanCost:
+    """Seconds per compute span = fixed + positions / rate, fitted by least squares over the spans seen. With
+    spans of one size only the fixed cost cannot be told apart: it is taken as zero and the rate is the mean."""
+
+    spans: int = 0
+    positions: float = 0.0
+    seconds: float = 0.0
+    positions_sq: float = 0.0
+    positions_seconds: float = 0.0
+    fastest: float = float("inf")  # the shortest span's seconds: the fixed cost is never more
+
+    def add(self, span: Span, seconds: float) -> None:
+        n = len(span)
+        self.spans += 1
+        self.positions += n
+        self.seconds += seconds
+        self.positions_sq += n * n
+        self.positions_seconds += n * seconds
+        self.fastest = min(self.fastest, seconds)
+
+    @property
+    def known(self) -> bool:
+        return self.positions > 0 and self.seconds > 0
+
+    def fit(self) -> tuple[float, float]:
+        """(fixed seconds per span, positions per second past it)."""
+        spread = self.spans * self.positions_sq - self.positions**2
+        if spread > 0:
+            slope = (self.spans * self.positions_seconds - self.positions * self.seconds) / spread
+            fixed = (self.seconds - slope * self.positions) / self.spans
+            if slope > 0 and 0 <= fixed < self.fastest:
+                return fixed, 1 / slope
+        return 0.0, self.positions / self.seconds
+
+
 @dataclass(frozen=True)
 class Rates:
-    """Positions per second of each side (None: not measured), carried from one restoration to the next."""
+    """What each side achieved (None: not measured), carried from one restoration to the next: compute
+    positions per second past a fixed cost per span, and load positions per second alone and while the compute
+    side runs beside it."""
 
     compute: float | None = None
     load: float | None = None
+    compute_fixed: float | None = None  # seconds per compute span
+    load_shared: float | None = None
+
+    def merged_over(self, older: Rates) -> Rates:
+        """These rates, with `older`'s where these were not measured."""
+        return Rates(*(new if new is not None else old for new, old in zip(astuple(self), astuple(older))))
 
 
 class TwoPointer:
     """Front and back pointers over an axis's positions, and how many positions are settled. Thread-safe."""
 
-    def __init__(self, axis: Axis, compute_run: int, prior: Rates = Rates(), *, by_rates: bool = True):
-        """by_rates=False: whole runs always (in a batch, how much of the I/O channel a request gets is not its
-        own to measure)."""
-        self.axis, self.compute_run, self.prior, self.by_rates = axis, compute_run, prior, by_rates
+    def __init__(self, axis: Axis, compute_run: int, prior: Rates = Rates()):
+        self.axis, self.compute_run, self.prior = axis, compute_run, prior
         self.front, self.back = 0, axis.length
         self.placed = 0  # positions computed or loaded
         self.failed: list[Span] = []
-        self.compute_rate, self.load_rate = Rate(), Rate()
+        self.compute_cost, self.load_rate, self.shared_load_rate = SpanCost(), Rate(), Rate()
+        self._computing: Span | None = None
+        self._loading: set[Span] = set()
+        self._shared_loads: set[Span] = set()  # loads that ran, at least in part, beside a compute span
         self._cond = threading.Condition()
 
-    def claim_front(self) -> Span | None:
+    def claim_front(self, io_wait: float = 0.0) -> Span | None:
+        """io_wait: seconds before the I/O side starts on this axis's next span (in a batch, the channel serves
+        the requests ahead of this one first)."""
         with self._cond:
-            size = self._size() if self.front < self.back else None
+            size = self._size(io_wait) if self.front < self.back else None
             if size is None:
                 return None
             stop = self.axis.compute_stop(self.front, size, self.back)
             span, self.front = Span(self.front, stop), stop
+            self._computing = span
+            self._shared_loads |= self._loading
             return span
 
-    def _size(self) -> int | None:
+    def _size(self, io_wait: float) -> int | None:
         """Positions the compute side claims next: `compute_run` tokens' worth of work, or no more than its
-        share of the gap at both sides' rates; None (stop) if that share is under a quarter run, since every
-        span has a fixed cost."""
+        share of the gap; None (stop) if that share is under a quarter run or not worth its cost.
+
+        With compute rate c past a fixed cost f per span, and the I/O side loading at l alone and l' beside a
+        compute span, starting after `io_wait` seconds: a span of n positions ends with the I/O side when
+        f + n/c = io_wait + (gap - n)/l', and it saves n/l of loading while costing the I/O side
+        (f + n/c)(1 - l'/l)."""
         run = self.compute_run * self.axis.positions_per_token
-        compute, load = self.rates().compute, self.rates().load
-        if compute is None or load is None or not self.by_rates:
+        rates = self.rates()
+        if rates.compute is None or (rates.load is None and rates.load_shared is None):
             return run
-        share = (self.back - self.front) * compute / (compute + load)
-        return min(run, round(share)) if share >= max(1, run // 4) else None
+        alone = rates.load or rates.load_shared
+        shared = rates.load_shared or alone
+        fixed = rates.compute_fixed or 0.0
+        reach = self.back - self.front + (io_wait - fixed) * shared  # positions the I/O side could load meanwhile
+        share = round(reach * rates.compute / (rates.compute + shared))
+        if share < max(1, run // 4):
+            return None
+        size = min(run, share)
+        lost_loading = (fixed + size / rates.compute) * max(0.0, 1 - shared / alone)
+        return size if size / alone > lost_loading else None
 
     def rates(self) -> Rates:
-        """Each side's rate measured so far in this restoration, else the prior's."""
-        return Rates(self.compute_rate.value if self.compute_rate.known else self.prior.compute,
-                     self.load_rate.value if self.load_rate.known else self.prior.load)
+        """Each side's rates measured so far in this restoration, else the prior's."""
+        fixed, compute = self.compute_cost.fit() if self.compute_cost.known else (None, None)
+        measured = Rates(compute, self.load_rate.value if self.load_rate.known else None, fixed,
+                         self.shared_load_rate.value if self.shared_load_rate.known else None)
+        return measured.merged_over(self.prior)
 
     def claim_back(self) -> Span | None:
         with self._cond:
@@ -138,12 +203,21 @@ class TwoPointer:
                 return None
             start = self.axis.load_start(self.back, self.front)
             span, self.back = Span(start, self.back), start
+            self._loading.add(span)
+            if self._computing is not None:
+                self._shared_loads.add(span)
             return span
 
     def next_back(self) -> int | None:
         """The position the I/O side would claim next (the last unclaimed one), if any."""
         with self._cond:
             return self.back - 1 if self.front < self.back else None
+
+    def load_seconds(self) -> float:
+        """Seconds the I/O side would take to load every unclaimed position at its rate (0 if not measured)."""
+        rates = self.rates()
+        rate = rates.load_shared or rates.load
+        return len(self.unclaimed()) / rate if rate else 0.0
 
     def unclaimed(self) -> Span:
         """The positions neither side has claimed yet."""
@@ -153,12 +227,19 @@ class TwoPointer:
     def settle(self, span: Span, seconds: float, computed: bool) -> None:
         with self._cond:
             self.placed += len(span)
-            (self.compute_rate if computed else self.load_rate).add(span, seconds)
+            if computed:
+                self.compute_cost.add(span, seconds)
+                self._computing = None
+            else:
+                self._loading.discard(span)
+                shared = span in self._shared_loads
+                (self.shared_load_rate if shared else self.load_rate).add(span, seconds)
             self._cond.notify_all()
 
     def fail(self, span: Span) -> None:
         with self._cond:
             self.failed.append(span)
+            self._loading.discard(span)
             self._cond.notify_all()
 
     @property

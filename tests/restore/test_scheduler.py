@@ -9,10 +9,9 @@ import torch
 
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
-from kvreuse.restore.scheduler import (BatchRestorer, Restoration, auto_priority, io_turn, key_weight,
+from kvreuse.restore.scheduler import (BatchRestorer, Restoration, auto_priority, io_turn, io_wait, key_weight,
                                       recompute_cost)
-from kvreuse.restore.units import Rates
-from kvreuse.restore.units import Span
+from kvreuse.restore.units import Rates, Span
 from kvreuse.store import KeySpace, open_store
 
 from .support import Evicting
@@ -120,6 +119,25 @@ def test_auto_priority_serves_the_shortest_first_where_loading_outpaces_compute(
     assert io_turn([short, long_], 0, "auto", lambda r: computes_faster) is long_  # CacheFlow's rule
     assert io_turn([short, long_], 0, "auto", lambda r: Rates()) is long_  # nothing measured yet: CacheFlow's
     assert auto_priority(Rates(compute=1000.0)) == "most-work"
+
+
+def test_a_request_far_back_in_the_channel_s_queue_computes_where_a_lone_one_would_just_load():
+    # loading 8x faster than computing: alone, a 512-row request's compute share is ~57 rows, under a quarter
+    # of its 256-row run, so it would only load; behind 4608 rows of other requests' loading it computes
+    loads_faster = Rates(compute=1000.0, load=8000.0)
+
+    def request(length: int, tier: int = 0) -> Restoration:
+        return Restoration(job=None, axis=FakeAxis(length, tier), strategy="cake", future=None, compute_run=256,
+                           prior=loads_faster)
+
+    short, long_, other_tier = request(512), request(4608), request(9000, tier=1)
+    batch = [short, long_, other_tier]
+    assert io_wait(batch, short, "least-work") == 0.0  # served first
+    assert io_wait(batch, long_, "least-work") == pytest.approx(512 / 8000)
+    assert io_wait(batch, short, "most-work") == pytest.approx(4608 / 8000)  # the other tier's queue is not its
+    assert short.pointers.claim_front(io_wait(batch, short, "least-work")) is None
+    assert short.pointers.claim_front(io_wait(batch, short, "most-work")) == Span(0, 256)
+    assert io_wait(batch, short, "auto") == 0.0  # auto: shortest first, since this tier loads faster
 
 
 def test_remaining_recompute_prices_the_back_of_a_long_prefix_highest():
