@@ -104,8 +104,8 @@ def auto_priority(rates: Rates) -> str:
     holds where compute outpaces loading (a GPU over slow storage). Where this tier loads faster than the
     machine recomputes, the channel does most of the restoring and is the batch's bottleneck; then shortest
     remaining first (SRPT) minimises the mean completion time. Rates not measured yet: CacheFlow's rule."""
-    load = rates.load or rates.load_shared
-    if load and rates.compute and load > rates.compute:
+    loads = rates.loads()
+    if loads and rates.compute and loads[0] > rates.compute:
         return "least-work"
     return "most-work"
 
@@ -117,23 +117,23 @@ def io_turn(requests: Sequence[Restoration], tier: int, priority: str = "most-wo
     waiting = [r for r in requests if r.next_load_tier() == tier]
     if not waiting:
         return None
-    if priority == AUTO_PRIORITY:
-        priority = auto_priority(rates(waiting[0]))
-    measure, pick = IO_PRIORITIES[priority]
+    measure, pick = IO_PRIORITIES[resolved_priority(priority, rates(waiting[0]))]
     return pick(waiting, key=measure)
 
 
-def io_wait(requests: Sequence[Restoration], request: Restoration, priority: str = "most-work",
-            rates: Callable[[Restoration], Rates] = lambda r: r.pointers.rates()) -> float:
+def resolved_priority(priority: str, rates: Rates) -> str:
+    """`priority`, with auto replaced by what it picks at these rates."""
+    return auto_priority(rates) if priority == AUTO_PRIORITY else priority
+
+
+def io_wait(requests: Sequence[Restoration], request: Restoration, priority: str = "most-work") -> float:
     """Seconds before `request`'s tier channel turns to it: the loading left of the requests on the same tier
     that `priority` serves first. Its compute side claims by it: a request far back in the channel's queue
     is worth computing even where a lone one would just load."""
     tier = request.next_load_tier()
     if tier is None:
         return 0.0
-    if priority == AUTO_PRIORITY:
-        priority = auto_priority(rates(request))
-    measure, pick = IO_PRIORITIES[priority]
+    measure, pick = IO_PRIORITIES[resolved_priority(priority, request.pointers.rates())]
     mine = measure(request)
     ahead = [r for r in requests if r is not request and r.next_load_tier() == tier
              and (measure(r) > mine if pick is max else measure(r) < mine)]

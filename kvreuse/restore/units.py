@@ -135,6 +135,12 @@ class Rates:
     compute_fixed: float | None = None  # seconds per compute span
     load_shared: float | None = None
 
+    def loads(self) -> tuple[float, float] | None:
+        """(load rate alone, load rate beside a compute span), each standing in for the other when only one was
+        measured; None if neither was."""
+        alone, shared = self.load or self.load_shared, self.load_shared or self.load
+        return None if alone is None or shared is None else (alone, shared)
+
     def merged_over(self, older: Rates) -> Rates:
         """These rates, with `older`'s where these were not measured."""
         return Rates(*(new if new is not None else old for new, old in zip(astuple(self), astuple(older))))
@@ -150,8 +156,7 @@ class TwoPointer:
         self.failed: list[Span] = []
         self.compute_cost, self.load_rate, self.shared_load_rate = SpanCost(), Rate(), Rate()
         self._computing: Span | None = None
-        self._loading: set[Span] = set()
-        self._shared_loads: set[Span] = set()  # loads that ran, at least in part, beside a compute span
+        self._loading: dict[Span, bool] = {}  # loads in flight: whether each ran, at least in part, beside compute
         self._cond = threading.Condition()
 
     def claim_front(self, io_wait: float = 0.0) -> Span | None:
@@ -164,7 +169,7 @@ class TwoPointer:
             stop = self.axis.compute_stop(self.front, size, self.back)
             span, self.front = Span(self.front, stop), stop
             self._computing = span
-            self._shared_loads |= self._loading
+            self._loading = dict.fromkeys(self._loading, True)
             return span
 
     def _size(self, io_wait: float) -> int | None:
@@ -177,10 +182,10 @@ class TwoPointer:
         (f + n/c)(1 - l'/l)."""
         run = self.compute_run * self.axis.positions_per_token
         rates = self.rates()
-        if rates.compute is None or (rates.load is None and rates.load_shared is None):
+        loads = rates.loads()
+        if rates.compute is None or loads is None:
             return run
-        alone = rates.load or rates.load_shared
-        shared = rates.load_shared or alone
+        alone, shared = loads
         fixed = rates.compute_fixed or 0.0
         reach = self.back - self.front + (io_wait - fixed) * shared  # positions the I/O side could load meanwhile
         share = round(reach * rates.compute / (rates.compute + shared))
@@ -203,9 +208,7 @@ class TwoPointer:
                 return None
             start = self.axis.load_start(self.back, self.front)
             span, self.back = Span(start, self.back), start
-            self._loading.add(span)
-            if self._computing is not None:
-                self._shared_loads.add(span)
+            self._loading[span] = self._computing is not None
             return span
 
     def next_back(self) -> int | None:
@@ -215,9 +218,8 @@ class TwoPointer:
 
     def load_seconds(self) -> float:
         """Seconds the I/O side would take to load every unclaimed position at its rate (0 if not measured)."""
-        rates = self.rates()
-        rate = rates.load_shared or rates.load
-        return len(self.unclaimed()) / rate if rate else 0.0
+        loads = self.rates().loads()
+        return len(self.unclaimed()) / loads[1] if loads else 0.0
 
     def unclaimed(self) -> Span:
         """The positions neither side has claimed yet."""
@@ -231,15 +233,14 @@ class TwoPointer:
                 self.compute_cost.add(span, seconds)
                 self._computing = None
             else:
-                self._loading.discard(span)
-                shared = span in self._shared_loads
+                shared = self._loading.pop(span, False)
                 (self.shared_load_rate if shared else self.load_rate).add(span, seconds)
             self._cond.notify_all()
 
     def fail(self, span: Span) -> None:
         with self._cond:
             self.failed.append(span)
-            self._loading.discard(span)
+            self._loading.pop(span, None)
             self._cond.notify_all()
 
     @property
