@@ -134,6 +134,12 @@ class LayerwiseModel:
         self.device = next(hf_model.parameters()).device
         self.windows = [self.adapter.sliding_window(i) for i in range(self.num_layers)]
         self._rotate_half = sys.modules[type(hf_model).__module__].rotate_half
+        # RoPE tables of positions [0, n), grown on demand: building them for a long prompt costs more than
+        # loading its KV. Dynamic and longrope scaling make a position's angles depend on the whole call's
+        # positions, so those rope types build tables per call.
+        rope_type = getattr(self.decoder.rotary_emb, "rope_type", "default")
+        self._rotary_cacheable = "dynamic" not in rope_type and rope_type != "longrope"
+        self._rotary_table: Rotary | None = None
 
     # ---- primitives -------------------------------------------------------------------------------------
 
@@ -145,9 +151,28 @@ class LayerwiseModel:
         block = self.layers[layer]
         return self.adapter.project_qkv(block.self_attn, block.input_layernorm(hidden))
 
-    def rotary(self, positions: torch.Tensor) -> Rotary:
-        """RoPE tables for `positions`, from the model's own rotary module (its scaling included)."""
-        cos, sin = self.decoder.rotary_emb(self._probe, positions.to(self.device)[None, :])
+    def rotary(self, positions: torch.Tensor | range) -> Rotary:
+        """RoPE tables for `positions`, from the model's own rotary module (its scaling included). For a range
+        of positions the tables are views of the model's, not copies."""
+        if isinstance(positions, range) and positions.step == 1 and self._rotary_cacheable:
+            return self._rotary_rows(positions.stop)[positions.start : positions.stop]
+        positions = torch.as_tensor(positions, device=self.device)
+        if not self._rotary_cacheable:
+            return self._rotary_of(positions)
+        return self._rotary_rows(int(positions.max()) + 1 if positions.numel() else 0)[positions]
+
+    def _rotary_rows(self, needed: int) -> Rotary:
+        """The table of positions [0, n) for some n >= needed."""
+        table = self._rotary_table
+        if table is None or table.cos.shape[0] < needed:
+            # Doubling keeps a growing conversation from rebuilding the table every turn. Each angle is one
+            # product of position and frequency, so a table row equals what a call for that position alone gives.
+            rows = max(needed, 2 * table.cos.shape[0] if table is not None else 1024)
+            table = self._rotary_table = self._rotary_of(torch.arange(rows, device=self.device))
+        return table
+
+    def _rotary_of(self, positions: torch.Tensor) -> Rotary:
+        cos, sin = self.decoder.rotary_emb(self._probe, positions[None, :])
         return Rotary(cos[0, :, None, :], sin[0, :, None, :])
 
     @property
@@ -155,9 +180,10 @@ class LayerwiseModel:
         # The rotary module reads only dtype and device from its first argument.
         return torch.empty(0, dtype=self.dtype, device=self.device)
 
-    def rope(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """Rotate q or k rows [n, H, D] to the positions `rotary` was built for (apply_rotary_pos_emb's maths)."""
-        return x * rotary.cos + self._rotate_half(x) * rotary.sin
+    def rope(self, x: torch.Tensor, rotary: Rotary, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate q or k rows [n, H, D] to the positions `rotary` was built for (apply_rotary_pos_emb's maths),
+        into `out` if given: keys go straight into their cache rows, with no temporaries to allocate and copy."""
+        return torch.mul(x, rotary.cos, out=out).addcmul_(self._rotate_half(x), rotary.sin)
 
     def attend(
         self,
@@ -206,6 +232,16 @@ class LayerwiseModel:
         )
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
+    def write_kv(self, cache: KVCache, layer: int, rows: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 rotary: Rotary) -> None:
+        """Write rows' KV into `cache`, keys given before RoPE (the stored form) and rotated on the way: into
+        the cache's memory itself when the rows are a range."""
+        if isinstance(rows, slice):
+            self.rope(k, rotary, out=cache.keys[layer][rows])
+            cache.values[layer][rows] = v
+        else:
+            cache.write(layer, rows, self.rope(k, rotary), v)
+
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
         block = self.layers[layer]
@@ -234,7 +270,7 @@ class LayerwiseModel:
         Returns the rows' output hidden state and their stored-form K (before RoPE) and V.
         """
         q, k, v = self.qkv(layer, hidden)
-        cache.write(layer, rows, self.rope(k, rotary), v)
+        self.write_kv(cache, layer, rows, k, v, rotary)
         keys, values = cache.layer(layer)
         out = self.attend(layer, self.rope(q, rotary), cache.positions[rows], keys, values, cache.positions)
         return self.finish_layer(layer, hidden, out), k, v

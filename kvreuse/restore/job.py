@@ -146,7 +146,7 @@ class PrefixJob:
         self.cache, self.layers, self.channels = cache, layers, channels
         self.prefix_length = blocks[-1].rows.stop if blocks else 0
         self.positions = torch.arange(len(token_ids), device=model.device)
-        self.rotary = model.rotary(self.positions)
+        self.rotary = model.rotary(range(len(token_ids)))
         # The hidden state entering self.layers.start for given rows: embeddings, or a stage's boundary.
         self.hidden_in = hidden_in or (lambda rows: model.embed(token_ids[rows]))
         self.bytes_loaded = 0
@@ -169,7 +169,7 @@ class PrefixJob:
         row before their end. Only rows up to rows.stop: later rows may be unwritten memory (NaN), which a mask
         does not make safe."""
         model, rotary = self.model, self.rotary[rows]
-        self.cache.write(layer, rows, model.rope(k, rotary), v)
+        model.write_kv(self.cache, layer, rows, k, v, rotary)
         keys, values = self.cache.keys[layer][: rows.stop], self.cache.values[layer][: rows.stop]
         positions = self.positions[: rows.stop]
         return model.attend(layer, model.rope(q, rotary), positions[rows], keys, values, positions)
@@ -180,8 +180,8 @@ class PrefixJob:
         return self.blocks[row // self.blocks[0].stored_tokens]
 
     def read(self, block: Block, layers: range, rows: slice) -> KV | None:
-        """`layers` of cache rows `rows` (inside `block`) from the store, keys rotated to their positions; None
-        if missing or damaged."""
+        """`layers` of cache rows `rows` (inside `block`) from the store, keys before RoPE; None if missing or
+        damaged."""
         local = block.overlap(rows)
         length = local.stop - local.start
         with self.channels[block.tier]:
@@ -194,12 +194,13 @@ class PrefixJob:
         k, v = kv
         self.bytes_loaded += k.nbytes + v.nbytes
         model = self.model
-        k = model.rope(k.to(device=model.device, dtype=model.dtype), self.rotary[rows])
-        return k, v.to(device=model.device, dtype=model.dtype)
+        return k.to(device=model.device, dtype=model.dtype), v.to(device=model.device, dtype=model.dtype)
 
     def place(self, rows: slice, layers: range, kv: KV) -> None:
+        """Write what `read` gave at `rows`, rotating the keys to their positions."""
+        rotary = self.rotary[rows]
         for i, layer in enumerate(layers):
-            self.cache.write(layer, rows, kv[0][i], kv[1][i])
+            self.model.write_kv(self.cache, layer, rows, kv[0][i], kv[1][i], rotary)
 
 
 class JobAxis(ABC):

@@ -27,6 +27,39 @@ def test_prefill_in_pieces_equals_one_prefill(tiny_model, prompt_ids):
 
 
 @torch.inference_mode()
+def test_rotary_table_rows_equal_tables_built_per_call(tiny_model):
+    """The cached RoPE table, grown across calls (past its first size, 1024), gives each position what the
+    model's rotary module gives for it alone, scaling included; scattered positions too."""
+    for positions in (torch.arange(7), torch.tensor([1500, 3, 1024, 40]), range(2000, 2600), range(3000, 3000)):
+        cached = tiny_model.rotary(positions)
+        positions = torch.as_tensor(positions)
+        assert cached.cos.shape[0] == len(positions)
+        for p in positions[[0, -1]].tolist() if len(positions) else []:
+            cos, sin = tiny_model.decoder.rotary_emb(torch.empty(0), torch.tensor([[p]]))
+            row = int((positions == p).nonzero()[0])
+            torch.testing.assert_close(cached.cos[row, 0], cos[0, 0], atol=0, rtol=0)
+            torch.testing.assert_close(cached.sin[row, 0], sin[0, 0], atol=0, rtol=0)
+
+
+def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny):
+    """Dynamic scaling changes a position's angles with the longest position in the call: no shared table."""
+    hf_model = make_tiny("llama")
+    hf_model.model.rotary_emb.rope_type = "dynamic"
+    model = LayerwiseModel(hf_model)
+    model.rotary(torch.arange(10))
+    assert model._rotary_table is None
+
+
+def test_rope_into_the_cache_equals_rope(tiny_model):
+    k = torch.randn(12, tiny_model.num_kv_heads, tiny_model.head_dim)
+    rotary = tiny_model.rotary(torch.arange(30, 42))
+    cache = tiny_model.new_cache(20)
+    tiny_model.write_kv(cache, 0, slice(5, 17), k, k + 1, rotary)
+    torch.testing.assert_close(cache.keys[0][5:17], tiny_model.rope(k, rotary), atol=0, rtol=0)
+    torch.testing.assert_close(cache.values[0][5:17], k + 1, atol=0, rtol=0)
+
+
+@torch.inference_mode()
 def test_scattered_query_rows_see_only_earlier_positions(tiny_model, prompt_ids):
     """Recompute a scattered, shuffled subset of rows against the full K/V: each must equal the full prefill's
     row. A bottom-right-aligned mask (CacheBlend's public code) would let early rows see later keys."""
@@ -89,7 +122,8 @@ def test_gate_catches_rope_applied_by_row_index(make_tiny, tiny_family, prompt_i
     model = LayerwiseModel(make_tiny(tiny_family))
     rope = model.rope
     # the classic placement bug: rotating by row index, ignoring the chunk's real offset
-    monkeypatch.setattr(model, "rope", lambda x, rotary: rope(x, model.rotary(torch.arange(x.shape[0]))))
+    monkeypatch.setattr(model, "rope",
+                        lambda x, rotary, out=None: rope(x, model.rotary(torch.arange(x.shape[0])), out))
     assert check_prefill_logits(model, prompt_ids).passed  # invisible to a plain prefill...
     assert not check_chunk_rerotation(model, prompt_ids).passed  # ...but not to placement
 
