@@ -31,6 +31,14 @@ from kvreuse.store import KeySpace, open_store
 from kvreuse.store.tiered import TieredStore
 
 FRESH_TOKENS = 32  # the new turn after the stored prefix: always computed
+# Prefixes shorter than this get proportionally more repeats: their restorations take a few ms beside a fresh
+# turn of tens of ms whose spread alone is of the targets' size, and repeating them is cheap.
+REPEAT_SCALE_TOKENS = 2048
+
+
+def repeats_for(length: int, repeats: int) -> int:
+    """Repeats of a prefix length: `repeats`, times 2048 / length below 2048 tokens."""
+    return repeats * max(1, REPEAT_SCALE_TOKENS // length)
 
 
 @dataclass
@@ -122,11 +130,11 @@ def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repea
             variants = [("*", "compute")] + [(t, s) for t in tiers for s in ("load", "cake", "layerwise")]
             for restorer in restorers.values():
                 warm_up(restorer, ids)
-            for r in range(repeats):
+            for r in range(repeats_for(length, repeats)):
                 for tier, strategy in variants[r % len(variants):] + variants[: r % len(variants)]:
                     restorer = restorers[tiers[0] if tier == "*" else tier]
                     runs.setdefault((tier, strategy), []).append(restorer.restore(ids, strategy).stats)
-            rows += [_length_row(bench, length, tier, runs, repeats) for tier in tiers]
+            rows += [_length_row(bench, length, tier, runs) for tier in tiers]
             print(f"  {length} tokens done", flush=True)
     finally:
         for store in stores.values():
@@ -134,14 +142,14 @@ def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repea
     return rows
 
 
-def _length_row(bench: BenchModel, length: int, tier: str, runs: dict, repeats: int) -> dict:
+def _length_row(bench: BenchModel, length: int, tier: str, runs: dict) -> dict:
     compute, load = runs[("*", "compute")], runs[(tier, "load")]
     ideal = statistics.median(
         ideal_seconds(c["compute_spans"], ld["load_spans"], c["total_seconds"] - c["restore_seconds"])
         for c, ld in zip(compute, load)
     )
-    row = {"tier": tier, "prefix": length, "ideal": ideal, "compute": _median(compute), "load": _median(load),
-           "cake": _median(runs[(tier, "cake")]), "layerwise": _median(runs[(tier, "layerwise")]),
+    row = {"tier": tier, "prefix": length, "repeats": len(compute), "ideal": ideal, "compute": _median(compute),
+           "load": _median(load), "cake": _median(runs[(tier, "cake")]), "layerwise": _median(runs[(tier, "layerwise")]),
            "cake_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "cake")]),
            "layerwise_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "layerwise")])}
     row["cacheflow_strategy"] = cacheflow_choice(bench.space, tier, length)
@@ -200,7 +208,7 @@ def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: i
             ids = stored_prompt(bench, stores, length, seed=length, block=block)
             warm_up(restorer, ids)
             runs: dict[str, list[dict]] = {"cake": [], "layerwise": []}
-            for strategy in itertools.islice(itertools.cycle(runs), 2 * repeats):
+            for strategy in itertools.islice(itertools.cycle(runs), 2 * repeats_for(length, repeats)):
                 runs[strategy].append(restorer.restore(ids, strategy).stats)
             token[length], layer[length] = _median(runs["cake"]), _median(runs["layerwise"])
     finally:
@@ -263,7 +271,7 @@ def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, 
                                batch_compute_workers, batch_io) for tier in batch_tiers]
     if rows:
         print_lengths(rows, f"Prefix restoration, {bench.name}, fp32, block {block}, compute run {compute_run}, "
-                            f"{threads} torch thread(s), median of {repeats}")
+                            f"{threads} torch thread(s), median of {repeats} x 2048 / prefix (at least {repeats})")
     for batch in batches:
         print_batch(batch)
     print(f"total bench time {time.perf_counter() - started:.0f} s")

@@ -236,14 +236,27 @@ class BatchRestorer:
                 if (run := self._guarded(request, self._run_of, request, span)) is not None]
         start = time.perf_counter()
         try:
-            outputs = forward([run for _, _, run in runs])
+            outputs = self._first_token_logits(runs, forward([run for _, _, run in runs]))
         except BaseException as e:
             for request, _, _ in runs:
                 self._drop(request, e)
             return
         seconds = time.perf_counter() - start
-        for (request, span, _), hidden in zip(runs, outputs):
-            self._guarded(request, self._took, request, span, hidden, seconds)
+        for (request, span, _), output in zip(runs, outputs):
+            self._guarded(request, self._took, request, span, output, seconds)
+
+    def _first_token_logits(self, runs: list[tuple[Restoration, Span | None, Run]],
+                            outputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The step's outputs, with each remainder's replaced by its first-token logits: the requests finishing
+        in one step share one LM-head call, a single read of the largest weight matrix, as their projections
+        and MLP share the layers' weights."""
+        finishing = [i for i, (_, span, _) in enumerate(runs) if span is None]
+        if not finishing:
+            return outputs
+        logits = self.restorer.model.logits(torch.cat([outputs[i][-1:] for i in finishing]))
+        for i, row in zip(finishing, logits):
+            outputs[i] = row
+        return outputs
 
     def _guarded(self, request: Restoration, action: Callable[..., T], *args: Any) -> T | None:
         """action(*args); if it raises, `request` fails with the error (the others go on)."""
@@ -286,15 +299,15 @@ class BatchRestorer:
                 self._cond.wait()
             return work
 
-    def _took(self, request: Restoration, span: Span | None, hidden: torch.Tensor, seconds: float) -> None:
-        """A step's output for `request`: its span is in place (it took the step's `seconds`), or, for its
-        remainder's run (span None), the first-token logits: the request is done and its future resolves."""
+    def _took(self, request: Restoration, span: Span | None, output: torch.Tensor, seconds: float) -> None:
+        """A step's output for `request`: its span's hidden state (the span is in place; it took the step's
+        `seconds`), or, for its remainder's run (span None), the first-token logits: the request is done and its
+        future resolves."""
         if span is not None:
-            request.axis.ran(span, hidden)
+            request.axis.ran(span, output)
             request.log.settle_computed(request.pointers, span, seconds)
             return
-        job = request.job
-        logits = job.model.logits(hidden[-1:])[0]
+        job, logits = request.job, output
         done = time.perf_counter()
         stats = restore_stats(request.strategy, job, request.axis, request.log,
                               restore=request.restored - request.admitted, total=done - request.admitted)

@@ -76,6 +76,24 @@ def test_every_family_restores_a_mixed_batch_with_lost_blocks_exactly(tiny_model
     assert results[0].stats["spans_failed"] and results[1].stats["spans_failed"]
 
 
+def test_requests_finishing_in_one_step_share_one_lm_head_call(tiny_model, monkeypatch):
+    """Three requests with nothing stored are all in place at admission, so the first step finishes them all:
+    one LM-head call on their last rows, and each gets its own first-token logits."""
+    restorer = PrefixRestorer(tiny_model, open_store("memory:16MB"), KeySpace("tiny", "tok"), block_size=8)
+    batch = BatchRestorer(restorer, compute_workers=0)  # the test runs the step itself
+    prompts = [ids_of(n, 30 + n) for n in (5, 17, 11)]
+    futures = [batch.submit(p) for p in prompts]
+    rows_per_call, logits = [], tiny_model.logits
+    monkeypatch.setattr(tiny_model, "logits", lambda hidden: rows_per_call.append(len(hidden)) or logits(hidden))
+    with torch.inference_mode():
+        batch._step(batch._next_step())
+    monkeypatch.undo()
+    assert rows_per_call == [3]
+    for prompt, future in zip(prompts, futures):
+        assert_full_prefill(tiny_model, prompt, future.result(timeout=0))
+    batch.close()
+
+
 class FakeAxis:
     """`length` rows in blocks of 256, all on tier `tier`."""
 
