@@ -50,6 +50,16 @@ def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny):
     assert model._rotary_table is None
 
 
+@torch.inference_mode()
+def test_logits_are_the_lm_head_s(tiny_model):
+    for rows in (1, 3):
+        hidden = torch.randn(rows, tiny_model.hidden_size)
+        want = tiny_model.hf_model.lm_head(tiny_model.decoder.norm(hidden))
+        got = tiny_model.logits(hidden)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_rope_into_the_cache_equals_rope(tiny_model):
     k = torch.randn(12, tiny_model.num_kv_heads, tiny_model.head_dim)
     rotary = tiny_model.rotary(torch.arange(30, 42))
