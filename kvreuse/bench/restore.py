@@ -158,9 +158,9 @@ def _length_row(bench: BenchModel, length: int, tier: str, runs: dict) -> dict:
 
 
 def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
-                tmp: str, compute_workers: int, io_priorities: list[str]) -> dict:
+                tmp: str, compute_workers: list[int], io_priorities: list[str]) -> dict:
     """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once: per-request
-    Cake, and the batch-aware scheduler with each I/O priority."""
+    Cake, and the batch-aware scheduler with each I/O priority and each number of compute workers."""
     stores = open_tiers([tier], tmp)
     restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
     prompts = [stored_prompt(bench, stores, n, seed=1000 + n, block=block) for n in lengths]
@@ -172,8 +172,8 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
             results = list(pool.map(lambda p: restorer.restore(p, "cake"), prompts))
         return [r.stats["total_seconds"] for r in results]
 
-    def batch_aware(io_priority: str) -> list[float]:
-        batch = BatchRestorer(restorer, compute_workers, io_priority)
+    def batch_aware(io_priority: str, workers: int) -> list[float]:
+        batch = BatchRestorer(restorer, workers, io_priority)
         try:
             futures = [batch.submit(p, "cake") for p in prompts]
             return [f.result().stats["total_seconds"] for f in futures]
@@ -181,7 +181,8 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
             batch.close()
 
     variants = [("per-request cake", per_request)] + [
-        (f"batch-aware {p}", lambda p=p: batch_aware(p)) for p in io_priorities]
+        (f"batch-aware {p}, {w} worker{'s' if w > 1 else ''}", lambda p=p, w=w: batch_aware(p, w))
+        for w in compute_workers for p in io_priorities]
     times: dict[str, list[list[float]]] = {name: [] for name, _ in variants}
     try:
         for r in range(repeats):
@@ -251,16 +252,16 @@ def print_batch(result: dict) -> None:
     variants = result["variants"]
     base = variants["per-request cake"]
     print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {tier_label(result['tier'])}, "
-          f"{result['compute_workers']} compute worker(s), median of {result['repeats']} batches:")
+          f"compute workers {result['compute_workers']}, median of {result['repeats']} batches:")
     for name, v in variants.items():
         each = ", ".join(f"{t * 1e3:.0f}" for t in v["per_request"])
-        print(f"  {name:28s} mean {v['mean'] * 1e3:5.0f} ms, p90 {v['p90'] * 1e3:5.0f} ms "
+        print(f"  {name:36s} mean {v['mean'] * 1e3:5.0f} ms, p90 {v['p90'] * 1e3:5.0f} ms "
               f"(per request {each}); speed-up over per-request Cake: mean {base['mean'] / v['mean']:.2f}x, "
               f"p90 {base['p90'] / v['p90']:.2f}x")
 
 
 def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
-        compute_run: int, batch_tiers: list[str], batch_lengths: list[int], batch_compute_workers: int,
+        compute_run: int, batch_tiers: list[str], batch_lengths: list[int], batch_compute_workers: list[int],
         batch_io: list[str], batch_repeats: int, json_out: str | None) -> dict:
     torch.set_num_threads(threads)
     bench = bench_model(layers)

@@ -48,9 +48,10 @@ def add_commands(profiles: argparse._SubParsersAction, benches: argparse._SubPar
     bench.add_argument("--batch-tiers", nargs="+", default=["hdd", "ssd", "memory"],
                        choices=TIER_CHOICES + ["none"], help="tiers of the batch experiment ('none' skips it)")
     bench.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
-    bench.add_argument("--batch-compute-workers", type=int, default=2,
-                       help="compute workers of the batch-aware scheduler, each running batched steps over its "
-                            "share of the batch: one per core of this 2-core CPU (per-request Cake: one per request)")
+    bench.add_argument("--batch-compute-workers", type=int, nargs="+", default=[1, 2],
+                       help="compute workers of the batch-aware scheduler to measure, each running batched steps "
+                            "over its share of the batch (1: the other core is the I/O side's; 2: one per core of "
+                            "this 2-core CPU; per-request Cake: one per request)")
     bench.add_argument("--batch-io", nargs="+", choices=list(IO_PRIORITY_CHOICES), default=list(IO_PRIORITY_CHOICES),
                        help="I/O priorities of the batch-aware scheduler to measure (most-work is CacheFlow's; "
                             "auto, the default, takes it or least-work by the tier's measured rates)")
