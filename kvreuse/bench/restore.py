@@ -144,17 +144,30 @@ def bench_lengths(bench: BenchModel, tiers: list[str], lengths: list[int], repea
 
 def _length_row(bench: BenchModel, length: int, tier: str, runs: dict) -> dict:
     compute, load = runs[("*", "compute")], runs[(tier, "load")]
-    ideal = statistics.median(
-        ideal_seconds(c["compute_spans"], ld["load_spans"], c["total_seconds"] - c["restore_seconds"])
-        for c, ld in zip(compute, load)
-    )
-    row = {"tier": tier, "prefix": length, "repeats": len(compute), "ideal": ideal, "compute": _median(compute),
-           "load": _median(load), "cake": _median(runs[(tier, "cake")]), "layerwise": _median(runs[(tier, "layerwise")]),
+    ideals = [ideal_seconds(c["compute_spans"], ld["load_spans"], c["total_seconds"] - c["restore_seconds"])
+              for c, ld in zip(compute, load)]
+    choice = cacheflow_choice(bench.space, tier, length)
+    ttft = {name: [r["total_seconds"] for r in variant_runs] for name, variant_runs in
+            (("load", load), ("compute", compute), ("cake", runs[(tier, "cake")]),
+             ("layerwise", runs[(tier, "layerwise")]))}
+    ttft["cacheflow"] = ttft[choice]
+    best = [min(a, b) for a, b in zip(ttft["load"], ttft["compute"])]
+    row = {"tier": tier, "prefix": length, "repeats": len(compute), "ideal": statistics.median(ideals),
+           **{name: statistics.median(times) for name, times in ttft.items()}, "cacheflow_strategy": choice,
            "cake_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "cake")]),
            "layerwise_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "layerwise")])}
-    row["cacheflow_strategy"] = cacheflow_choice(bench.space, tier, length)
-    row["cacheflow"] = row[row["cacheflow_strategy"]]
+    row["paired"] = {f"{name}/{base}": _paired(ttft[name], reference)
+                     for name in ("cake", "cacheflow") for base, reference in (("ideal", ideals), ("best", best))}
+    row["paired"]["cake/load"] = _paired(ttft["cake"], ttft["load"])
     return row
+
+
+def _paired(numerator: list[float], denominator: list[float]) -> float:
+    """Median over repeats of each repeat's own ratio. A repeat's variants run back to back, so a slow spell of
+    the machine falls on both sides of its ratio, where a ratio of medians can set a fast spell against a slow
+    one: where Cake computes nothing it runs load-only's code, and the two estimators' distance from 1 there is
+    the benchmark's own error."""
+    return statistics.median(n / d for n, d in zip(numerator, denominator))
 
 
 def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,
@@ -190,9 +203,13 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
                 times[name].append(variant())
     finally:
         stores[tier].close()
-    summary = {name: {"mean": statistics.median(float(np.mean(t)) for t in ts),
-                      "p90": statistics.median(float(np.percentile(t, 90)) for t in ts),
-                      "per_request": [statistics.median(t[i] for t in ts) for i in range(len(lengths))]}
+    means = {name: [float(np.mean(t)) for t in ts] for name, ts in times.items()}
+    p90s = {name: [float(np.percentile(t, 90)) for t in ts] for name, ts in times.items()}
+    base = "per-request cake"
+    summary = {name: {"mean": statistics.median(means[name]), "p90": statistics.median(p90s[name]),
+                      "per_request": [statistics.median(t[i] for t in ts) for i in range(len(lengths))],
+                      "paired_speedup": {"mean": _paired(means[base], means[name]),
+                                         "p90": _paired(p90s[base], p90s[name])}}
                for name, ts in times.items()}
     return {"tier": tier, "lengths": lengths, "compute_workers": compute_workers, "repeats": repeats,
             "variants": summary}
@@ -228,24 +245,27 @@ def _console() -> Console:
 def print_lengths(rows: list[dict], title: str) -> None:
     table = Table(title=title)
     columns = ["tier", "prefix", "ideal", "load-only", "compute-only", "cake", "layer-wise", "cacheflow",
-               "cake/ideal", "cacheflow/ideal", "cake/best base", "cacheflow/best base", "cake tokens computed",
-               "layer-wise tokens computed"]
+               "cake / ideal", "cacheflow / ideal", "cake / best base", "cacheflow / best base", "cake / load-only",
+               "cake tokens computed", "layer-wise tokens computed"]
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         best = min(row["load"], row["compute"])
+        medians = {"cake/ideal": row["cake"] / row["ideal"], "cacheflow/ideal": row["cacheflow"] / row["ideal"],
+                   "cake/best": row["cake"] / best, "cacheflow/best": row["cacheflow"] / best,
+                   "cake/load": row["cake"] / row["load"]}
         table.add_row(
             tier_label(row["tier"]), str(row["prefix"]),
             *(f"{row[k] * 1e3:.0f}" for k in ("ideal", "load", "compute", "cake", "layerwise")),
             f"{row['cacheflow'] * 1e3:.0f} ({row['cacheflow_strategy'][:5]})",
-            f"{row['cake'] / row['ideal']:.2f}", f"{row['cacheflow'] / row['ideal']:.2f}", f"{row['cake'] / best:.2f}",
-            f"{row['cacheflow'] / best:.2f}", f"{row['cake_tokens_computed']:g}",
-            f"{row['layerwise_tokens_computed']:g}",
+            *(f"{ratio:.2f} ({row['paired'][name]:.2f})" for name, ratio in medians.items()),
+            f"{row['cake_tokens_computed']:g}", f"{row['layerwise_tokens_computed']:g}",
         )
     _console().print(table)
     print("times: TTFT in ms (restore the prefix, compute the fresh turn, first-token logits), medians. "
           "ideal = min over split points of max(compute of the prefix before it, load of the rest) + the fresh turn, "
-          "from the same repeat's compute-only and load-only per-block times. best base = min(load-only, compute-only).")
+          "from the same repeat's compute-only and load-only per-block times. best base = min(load-only, compute-only). "
+          "ratios: of the medians (in brackets: the median of each repeat's own ratio, paired).")
 
 
 def print_batch(result: dict) -> None:
@@ -256,8 +276,9 @@ def print_batch(result: dict) -> None:
     for name, v in variants.items():
         each = ", ".join(f"{t * 1e3:.0f}" for t in v["per_request"])
         print(f"  {name:36s} mean {v['mean'] * 1e3:5.0f} ms, p90 {v['p90'] * 1e3:5.0f} ms "
-              f"(per request {each}); speed-up over per-request Cake: mean {base['mean'] / v['mean']:.2f}x, "
-              f"p90 {base['p90'] / v['p90']:.2f}x")
+              f"(per request {each}); speed-up over per-request Cake: mean {base['mean'] / v['mean']:.2f}x "
+              f"(paired {v['paired_speedup']['mean']:.2f}x), p90 {base['p90'] / v['p90']:.2f}x "
+              f"(paired {v['paired_speedup']['p90']:.2f}x)")
 
 
 def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
