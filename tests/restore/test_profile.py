@@ -8,9 +8,12 @@ from kvreuse.restore import PrefixRestorer, profile
 from kvreuse.store import KeySpace, open_store
 
 
-def test_crossover_is_the_first_length_where_token_wise_is_no_slower():
+def test_crossover_is_the_first_length_where_layer_wise_is_not_clearly_faster():
     assert profile.crossover({256: 3.0, 512: 2.0, 1024: 1.0}, {256: 1.0, 512: 2.0, 1024: 3.0}) == 512
     assert profile.crossover({256: 2.0, 512: 4.0}, {256: 1.0, 512: 3.0}) == 513  # layer-wise throughout
+    # 2% faster is within the benchmark's own spread: token-wise from the first length on
+    assert profile.crossover({256: 3.36, 512: 3.67}, {256: 3.29, 512: 3.81}) == 256
+    assert profile.crossover({256: 2.01, 512: 2.10}, {256: 1.72, 512: 2.04}) == 512  # 14% faster: a real win
 
 
 def test_auto_follows_the_saved_threshold(make_tiny, tmp_path, monkeypatch):
