@@ -200,7 +200,11 @@ class PrefixRestorer:
         axis = axis_type(job)
         log = two_pointer(axis, compute=compute, load=load, compute_run=self.compute_run,
                           prior=self.prior_rates(axis, job))
-        self.remember_rates(axis, job, log.rates)
+        if compute and load:
+            # Only the two-pointer strategies are priced by these rates, and only theirs are the right ones:
+            # compute-only's covers the back of the prefix too, whose rows attend over more keys, while a
+            # two-pointer restoration only ever computes the front.
+            self.remember_rates(axis, job, log.rates)
         return axis, log
 
     def _rates_key(self, axis: Axis, job: PrefixJob) -> tuple[str, int]:

@@ -134,3 +134,16 @@ def test_real_model_restores_exactly(embedded_model, strategy):
     result = restorer.restore(token_ids, strategy)
     assert result.stats["prefix_tokens"] >= 16
     assert_matches_full(model, result, token_ids)
+
+
+def test_only_two_pointer_restorations_teach_the_rates(tiny_model):
+    """Load-only and compute-only are baselines: what they measure (compute-only's rate covers the slow back of
+    the prefix, which a two-pointer restoration never computes) must not size a later Cake's claims."""
+    restorer = PrefixRestorer(tiny_model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
+    ids = torch.randint(3, 256, (50,), generator=torch.Generator().manual_seed(7)).tolist()
+    restorer.store_prefix(ids)
+    for strategy in ("load", "compute"):
+        restorer.restore(ids, strategy)
+        assert restorer._rates == {}
+    restorer.restore(ids, "cake")
+    assert restorer._rates[("TokenAxis", 0)].compute is not None
