@@ -9,6 +9,7 @@ import torch
 from kvreuse.restore import STRATEGIES, PrefixRestorer
 from kvreuse.restore.job import LayerAxis, TokenAxis
 from kvreuse.restore.restorer import _as_ids
+from kvreuse.restore.units import Rates
 from kvreuse.store import KeySpace, open_store
 
 from .support import Evicting, restore_split
@@ -145,5 +146,5 @@ def test_only_two_pointer_restorations_teach_the_rates(tiny_model):
     for strategy in ("load", "compute"):
         restorer.restore(ids, strategy)
         assert restorer._rates == {}
-    restorer.restore(ids, "cake")
-    assert restorer._rates[("TokenAxis", 0)].compute is not None
+    restorer.restore(ids, "cake")  # which sides finish a span on so short a prefix is up to the threads
+    assert restorer._rates[("TokenAxis", 0)] != Rates()
