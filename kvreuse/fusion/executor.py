@@ -147,7 +147,7 @@ class FusionExecutor:
         model, started = self.model, time.perf_counter()
         positions = torch.arange(plan.num_rows)
         cache = self._starting_cache(plan, restored, extra_capacity, positions)
-        rotary = model.rotary(positions)
+        rotary = model.rotary(range(plan.num_rows))
         approximate = torch.zeros(plan.num_rows, dtype=torch.bool)
         for span in plan.reused:
             approximate[span.start : span.start + span.length] = span.approximate

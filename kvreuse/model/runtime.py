@@ -154,11 +154,11 @@ class LayerwiseModel:
     def rotary(self, positions: torch.Tensor | range) -> Rotary:
         """RoPE tables for `positions`, from the model's own rotary module (its scaling included). For a range
         of positions the tables are views of the model's, not copies."""
-        if isinstance(positions, range) and positions.step == 1 and self._rotary_cacheable:
+        if not self._rotary_cacheable:
+            return self._rotary_of(torch.as_tensor(positions, device=self.device))
+        if isinstance(positions, range) and positions.step == 1:
             return self._rotary_rows(positions.stop)[positions.start : positions.stop]
         positions = torch.as_tensor(positions, device=self.device)
-        if not self._rotary_cacheable:
-            return self._rotary_of(positions)
         return self._rotary_rows(int(positions.max()) + 1 if positions.numel() else 0)[positions]
 
     def _rotary_rows(self, needed: int) -> Rotary:
@@ -299,7 +299,7 @@ class LayerwiseModel:
             start_position = cache.next_position
         positions = torch.arange(start_position, start_position + ids.numel(), device=self.device)
         rows = cache.allocate(positions)
-        rotary = self.rotary(positions)
+        rotary = self.rotary(range(start_position, start_position + ids.numel()))
         hidden = self.embed(ids)
         stored_k, stored_v = [], []
         for layer in range(self.num_layers):
