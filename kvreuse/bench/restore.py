@@ -16,6 +16,7 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
 import torch
@@ -175,17 +176,22 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
     """Mean and p90 restoration time (admission to first-token logits) of a batch admitted at once: per-request
     Cake, and the batch-aware scheduler with each I/O priority and each number of compute workers."""
     stores = open_tiers([tier], tmp)
-    restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
     prompts = [stored_prompt(bench, stores, n, seed=1000 + n, block=block) for n in lengths]
-    for prompt in prompts:
-        warm_up(restorer, prompt)
 
-    def per_request() -> list[float]:
+    def warm_restorer() -> PrefixRestorer:
+        """A restorer of its own per variant: the rates it sizes claims by are learnt from that variant's own
+        runs, as in a deployment running only it (a batched step's rates are not a lone restoration's)."""
+        restorer = PrefixRestorer(bench.model, stores[tier], bench.space, block, compute_run=compute_run)
+        for prompt in prompts:
+            warm_up(restorer, prompt)
+        return restorer
+
+    def per_request(restorer: PrefixRestorer) -> list[float]:
         with ThreadPoolExecutor(len(prompts)) as pool:
             results = list(pool.map(lambda p: restorer.restore(p, "cake"), prompts))
         return [r.stats["total_seconds"] for r in results]
 
-    def batch_aware(io_priority: str, workers: int) -> list[float]:
+    def batch_aware(restorer: PrefixRestorer, io_priority: str, workers: int) -> list[float]:
         batch = BatchRestorer(restorer, workers, io_priority)
         try:
             futures = [batch.submit(p, "cake") for p in prompts]
@@ -193,8 +199,8 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
         finally:
             batch.close()
 
-    variants = [("per-request cake", per_request)] + [
-        (f"batch-aware {p}, {w} worker{'s' if w > 1 else ''}", lambda p=p, w=w: batch_aware(p, w))
+    variants = [("per-request cake", partial(per_request, warm_restorer()))] + [
+        (f"batch-aware {p}, {w} worker{'s' if w > 1 else ''}", partial(batch_aware, warm_restorer(), p, w))
         for w in compute_workers for p in io_priorities]
     times: dict[str, list[list[float]]] = {name: [] for name, _ in variants}
     try:
