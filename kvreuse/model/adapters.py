@@ -13,6 +13,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kvreuse.model.linear import linear
+
 
 class UnsupportedModelError(ValueError):
     """The model's architecture is not one the layer-wise runtime knows how to drive."""
@@ -33,10 +35,14 @@ class LlamaAdapter:
     def project_qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normalised hidden rows [n, hidden] -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]."""
         head_dim = attn.head_dim
-        q = attn.q_proj(x).view(x.shape[0], -1, head_dim)
-        k = attn.k_proj(x).view(x.shape[0], -1, head_dim)
-        v = attn.v_proj(x).view(x.shape[0], -1, head_dim)
+        q = linear(x, attn.q_proj).view(x.shape[0], -1, head_dim)
+        k = linear(x, attn.k_proj).view(x.shape[0], -1, head_dim)
+        v = linear(x, attn.v_proj).view(x.shape[0], -1, head_dim)
         return q, k, v
+
+    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`."""
+        return linear(mlp.act_fn(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
 
     def sliding_window(self, layer_idx: int) -> int | None:
         """Tokens a query at layer `layer_idx` may look back over (None: the whole context)."""

@@ -6,8 +6,9 @@ A decoder layer is split into the steps the reuse methods need to drive separate
     position)  ->  finish_layer(o_proj + residual + MLP, for the selected rows only)
 
 Keys come out of `qkv` before RoPE (the stored form), so a chunk computed at offset 0 can be placed anywhere by
-rotating its keys to their new positions. The modules doing the maths are the loaded `transformers` model's own;
-`adapters.py` covers what differs between families.
+rotating its keys to their new positions. The weights, norms, activations and rotary module are the loaded
+`transformers` model's own; every projection's product goes through `linear.py`, and `adapters.py` covers what
+differs between families.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from torch import nn
 
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.kv_cache import KVCache
+from kvreuse.model.linear import linear
 
 
 @dataclass
@@ -245,24 +247,12 @@ class LayerwiseModel:
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
         block = self.layers[layer]
-        hidden = residual + block.self_attn.o_proj(attn_out)
-        return hidden + block.mlp(block.post_attention_layernorm(hidden))
+        hidden = residual + linear(attn_out, block.self_attn.o_proj)
+        return hidden + self.adapter.mlp(block.mlp, block.post_attention_layernorm(hidden))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head; callers pass only the rows whose next token they need.
-
-        The head is the one weight no CPU cache holds (113 MB on SmolLM2 in fp32), so its cost is reading it.
-        weight @ rows^T streams it once (nn.Linear's rows @ weight^T took twice as long for 2 to 8 rows here), and
-        the weight is cut into one slice of the vocabulary per intra-op thread and multiplied as a batch, so that
-        every core reads its own slice: for a single row, MKL's matrix-vector product runs on one thread and took
-        twice as long (10 vs 5 ms on 2 cores); it was never slower for 2 to 32 rows."""
-        head = self.hf_model.lm_head
-        rows = self.decoder.norm(hidden)
-        vocab, width = head.weight.shape
-        slices = torch.get_num_threads() if vocab % torch.get_num_threads() == 0 else 1
-        per_slice = torch.bmm(head.weight.view(slices, vocab // slices, width), rows.T.expand(slices, -1, -1))
-        logits = per_slice.permute(2, 0, 1).reshape(len(rows), vocab).contiguous()
-        return logits if head.bias is None else logits + head.bias
+        """Final norm and LM head; callers pass only the rows whose next token they need."""
+        return linear(self.decoder.norm(hidden), self.hf_model.lm_head)
 
     # ---- composites ------------------------------------------------------------------------------------
 

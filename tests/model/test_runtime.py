@@ -50,20 +50,14 @@ def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny):
     assert model._rotary_table is None
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])  # the head is cut into one vocabulary slice per thread; 3 does
-@torch.inference_mode()                           # not divide the tiny vocabulary (256): one slice
-def test_logits_are_the_lm_head_s(tiny_model, threads):
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        for rows in (1, 3):
-            hidden = torch.randn(rows, tiny_model.hidden_size)
-            want = tiny_model.hf_model.lm_head(tiny_model.decoder.norm(hidden))
-            got = tiny_model.logits(hidden)
-            assert got.is_contiguous()
-            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
-    finally:
-        torch.set_num_threads(before)
+@torch.inference_mode()
+def test_logits_are_the_lm_head_s(tiny_model):
+    for rows in (1, 3):
+        hidden = torch.randn(rows, tiny_model.hidden_size)
+        want = tiny_model.hf_model.lm_head(tiny_model.decoder.norm(hidden))
+        got = tiny_model.logits(hidden)
+        assert got.is_contiguous()
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
 def test_rope_into_the_cache_equals_rope(tiny_model):
