@@ -49,6 +49,8 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays)."""
     sorted_probs, order = probs.sort(descending=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs[mass_before >= top_p] = 0
+    # The top token is kept outright, not by the comparison: a top_p below float32's range (5e-324) rounds to 0,
+    # which the top token's mass before it (0) would reach.
+    sorted_probs[1:][mass_before[1:] >= top_p] = 0
     kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
     return kept / kept.sum()

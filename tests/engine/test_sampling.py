@@ -23,6 +23,12 @@ def test_top_p_keeps_only_the_nucleus():
     assert {sampler(logits) for _ in range(300)} == {0, 1}
 
 
+@pytest.mark.parametrize("top_p", [1e-9, 5e-324])  # 5e-324 rounds to 0 in float32 (found by the server fuzz test)
+def test_a_tiny_top_p_keeps_the_top_token(top_p):
+    logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
+    assert Sampler(SamplingParams(temperature=1.0, top_p=top_p, seed=0))(logits) == 1
+
+
 @pytest.mark.parametrize(
     "field, value", [("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5)]
 )
