@@ -17,7 +17,6 @@ a request never waits for a store write, and a conversation whose history grows 
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from collections import Counter
@@ -38,6 +37,7 @@ from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
+from kvreuse.restore.job import IOChannels
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
@@ -57,8 +57,7 @@ class FusedPrefill:
 
 
 class ReuseEngine:
-    def __init__(self, loaded: LoadedModel, store: KVStore, salt: str | None = None, *,
-                 prefix_block_size: int = DEFAULT_BLOCK_SIZE, prefix_strategy: str = "auto",
+    def __init__(self, loaded: LoadedModel, store: KVStore, *, prefix_block_size: int = DEFAULT_BLOCK_SIZE, prefix_strategy: str = "auto",
                  controller: AutoController | None = None, placement: PlacementPolicy | None = None):
         """prefix_block_size: tokens per stored prefix block; prefix_strategy: how a stored prefix is restored
         (auto, load, compute, cake, layerwise: see kvreuse.restore); controller: what resolves method auto
@@ -70,10 +69,12 @@ class ReuseEngine:
                              f"{', '.join(STRATEGIES)}")
         if prefix_block_size < 1:
             raise ValueError(f"prefix_block_size: must be at least 1 token, got {prefix_block_size}")
-        self.loaded, self.store, self.salt = loaded, store, salt
+        self.loaded, self.store = loaded, store
         self.model = loaded.runtime
         self.executor = FusionExecutor(self.model, store)
-        self.restorer = PrefixRestorer(self.model, store, self._key_space("plain"), prefix_block_size)
+        self.prefix_block_size = prefix_block_size
+        self._restore_channels = IOChannels()
+        self._restore_rates: dict = {}
         self.prefix_strategy = prefix_strategy
         self._controller = controller
         self.placement = placement
@@ -81,11 +82,11 @@ class ReuseEngine:
         self._pending: dict[str, Future] = {}
 
     @classmethod
-    def load(cls, model: str | None = None, store: str = DEFAULT_STORE, dtype: str = "float32",
-             salt: str | None = None, **options) -> ReuseEngine:
+    def load(cls, model: str | None = None, store: str = DEFAULT_STORE, dtype: str = "float32", **options
+             ) -> ReuseEngine:
         """options: the constructor's keyword options (prefix_block_size, prefix_strategy)."""
         loaded = load_model(model, dtype)
-        return cls(loaded, open_store(store, model_fingerprint=loaded.fingerprint, dtype=dtype), salt, **options)
+        return cls(loaded, open_store(store, model_fingerprint=loaded.fingerprint, dtype=dtype), **options)
 
     @property
     def tokenizer(self):
@@ -108,27 +109,28 @@ class ReuseEngine:
             self._controller = AutoController(profile, load_table(self.fingerprint))
         return self._controller
 
-    def with_salt(self, salt: str | None) -> ReuseEngine:
-        """This engine keying the store under `salt` (a tenant's own entries); model, store and write-back are
-        shared with it."""
-        view = copy.copy(self)
-        view.salt = salt
-        return view
-
     def build_request(self, chunks: list[str], question: str, system: str | None = None,
-                      history: list[dict] | None = None) -> Request:
-        """history: the conversation's earlier messages; with the system prompt they form the exact prefix."""
-        return build_request(self.tokenizer, chunks, question, system, history=history)
+                      history: list[dict] | None = None, salt: str | None = None) -> Request:
+        """history: the conversation's earlier messages; with the system prompt they form the exact prefix.
+        salt: the tenant whose store entries the request may use (see Request.salt)."""
+        return build_request(self.tokenizer, chunks, question, system, history=history, salt=salt)
 
     # ---- store lookups and compilation ----------------------------------------------------------------
 
-    def _key_space(self, mode: str) -> KeySpace:
-        return KeySpace(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint, self.salt, mode)
+    def _key_space(self, salt: str | None, mode: str = "plain") -> KeySpace:
+        return KeySpace(self.loaded.fingerprint, self.loaded.tokenizer_fingerprint, salt, mode)
 
-    def key_of(self, segment: Segment, method: Method) -> str:
+    def key_of(self, request: Request, segment: Segment, method: Method) -> str:
+        """The store key of `segment` of `request`, in the request's tenant."""
         # A segment stored whole at offset 0 (a chunk compiled on its own) has exact KV there: "plain".
         mode = method.compile_mode if segment.kind == SegmentKind.CHUNK else "plain"
-        return chunk_key(segment.token_ids, self._key_space(mode))
+        return chunk_key(segment.token_ids, self._key_space(request.salt, mode))
+
+    def restorer_for(self, request: Request) -> PrefixRestorer:
+        """The prefix restorer keyed in the request's tenant; I/O channels and learnt rates are the machine's,
+        shared by every tenant."""
+        return PrefixRestorer(self.model, self.store, self._key_space(request.salt), self.prefix_block_size,
+                              channels=self._restore_channels, rates=self._restore_rates)
 
     def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset(),
                restored: int = 0) -> list[PlacedSegment]:
@@ -141,7 +143,7 @@ class ReuseEngine:
                 is_leading_prefix = segment.kind == SegmentKind.PREFIX and segment.start == 0
                 placed.append(PlacedSegment(segment, restored=restored if is_leading_prefix else 0))
                 continue
-            key = self.key_of(segment, method)
+            key = self.key_of(request, segment, method)
             meta = None if key in lost else self.store.meta(key, with_extras=method.needs_ranking)
             placed.append(PlacedSegment(segment, key, meta is not None, None if meta is None else meta.ranking))
         return placed
@@ -166,7 +168,7 @@ class ReuseEngine:
         """Store the exact prefix's blocks and compile every chunk of `request` that the store lacks, in each
         compile mode the methods need; returns how many entries were written. Waits until they are readable."""
         prefix = exact_prefix(request)
-        written = self.restorer.store_prefix(prefix.token_ids) if prefix else 0
+        written = self.restorer_for(request).store_prefix(prefix.token_ids) if prefix else 0
         for method in {parse_method(m).compile_mode: parse_method(m) for m in methods or [None]}.values():
             for p in self.lookup(request, method):
                 if p.key is not None and not p.hit:
@@ -183,10 +185,11 @@ class ReuseEngine:
     def _write_back_prefix(self, request: Request, restored: int) -> None:
         """Store the exact prefix's whole blocks past the `restored` tokens (they were just computed)."""
         prefix = exact_prefix(request)
-        whole_blocks = len(prefix.token_ids) // self.restorer.block_size if prefix else 0
-        if whole_blocks * self.restorer.block_size > restored:
-            last_key = self.restorer.block_keys(prefix.token_ids)[whole_blocks - 1]
-            self._in_background(last_key, self.restorer.store_prefix, prefix.token_ids)
+        whole_blocks = len(prefix.token_ids) // self.prefix_block_size if prefix else 0
+        if whole_blocks * self.prefix_block_size > restored:
+            restorer = self.restorer_for(request)
+            last_key = restorer.block_keys(prefix.token_ids)[whole_blocks - 1]
+            self._in_background(last_key, restorer.store_prefix, prefix.token_ids)
 
     def _in_background(self, key: str, write, *args) -> None:
         """Run write(*args) on the writer thread, unless a write of `key` is already pending."""
@@ -216,7 +219,7 @@ class ReuseEngine:
         prefix = exact_prefix(request)
         if prefix is None:
             return None
-        return self.restorer.restore_prefix(request.token_ids, self.prefix_strategy, capacity,
+        return self.restorer_for(request).restore_prefix(request.token_ids, self.prefix_strategy, capacity,
                                             max_tokens=len(prefix.token_ids))
 
     def prefill(self, request: Request, method: str | None = None, extra_capacity: int = 0) -> FusedPrefill:
@@ -287,10 +290,10 @@ class ReuseEngine:
         return generation
 
     def ask(self, chunks: list[str], question: str, system: str | None = None, method: str | None = None,
-            max_tokens: int = 128, history: list[dict] | None = None) -> Generation:
+            max_tokens: int = 128, history: list[dict] | None = None, salt: str | None = None) -> Generation:
         """Answer `question` over reusable `chunks` (documents), reusing whatever the store holds of them and of
-        the conversation so far (`history`: earlier messages)."""
-        request = self.build_request(chunks, question, system, history)
+        the conversation so far (`history`: earlier messages) within the tenant `salt`."""
+        request = self.build_request(chunks, question, system, history, salt)
         return self.generate(request, method, SamplingParams(max_tokens=max_tokens))
 
     def answer_ids(self, answer: str) -> list[int]:

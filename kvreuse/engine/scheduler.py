@@ -47,13 +47,12 @@ class JobEvent:
     error: BaseException | None = None  # set on the last event of a failed, timed-out or cancelled job
 
 
-@dataclass
+@dataclass(eq=False)  # jobs are compared by identity: two clients may send the very same request
 class GenerationJob:
     request: Request
     sampling: SamplingParams
     on_event: Callable[[JobEvent], None]  # called on the engine thread
     method: str | None = None
-    salt: str | None = None  # the tenant whose store entries this job may use
     timeout: float | None = None  # seconds from arrival, queueing included
     arrived: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
@@ -70,7 +69,7 @@ class GenerationJob:
         return None
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     job: GenerationJob
     cache: KVCache
@@ -188,19 +187,22 @@ class Scheduler:
             log.exception("prefill failed")
             job.on_event(JobEvent(error=e))
             return True
+        if error := job.failure(time.perf_counter()):  # cancelled or timed out while it was prefilled
+            job.on_event(JobEvent(error=error))
+            return True
+        self._running.append(seq)
         self._advance(seq, seq.last_token)
         return True
 
     def _prefill(self, job: GenerationJob) -> _Sequence:
         queued = time.perf_counter() - job.arrived
-        fused = self.engine.with_salt(job.salt).prefill(job.request, job.method, extra_capacity=job.sampling.max_tokens)
+        fused = self.engine.prefill(job.request, job.method, extra_capacity=job.sampling.max_tokens)
         eos_ids = set() if job.sampling.ignore_eos else self._eos_ids
         sampler = Sampler(job.sampling)
         seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
                         dict(fused.stats, queue_seconds=queued))
         seq.last_token = sampler(fused.logits)
         seq.ttft = time.perf_counter() - job.arrived
-        self._running.append(seq)
         return seq
 
     def _decode_step(self) -> None:

@@ -30,9 +30,12 @@ class Segment:
         return range(self.start, self.start + len(self.token_ids))
 
 
-@dataclass
+@dataclass(eq=False)  # a request is one client's: two with equal tokens are still two requests
 class Request:
     segments: list[Segment]
+    # The tenant (cache salt) whose store entries the request may read and write: every key it touches is
+    # derived from it, so requests of different salts never share a chunk, a prefix block or a cache.
+    salt: str | None = None
     token_ids: torch.Tensor = field(init=False)  # the whole prompt, [n]
 
     def __post_init__(self) -> None:
@@ -73,7 +76,8 @@ def chunk_ids(tokenizer, text: str, chunk_separator: str = "\n\n") -> list[int]:
     return tokenizer.encode(text + chunk_separator, add_special_tokens=False)
 
 
-def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], question: str) -> Request:
+def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], question: str, salt: str | None = None
+                 ) -> Request:
     """[template head with `history` (system prompt, earlier turns): the exact prefix] [chunk]... [question +
     template tail]; `chunks` are token ids (see `chunk_ids`), so stored chunks can be placed by their tokens."""
     head, tail = split_template(tokenizer, history)
@@ -84,7 +88,7 @@ def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], questi
     segments = [Segment(SegmentKind.PREFIX, encode(head))]
     segments += [Segment(SegmentKind.CHUNK, list(ids)) for ids in chunks]
     segments.append(Segment(SegmentKind.FRESH, encode(question + tail)))
-    return Request([s for s in segments if s.token_ids])
+    return Request([s for s in segments if s.token_ids], salt)
 
 
 def build_request(
@@ -94,6 +98,7 @@ def build_request(
     system: str | None = None,
     chunk_separator: str = "\n\n",
     history: list[dict] | None = None,
+    salt: str | None = None,
 ) -> Request:
     """Chat-templated request: [template head] [chunk]... [question + template tail].
 
@@ -108,4 +113,5 @@ def build_request(
     if any(not isinstance(m, dict) or not {"role", "content"} <= m.keys() for m in history or []):
         raise ValueError("history: every message must be a dict with 'role' and 'content'")
     messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
-    return chat_request(tokenizer, messages, [chunk_ids(tokenizer, c, chunk_separator) for c in chunks], question)
+    return chat_request(tokenizer, messages, [chunk_ids(tokenizer, c, chunk_separator) for c in chunks], question,
+                        salt)

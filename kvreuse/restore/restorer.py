@@ -89,10 +89,12 @@ class PrefixRestorer:
         boundary_stages: Sequence[int] = (2,),
         channels: IOChannels | None = None,
         compute_run: int = DEFAULT_COMPUTE_RUN,
+        rates: dict[tuple[str, int], Rates] | None = None,
     ):
         """boundary_stages: the stage counts whose boundary activations are stored with each block, so that
         a deployment with that many pipeline stages can restore every stage at once. compute_run: tokens' worth
-        of work the compute side claims at a time (the I/O side claims stored blocks)."""
+        of work the compute side claims at a time (the I/O side claims stored blocks). channels and rates: the
+        I/O channels and the learnt rates, shared by restorers of one machine (one per tenant's key space)."""
         if compute_run < 1:
             raise ValueError(f"compute_run must be at least 1 token, got {compute_run}")
         self.model, self.store, self.key_space, self.block_size = model, store, key_space, block_size
@@ -100,7 +102,7 @@ class PrefixRestorer:
         starts = {s for n in boundary_stages for s in stage_starts(model.num_layers, n)}
         self.boundary_layers = sorted(starts - {0})  # layer 0's input is the embedding: never stored
         self.channels = channels or IOChannels()
-        self._rates: dict[tuple[str, int], Rates] = {}  # (axis, tier) -> rates earlier restorations achieved
+        self._rates = {} if rates is None else rates  # (axis, tier) -> rates earlier restorations achieved
 
     # ---- lookup ---------------------------------------------------------------------------------------
 

@@ -48,10 +48,9 @@ DISCONNECT_POLL_SECONDS = 1.0
 class Prepared:
     """A request ready for the engine."""
 
-    request: Request
+    request: Request  # carries its tenant (cache salt)
     sampling: SamplingParams
     method: str
-    salt: str | None
 
 
 def method_spec(options: KvreuseOptions | None, default: str) -> str:
@@ -209,7 +208,7 @@ class EngineService:
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
         )
-        return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method), body.cache_salt)
+        return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method))
 
     def _refuse_unsupported(self, body: GenerationParams) -> None:
         if refusal := body.refusal():
@@ -225,7 +224,7 @@ class EngineService:
 
         def build() -> Request:
             documents = [chunk_ids(tokenizer, d) for d in body.documents]
-            return chat_request(tokenizer, history, cached + documents, question)
+            return chat_request(tokenizer, history, cached + documents, question, body.cache_salt)
 
         return self._prepare(body, await self._tokenize(build, "messages"), "messages")
 
@@ -240,7 +239,8 @@ class EngineService:
             if not ids:
                 raise ValueError("must not be empty")
             chunks = cached + [chunk_ids(tokenizer, d) for d in body.documents]
-            return Request([*(Segment(SegmentKind.CHUNK, c) for c in chunks), Segment(SegmentKind.FRESH, ids)])
+            return Request([*(Segment(SegmentKind.CHUNK, c) for c in chunks), Segment(SegmentKind.FRESH, ids)],
+                           body.cache_salt)
 
         return self._prepare(body, await self._tokenize(build, "prompt"), "prompt")
 
@@ -254,8 +254,8 @@ class EngineService:
             with contextlib.suppress(RuntimeError):  # the loop has closed: the server is shutting down
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
-        job = GenerationJob(prepared.request, prepared.sampling, deliver, prepared.method, prepared.salt,
-                            self.config.request_timeout)
+        job = GenerationJob(prepared.request, prepared.sampling, deliver, prepared.method,
+                            timeout=self.config.request_timeout)
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
@@ -282,10 +282,9 @@ class EngineService:
 
     def _compile(self, ids: list[int], salt: str | None) -> list[str]:
         """On the engine thread: compile the chunk in the default method's mode; returns its store key."""
-        engine = self.engine.with_salt(salt)
-        request = Request([Segment(SegmentKind.CHUNK, ids)])
-        engine.compile(request, [self.config.method])
-        return [engine.key_of(request.segments[0], parse_method(self.config.method))]
+        request = Request([Segment(SegmentKind.CHUNK, ids)], salt)
+        self.engine.compile(request, [self.config.method])
+        return [self.engine.key_of(request, request.segments[0], parse_method(self.config.method))]
 
     def find_cache(self, id_: str, salt: str | None) -> ContextCache:
         cache = self.caches.get(id_, salt) if is_cache_id(id_) else None

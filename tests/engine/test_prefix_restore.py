@@ -95,7 +95,7 @@ def test_a_prefix_block_lost_after_lookup_is_recomputed_exactly(engine):
     lossy = make_tiny_engine(engine.model, store, prefix_block_size=BLOCK, prefix_strategy="load")
     request = conversation(prefix_tokens=18)
     lossy.compile(request, ["prefix"])
-    store.lost.add(lossy.restorer.block_keys(request.token_ids)[2])
+    store.lost.add(lossy.restorer_for(request).block_keys(request.token_ids)[2])
     out = lossy.prefill(request, "prefix")
     assert out.stats["prefix_restored_tokens"] == 16
     assert out.stats["prefix_recomputed_tokens"] == {"memory": 4}

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kvreuse.fusion.methods import parse_method
-from kvreuse.fusion.segments import SegmentKind
+from kvreuse.fusion.segments import Request, SegmentKind
 from kvreuse.store.spec import open_store
 from kvreuse.store.tiered import tier_label
 
@@ -115,14 +115,13 @@ def test_empty_segments_are_refused(rag_request):
         rag_request(chunks=(10, 0, 5))
 
 
-def test_a_salted_view_shares_the_store_but_not_its_entries(tiny_engine, rag_request):
+def test_a_salted_request_shares_the_store_but_not_its_entries(tiny_engine, rag_request):
     request = rag_request()
     tiny_engine.compile(request, ["naive"])
-    tenant = tiny_engine.with_salt("tenant-a")
-    assert tenant.prefill(request, "naive").stats["chunk_hits"] == 0
-    tenant.wait_for_write_back()
-    assert tenant.prefill(request, "naive").stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK))
-    assert tiny_engine.salt is None and tenant.store is tiny_engine.store
+    salted = Request(request.segments, salt="tenant-a")
+    assert tiny_engine.prefill(salted, "naive").stats["chunk_hits"] == 0
+    tiny_engine.wait_for_write_back()
+    assert tiny_engine.prefill(salted, "naive").stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK))
 
 
 def test_loaded_tokens_are_counted_by_the_tier_serving_them(tiny_model, make_engine, rag_request, tmp_path):

@@ -93,3 +93,66 @@ def test_a_failing_step_fails_the_jobs_in_flight_and_the_engine_goes_on(tiny_cha
     assert "device lost" in str(outcome(events)[1].error)
     scheduler.submit(job_for(tiny_chat_engine, "next?", events))
     assert outcome(events)[1].result.finish_reason == "length"
+
+
+def test_identical_requests_in_flight_each_finish_as_they_would_alone(tiny_chat_engine, scheduler):
+    """Two clients send the very same prompt at once; the one admitted later finishes first (fewer tokens), which
+    must end only its own sequence, and a third identical one cancelled while queued ends only itself."""
+    short = SamplingParams(max_tokens=2, ignore_eos=True)
+    streams = [queue.Queue() for _ in range(3)]
+    jobs = [job_for(tiny_chat_engine, "the same question?", streams[0]),
+            job_for(tiny_chat_engine, "the same question?", streams[1], sampling=short),
+            job_for(tiny_chat_engine, "the same question?", streams[2])]
+    for job in jobs:
+        scheduler.submit(job)
+    jobs[2].cancel()
+    scheduler.start()
+    alone = {n: tiny_chat_engine.generate(jobs[0].request, "full", SamplingParams(max_tokens=n, ignore_eos=True))
+             for n in (2, 8)}
+    assert outcome(streams[1])[1].result.token_ids == alone[2].token_ids
+    assert outcome(streams[0])[1].result.token_ids == alone[8].token_ids
+    assert isinstance(outcome(streams[2])[1].error, JobCancelled)
+    assert scheduler.running == scheduler.waiting == 0
+
+
+def test_a_job_cancelled_in_the_queue_ends_and_the_running_one_goes_on(tiny_chat_engine):
+    scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=4)
+    try:
+        running, queued = queue.Queue(), queue.Queue()
+        scheduler.submit(job_for(tiny_chat_engine, "the same question?", running))
+        waiting = job_for(tiny_chat_engine, "the same question?", queued)
+        scheduler.submit(waiting)
+        scheduler.start()
+        running.get(timeout=60)  # the first is decoding, the second waits for its slot
+        waiting.cancel()
+        assert isinstance(outcome(queued)[1].error, JobCancelled)
+        assert outcome(running)[1].result.finish_reason == "length"
+        assert scheduler.running == scheduler.waiting == 0
+    finally:
+        scheduler.stop()
+
+
+@pytest.mark.parametrize("phase", ["restoring", "prefilling"])
+def test_a_job_cancelled_while_its_prompt_is_computed_ends_without_a_token(tiny_chat_engine, scheduler, monkeypatch,
+                                                                           phase):
+    """The cancel arrives while the engine thread restores the prompt's prefix or runs its fusion plan: the job
+    ends with JobCancelled before any token, frees its slot, and the next job is served."""
+    target, name = (tiny_chat_engine, "restore_prefix") if phase == "restoring" else (tiny_chat_engine.executor, "run")
+    real = getattr(target, name)
+    events = queue.Queue()
+    job = job_for(tiny_chat_engine, "cancel me mid-prefill?", events)
+    job.method = "naive"  # a reuse method: its prompt's exact prefix is restored before its plan runs
+
+    def cancel_during(*args, **kwargs):
+        job.cancel()
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(target, name, cancel_during)
+    scheduler.submit(job)
+    scheduler.start()
+    text, last = outcome(events)
+    assert isinstance(last.error, JobCancelled) and text == ""
+    monkeypatch.setattr(target, name, real)
+    scheduler.submit(job_for(tiny_chat_engine, "next?", events))
+    assert outcome(events)[1].result.finish_reason == "length"
+    assert scheduler.running == scheduler.waiting == 0

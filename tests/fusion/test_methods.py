@@ -63,7 +63,7 @@ def store_in_context_kv(engine, request: Request, method: str, ranking_seed: int
         rows = slice(segment.start, segment.start + len(segment.token_ids))
         meta = EntryMeta(engine.fingerprint, "float32", engine.model.num_layers, len(segment.token_ids),
                          policy.compile_mode, ranking=torch.rand(len(segment.token_ids), generator=generator))
-        entry = KVEntry(engine.key_of(segment, policy), full.keys[:, rows].clone(), full.values[:, rows].clone(), meta)
+        entry = KVEntry(engine.key_of(request, segment, policy), full.keys[:, rows].clone(), full.values[:, rows].clone(), meta)
         engine.store.put(entry)
     engine.store.flush()
 

@@ -102,7 +102,7 @@ class ExampleProbe:
 
     def stored_kv(self, chunk: Segment) -> tuple[torch.Tensor, torch.Tensor]:
         """A chunk's stored KV as compiled alone, [layers, tokens, heads, dim], keys before RoPE."""
-        entry = self.engine.store.get(self.engine.key_of(chunk, parse_method(PLAIN)))
+        entry = self.engine.store.get(self.engine.key_of(self.request, chunk, parse_method(PLAIN)))
         if entry is None:
             raise RuntimeError(f"chunk at row {chunk.start} is not in the store")
         return entry.k, entry.v
