@@ -12,12 +12,12 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Protocol
 
 import torch
 
-from kvreuse.fusion.plan import FusionPlan, ReusedSpan
+from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.store.base import KVStore
@@ -152,7 +152,8 @@ class FusionExecutor:
         for span in plan.reused:
             approximate[span.start : span.start + span.length] = span.approximate
         approximate[-1] = False  # the last row always runs to the end
-        narrowing = {n.layer: round(n.keep * plan.approximate_rows) for n in plan.narrowing}
+        narrowing = {n.layer: n for n in plan.narrowing}
+        checks: list[DeviationCheck] = []
 
         loaded_rows = plan.loaded_rows
         loaded_rotary = rotary[loaded_rows]  # deferred RoPE: the same rotation for every layer's stored keys
@@ -173,7 +174,9 @@ class FusionExecutor:
                 q, k, v = model.qkv(layer, hidden)
                 q, k = model.rope(q, selected_rotary), model.rope(k, selected_rotary)
                 if layer in narrowing:
-                    keep = self._most_deviating(layer, cache, selected, k, v, approximate[selected], narrowing[layer])
+                    keep, check = most_deviating(narrowing[layer], plan.approximate_rows, cache, selected, k, v,
+                                                 approximate[selected])
+                    checks.append(check)
                     selected, q, k, v, hidden = selected[keep], q[keep], k[keep], v[keep], hidden[keep]
                     selected_rotary = selected_rotary[keep]
                 cache.write(layer, selected, k, v)
@@ -187,7 +190,7 @@ class FusionExecutor:
             loader.close()
         logits = model.logits(hidden[-1:])[0]
         elapsed = time.perf_counter() - started
-        return FusionResult(logits, cache, self._stats(plan, computed_rows, loader, elapsed))
+        return FusionResult(logits, cache, self._stats(plan, computed_rows, checks, loader, elapsed))
 
     def _starting_cache(self, plan: FusionPlan, restored: KVCache | None, extra_capacity: int,
                         positions: torch.Tensor) -> KVCache:
@@ -200,18 +203,8 @@ class FusionExecutor:
                              f"positions 0..{plan.num_rows - 1}")
         return restored
 
-    @staticmethod
-    def _most_deviating(layer, cache, selected, k, v, narrowable, budget) -> torch.Tensor:
-        """Indices into `selected` to keep: every row that is not narrowable, plus the `budget` narrowable rows
-        whose recomputed K and V are furthest (L2) from the stored ones. Order is preserved."""
-        stored_k, stored_v = cache.keys[layer][selected], cache.values[layer][selected]
-        deviation = (k - stored_k).square().sum((1, 2)) + (v - stored_v).square().sum((1, 2))
-        deviation[~narrowable] = float("inf")
-        keep_count = int((~narrowable).sum()) + min(budget, int(narrowable.sum()))
-        return deviation.topk(keep_count).indices.sort().values
-
-    def _stats(self, plan: FusionPlan, computed_rows: list[tuple[int, int]], loader: LayerLoader, elapsed: float
-               ) -> dict:
+    def _stats(self, plan: FusionPlan, computed_rows: list[tuple[int, int]], checks: list[DeviationCheck],
+               loader: LayerLoader, elapsed: float) -> dict:
         total, layers = plan.approximate_rows, len(computed_rows)
         return {
             "method": plan.method,
@@ -230,4 +223,40 @@ class FusionExecutor:
             "load_wait_seconds": loader.wait_seconds,
             "loads_overlapped": loader.threaded,
             "prefill_seconds": elapsed,
+            "deviation_checks": [asdict(c) for c in checks],
         }
+
+
+@dataclass
+class DeviationCheck:
+    """What a narrowing layer measured: the recomputed rows' KV deviation from the stored KV, relative to the
+    stored KV's energy on those rows (`mass`), and the part of it left on the rows it stopped recomputing
+    (`residual`): the request's own signal of how far its reuse strays from a full prefill."""
+
+    layer: int
+    mass: float
+    residual: float
+    kept: int  # approximate rows still recomputed after it
+
+
+def most_deviating(narrowing: Narrowing, approximate_rows: int, cache: KVCache, selected: torch.Tensor,
+                   k: torch.Tensor, v: torch.Tensor, narrowable: torch.Tensor) -> tuple[torch.Tensor, DeviationCheck]:
+    """Indices into `selected` to keep (order preserved): every row that is not narrowable, plus the narrowable
+    rows whose recomputed K and V are furthest (L2) from the stored ones: the `keep` share of the plan's
+    approximate rows, and more while the dropped rows' deviation exceeds `max_residual`."""
+    layer = narrowing.layer
+    stored_k, stored_v = cache.keys[layer][selected][narrowable], cache.values[layer][selected][narrowable]
+    deviation = torch.zeros(selected.numel())
+    deviation[narrowable] = ((k[narrowable] - stored_k).square().sum((1, 2))
+                             + (v[narrowable] - stored_v).square().sum((1, 2))).float()
+    energy = float(stored_k.float().square().sum() + stored_v.float().square().sum()) or 1.0
+    order = torch.where(narrowable, deviation, torch.tensor(float("inf"))).argsort(descending=True)
+    fixed, candidates = int((~narrowable).sum()), int(narrowable.sum())
+    budget = min(round(narrowing.keep * approximate_rows), candidates)
+    # left[j]: the deviation on the narrowable rows past the j most deviating ones
+    ranked = deviation[order[fixed:]]
+    left = (ranked.sum() - torch.cat([torch.zeros(1), ranked.cumsum(0)])) / energy
+    if narrowing.max_residual is not None:
+        budget = min(max(budget, int((left > narrowing.max_residual).sum())), candidates)
+    keep = order[: fixed + budget].sort().values
+    return keep, DeviationCheck(layer, float(left[0]), float(left[budget]), budget)

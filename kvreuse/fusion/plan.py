@@ -47,10 +47,15 @@ class ReusedSpan:
 class Narrowing:
     """After computing layer `layer`'s KV for the selected rows, keep recomputing only the `keep` share of the
     approximate rows whose KV deviates most from the stored KV (CacheBlend's HKVD tokens); the rest keep their
-    stored KV. Selections are nested: a row dropped here is never computed again."""
+    stored KV. Selections are nested: a row dropped here is never computed again.
+
+    With `max_residual`, the share is a floor: more of the most deviating rows are kept until the deviation left
+    on the dropped rows, relative to the stored KV's energy on every approximate row, is at most `max_residual`
+    (a per-request guard: a request whose chunks interact strongly recomputes more, up to every row)."""
 
     layer: int
     keep: float
+    max_residual: float | None = None
 
 
 @dataclass

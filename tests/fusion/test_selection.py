@@ -12,7 +12,7 @@ from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.compile import compile_chunk, frequency_ranking
 from kvreuse.fusion.methods import parse_method
-from kvreuse.fusion.plan import PlacedSegment
+from kvreuse.fusion.plan import Narrowing, PlacedSegment, plan_from_rows
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.store.spec import open_store
 
@@ -92,14 +92,14 @@ def test_a_compiled_chunk_stores_the_frequency_ranking_of_its_own_kv(tiny_model)
     torch.testing.assert_close(entry.meta.ranking, frequency_ranking(entry.k, entry.v).to(entry.k.dtype))
 
 
-def perturb_stored(engine, request: Request, rows_by_layer: dict[int, list[int]]) -> None:
-    """Overwrite the stored KV of the first chunk on the given rows of the given layers with far-off values."""
+def perturb_stored(engine, request: Request, rows_by_layer: dict[int, list[int]], amount: float = 50.0) -> None:
+    """Push the stored KV of the first chunk far off (by `amount`) on the given rows of the given layers."""
     chunk = request.segments[1]
     key = engine.key_of(request, chunk, parse_method("cacheblend"))
     entry = engine.store.get(key)
     for layer, rows in rows_by_layer.items():
-        entry.k[layer, rows] += 50.0
-        entry.v[layer, rows] -= 50.0
+        entry.k[layer, rows] += amount
+        entry.v[layer, rows] -= amount
     engine.store.delete(key)
     engine.store.put(entry)
 
@@ -149,3 +149,36 @@ def test_on_the_real_model_cacheblend_and_legolink_come_closer_to_full_than_naiv
     mean = {method: sum(values) / len(values) for method, values in kl.items()}
     assert mean["cacheblend:0.15"] < 0.75 * mean["naive"], mean
     assert mean["legolink:16"] < 0.75 * mean["naive"], mean
+
+
+def guarded_plan(engine, request: Request, max_residual: float):
+    """CacheBlend's plan with one check at layer 1 that keeps rows until the deviation left is `max_residual`."""
+    placed = engine.lookup(request, parse_method("naive"))
+    every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in enumerate(placed)
+                       if p.reusable and p.segment.kind == SegmentKind.CHUNK}
+    return plan_from_rows("guarded", request, placed, every_chunk_row, narrowing=[Narrowing(1, 0.0, max_residual)],
+                          load_recomputed=True)
+
+
+def test_a_residual_guard_keeps_the_rows_that_carry_the_deviation(tiny_engine):
+    request = rag(chunks=(20, 20))
+    tiny_engine.compile(request, ["naive"])
+    deviating = [3, 8, 14]
+    perturb_stored(tiny_engine, request, {1: deviating}, amount=1000.0)  # far beyond the rows' own deviation
+    unguarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, float("inf")), request.token_ids)
+    check = unguarded.stats["deviation_checks"][0]
+    assert check["kept"] == 0 and check["residual"] == check["mass"] > 0
+    seen: list[set[int]] = []
+    guarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, check["mass"] / 100), request.token_ids,
+                                       observer=lambda layer, q, rows, cache: seen.append(set(rows.tolist())))
+    first = request.segments[1].start
+    assert sorted(r - first for r in seen[1] if first <= r < first + 40) == deviating
+    assert guarded.stats["deviation_checks"][0]["residual"] <= check["mass"] / 100
+
+
+def test_a_residual_guard_of_zero_recomputes_every_row_and_equals_full_prefill(tiny_engine):
+    request = rag(chunks=(20, 20))
+    tiny_engine.compile(request, ["naive"])
+    guarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, 0.0), request.token_ids)
+    assert guarded.stats["deviation_checks"][0]["kept"] == 40
+    torch.testing.assert_close(guarded.logits, tiny_engine.prefill(request, "full").logits, atol=1e-4, rtol=0)
