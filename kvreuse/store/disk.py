@@ -12,6 +12,8 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
+import stat
 import threading
 import time
 import uuid
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvreuse.store.base import BlobTier
-from kvreuse.store.codec import ByteSource, Range
+from kvreuse.store.codec import ByteSource, EntryDamaged, Range
 from kvreuse.store.keys import KEY_PATTERN, check_key
 from kvreuse.store.policy import SegmentedLRU
 
@@ -77,11 +79,17 @@ class DiskTier(BlobTier):
     @contextlib.contextmanager
     def _open(self, key: str) -> Iterator[FileSource | None]:
         try:
-            fd = os.open(self.path(key), os.O_RDONLY)
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW)
         except FileNotFoundError:
             yield None
             return
+        except OSError as e:
+            if e.errno == errno.ELOOP:  # a symlink where an entry file should be: nothing we wrote
+                raise EntryDamaged("a symbolic link in place of the entry file") from e
+            raise
         try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory (or device) where the file should be
+                raise EntryDamaged("not a regular file")
             yield FileSource(fd)
         finally:
             os.close(fd)
@@ -116,11 +124,15 @@ class DiskTier(BlobTier):
     def _remove(self, key: str) -> bool:
         with self.lock:
             self.policy.remove(key)
+        path = self.path(key)
         try:
-            self.path(key).unlink()
+            path.unlink()
             return True
         except FileNotFoundError:
             return False
+        except IsADirectoryError:  # damage at our own entry path, inside our root: ours to remove
+            shutil.rmtree(path)
+            return True
 
     def keys(self) -> Iterator[str]:
         for path in sorted(self.root.glob(f"*/*{SUFFIX}")):

@@ -12,6 +12,7 @@ policy); a part evicted under a live manifest reads as damage, hence a miss.
 from __future__ import annotations
 
 import contextlib
+import re
 import uuid
 from typing import Iterator
 
@@ -24,6 +25,23 @@ from kvreuse.store.codec import ByteSource, EntryDamaged, Range
 
 DEFAULT_PART_SIZE = 4 << 20
 REPLACED_PARTS_TTL_S = 30  # far longer than any read, short enough not to hold memory
+MANIFEST = re.compile(rb"(?P<version>[0-9a-f]{16}):(?P<size>[0-9]{1,15}):(?P<part_size>[0-9]{1,15})")
+
+
+def _is_wrong_type(error: redis.ResponseError) -> bool:
+    return "WRONGTYPE" in str(error)  # a pipeline prefixes it with the failing command
+
+
+@contextlib.contextmanager
+def wrong_type_is_damage() -> Iterator[None]:
+    """A key of ours holding another Redis type (a list where a manifest or part should be) is damage, not an
+    outage: the entry is then dropped and stored again by the next put, instead of missing forever."""
+    try:
+        yield
+    except redis.ResponseError as e:
+        if _is_wrong_type(e):
+            raise EntryDamaged(f"a value of another type: {e}") from e
+        raise
 
 
 class RedisSource(ByteSource):
@@ -40,7 +58,8 @@ class RedisSource(ByteSource):
             pieces_per_span.append(len(pieces))
             for part, start, stop in pieces:
                 pipe.getrange(f"{self.part_prefix}{part}", start, stop - 1)
-        results = iter(pipe.execute())
+        with wrong_type_is_damage():
+            results = iter(pipe.execute())
         return [b"".join(next(results) for _ in range(count)) for count in pieces_per_span]
 
     def _pieces(self, off: int, n: int) -> list[tuple[int, int, int]]:
@@ -73,11 +92,10 @@ class RedisTier(BlobTier):
         return f"{self.prefix}:p:{key}:{version}:"
 
     def _parse_manifest(self, raw: bytes) -> tuple[str, int, int]:
-        try:
-            version, size, part_size = raw.decode().split(":")
-            return version, int(size), int(part_size)
-        except ValueError as e:
-            raise EntryDamaged(f"bad manifest {raw[:64]!r}") from e
+        match = MANIFEST.fullmatch(raw)
+        if match is None or int(match["size"]) < 1 or int(match["part_size"]) < 1:
+            raise EntryDamaged(f"bad manifest {raw[:64]!r}")
+        return match["version"].decode(), int(match["size"]), int(match["part_size"])
 
     def _part_keys(self, key: str, manifest: bytes) -> list[str]:
         version, size, part_size = self._parse_manifest(manifest)
@@ -85,7 +103,8 @@ class RedisTier(BlobTier):
 
     @contextlib.contextmanager
     def _open(self, key: str) -> Iterator[RedisSource | None]:
-        raw = self.client.get(self._manifest(key))
+        with wrong_type_is_damage():
+            raw = self.client.get(self._manifest(key))
         if raw is None:
             yield None
             return
@@ -126,7 +145,12 @@ class RedisTier(BlobTier):
             pipe.execute()
 
     def _remove(self, key: str) -> bool:
-        old = self.client.getdel(self._manifest(key))
+        try:
+            old = self.client.getdel(self._manifest(key))
+        except redis.ResponseError as e:
+            if not _is_wrong_type(e):
+                raise
+            return bool(self.client.delete(self._manifest(key)))  # damage of another type: nothing else to drop
         if old is None:
             return False
         self._drop_parts(key, old)

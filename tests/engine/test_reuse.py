@@ -4,6 +4,8 @@ import threading
 import time
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 import torch
 
 from kvreuse.fusion.methods import parse_method
@@ -182,5 +184,26 @@ def test_cost_placement_keeps_new_chunks_out_of_memory_when_the_slow_tier_hides_
         assert placed.stats["loaded_tokens_by_tier"] == {"hdd": placed.stats["loaded_tokens"]}
         store.flush()
         assert all(store.tiers[0].contains(k) for k in keys)  # a hit promotes them: hot entries live in memory
+    finally:
+        engine.close()
+
+
+@settings(max_examples=15, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(garbage=st.binary(max_size=4096))
+def test_any_bytes_in_place_of_a_stored_chunk_answer_as_if_it_were_not_stored(tiny_model, make_engine, rag_request,
+                                                                             tmp_path_factory, garbage):
+    engine = make_engine(tiny_model, open_store(f"disk:{tmp_path_factory.mktemp('damaged')}"))
+    try:
+        request = rag_request()
+        engine.compile(request, ["naive"])
+        damaged = [p for p in engine.lookup(request, parse_method("naive")) if p.key][-1]
+        engine.store.delete(damaged.key)
+        computed = engine.prefill(request, "naive")  # that chunk computed with the request
+        engine.wait_for_write_back()
+        engine.store.tiers[0]._write(damaged.key, garbage)
+        out = engine.prefill(request, "naive")
+        assert out.stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK)) - 1
+        torch.testing.assert_close(out.logits, computed.logits, atol=1e-5, rtol=0)
     finally:
         engine.close()
