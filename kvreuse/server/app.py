@@ -9,12 +9,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
-from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvreuse.engine.generate import Generation
-from kvreuse.server.errors import APIError, install_handlers
+from kvreuse.server.errors import install_handlers
+from kvreuse.server.middleware import BodyLimit, RequestMetrics, RequireAPIKey, set_outcome
 from kvreuse.server.protocol import (
     AssistantMessage,
     CacheCreateRequest,
@@ -37,8 +38,9 @@ from kvreuse.server.protocol import (
 from kvreuse.server.service import EngineService, JobStream, Prepared, error_of, usage_of
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 429)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429)
 }
+CLIENT_GONE = 499  # nginx's status for a client that closed the connection before the response ended
 # endpoint -> (id prefix, response type, the choice of a finished generation)
 ENDPOINTS = {
     "chat": ("chatcmpl", ChatCompletionResponse, lambda result: ChatChoice(
@@ -75,34 +77,38 @@ class Chunker:
         return self._chunk([], usage_of(result))
 
 
-async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, service: EngineService,
-                       endpoint: str) -> AsyncIterator[str]:
-    first = True
-    async for event in stream.events(raw.is_disconnected):
-        if chunker.chat and first and not event.error:  # as vLLM: the role comes with the first token
-            yield chunker.text("", role=True)
-        first = False
-        if event.text:
-            yield chunker.text(event.text)
-        if event.error:
-            error = error_of(event.error)
-            service.metrics.failed(endpoint, error.code or str(error.status))
-            yield sse(error.body.model_dump_json())
-        if event.result:
-            service.metrics.finished(endpoint, event.result)
-            yield chunker.text("", finish_reason=event.result.finish_reason)
-            if chunker.include_usage:
-                yield chunker.usage(event.result)
-    yield "data: [DONE]\n\n"
-
-
-async def wait_for_result(stream: JobStream, raw: Request, service: EngineService, endpoint: str) -> Generation:
+async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, service: EngineService
+                       ) -> AsyncIterator[str]:
+    """The job's events as server-sent events. Its 200 header is sent before the end is known: how it really
+    ended (an error event, a client gone mid-stream) is recorded for the request metrics."""
+    first, ended = True, False
     try:
-        result = await stream.result(raw.is_disconnected)
-    except APIError as e:
-        service.metrics.failed(endpoint, e.code or str(e.status))
-        raise
-    service.metrics.finished(endpoint, result)
+        async for event in stream.events(raw.is_disconnected):
+            if chunker.chat and first and not event.error:  # as vLLM: the role comes with the first token
+                yield chunker.text("", role=True)
+            first = False
+            if event.text:
+                yield chunker.text(event.text)
+            if event.error:
+                error = error_of(event.error)
+                set_outcome(raw.scope, error.status)
+                ended = True
+                yield sse(error.body.model_dump_json())
+            if event.result:
+                service.metrics.generated(event.result)
+                ended = True
+                yield chunker.text("", finish_reason=event.result.finish_reason)
+                if chunker.include_usage:
+                    yield chunker.usage(event.result)
+        yield "data: [DONE]\n\n"
+    finally:
+        if not ended:  # the client went away before the end
+            set_outcome(raw.scope, CLIENT_GONE)
+
+
+async def wait_for_result(stream: JobStream, raw: Request, service: EngineService) -> Generation:
+    result = await stream.result(raw.is_disconnected)
+    service.metrics.generated(result)
     return result
 
 
@@ -119,23 +125,23 @@ def create_app(service: EngineService) -> FastAPI:
 
     app = FastAPI(title="kvreuse", summary="OpenAI-compatible serving with reusable documents", lifespan=lifespan)
     install_handlers(app)
+    # the last added runs first: count every request, then check its key, then cap its body
+    app.add_middleware(BodyLimit, max_bytes=service.config.max_request_bytes)
+    app.add_middleware(RequireAPIKey, api_key=service.config.api_key)
+    app.add_middleware(RequestMetrics, metrics=service.metrics)
 
-    async def require_api_key(raw: Request) -> None:
-        if service.config.api_key and raw.headers.get("authorization") != f"Bearer {service.config.api_key}":
-            raise APIError(401, "invalid or missing API key (Authorization: Bearer <key>)", code="invalid_api_key")
-
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(require_api_key)], responses=ERRORS)
+    v1 = APIRouter(prefix="/v1", responses=ERRORS)
 
     async def answer(body: GenerationParams, prepare: Callable[..., Awaitable[Prepared]], raw: Request,
                      endpoint: str):
         model = service.check_model(body.model)
-        stream = service.submit(await prepare(body), endpoint)
+        stream = service.submit(await prepare(body))
         id_prefix, response_type, choice_of = ENDPOINTS[endpoint]
         id_ = f"{id_prefix}-{uuid.uuid4().hex}"
         if body.stream:
             chunker = Chunker(endpoint == "chat", id_, model, body.include_usage)
-            return streaming(event_stream(stream, raw, chunker, service, endpoint))
-        result = await wait_for_result(stream, raw, service, endpoint)
+            return streaming(event_stream(stream, raw, chunker, service))
+        result = await wait_for_result(stream, raw, service)
         return response_type(id=id_, created=int(time.time()), model=model, choices=[choice_of(result)],
                              usage=usage_of(result))
 

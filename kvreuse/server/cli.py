@@ -11,7 +11,7 @@ from kvreuse.server.config import ServerConfig, load_config
 FLAGS = {
     "--host": (str, "address to listen on (default 127.0.0.1)"),
     "--port": (int, "port (default 8000)"),
-    "--api-key": (str, "require 'Authorization: Bearer KEY' on /v1/*"),
+    "--api-key": (str, "require 'Authorization: Bearer KEY' on every path but /health and /metrics"),
     "--store": (str, "store spec, e.g. memory:4GB,disk:/var/cache/kvreuse,redis://host:6379 (default memory:4GB)"),
     "--prefix-block-size": (int, "tokens per stored block of a conversation's prefix; whole blocks are reused (256)"),
     "--method": (str, "reuse method of requests that choose none (default cacheblend:0.15; auto: the fastest "
@@ -23,6 +23,8 @@ FLAGS = {
     "--request-timeout": (float, "seconds from arrival, queueing included, before a request is abandoned (600)"),
     "--max-model-len": (int, "prompt + generated tokens (default: the model's context window)"),
     "--default-max-tokens": (int, "generation budget of a chat request that sets none (default 256)"),
+    "--max-request-bytes": (int, "larger request bodies are refused with 413 (default 4 MiB)"),
+    "--shutdown-timeout": (float, "seconds a stopping server lets requests finish before cancelling them (10)"),
     "--dtype": (str, "float32 (default), bfloat16 or float16"),
     "--log-level": (str, "uvicorn's log level (default info)"),
 }
@@ -63,5 +65,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = ReuseEngine.load(config.model, config.store, config.dtype, prefix_block_size=config.prefix_block_size,
                               placement=placement)
     app = create_app(EngineService(engine, config))
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level)
+    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
+                timeout_graceful_shutdown=config.shutdown_timeout)
     return 0

@@ -34,6 +34,8 @@ class ServerConfig:
     request_timeout: float = 600.0  # seconds from arrival (queueing included) until a request is abandoned
     max_model_len: int | None = None  # prompt + generated tokens; default: the model's context window
     default_max_tokens: int = 256  # generation budget of a chat request that sets none
+    max_request_bytes: int = 4 << 20  # a larger body is refused (413) before it is read whole
+    shutdown_timeout: float = 10.0  # seconds a stopping server lets requests in flight finish, then cancels them
     dtype: str = "float32"
     log_level: str = "info"
 
@@ -47,6 +49,8 @@ class ServerConfig:
             "request_timeout": self.request_timeout > 0,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
             "default_max_tokens": self.default_max_tokens >= 1,
+            "max_request_bytes": self.max_request_bytes >= 1024,
+            "shutdown_timeout": self.shutdown_timeout >= 0,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

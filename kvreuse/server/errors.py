@@ -20,9 +20,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
 
 
 class APIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
 
     @property
     def body(self) -> ErrorResponse:
@@ -30,7 +32,7 @@ class APIError(Exception):
         return ErrorResponse(error=ErrorDetail(message=self.message, type=kind, param=self.param, code=self.code))
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body.model_dump(), status_code=self.status)
+        return JSONResponse(self.body.model_dump(), status_code=self.status, headers=self.headers)
 
 
 def bad_request(message: str, param: str | None = None) -> APIError:
@@ -77,7 +79,10 @@ def install_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+        # FastAPI's only 400 is a body it could not parse (not UTF-8, nested too deeply for the parser)
+        param = "body" if exc.status_code == 400 else None
+        return APIError(exc.status_code, f"{exc.detail}" + (f": {exc.__cause__}" if exc.__cause__ else ""),
+                        param).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 
 from kvreuse.engine.generate import Generation
+from kvreuse.store.base import KVStore, Tier
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 
@@ -17,12 +20,34 @@ def cached_tokens(stats: dict) -> int:
     return stats["reused_tokens"] + stats["restored_tokens"]
 
 
+STORE_EVENTS = ("damaged", "unavailable", "write_errors", "wrong_model", "evictions")
+
+
+class StoreEvents:
+    """`kvreuse_store_events_total{tier, event}`, read from the tiers' own counters at scrape time (not from
+    `stats()`, which may scan a tier to size it)."""
+
+    def __init__(self, store: KVStore):
+        self.tiers = [t for t in getattr(store, "tiers", [store]) if isinstance(t, Tier)]
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("kvreuse_store_events", "store faults and evictions, by tier",
+                                     labels=["tier", "event"])
+        for tier in self.tiers:
+            counters = asdict(tier.counters)
+            for event in STORE_EVENTS:
+                family.add_metric([tier.name, event], counters[event])
+        yield family
+
+
 class Metrics:
-    def __init__(self, waiting: Callable[[], int], running: Callable[[], int]):
+    def __init__(self, waiting: Callable[[], int], running: Callable[[], int], store: KVStore):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvreuse_requests", "requests answered, by endpoint and outcome",
-                                ["endpoint", "outcome"], registry=r)
+        self.requests = Counter("kvreuse_requests", "every /v1 request, by endpoint, outcome and HTTP status",
+                                ["endpoint", "outcome", "code"], registry=r)
+        self.queue_rejections = Counter("kvreuse_queue_rejections", "requests refused because the queue was full",
+                                        registry=r)
         self.prompt_tokens = Counter("kvreuse_prompt_tokens", "prompt tokens of finished requests", registry=r)
         self.cached_tokens = Counter("kvreuse_cached_tokens", "prompt tokens whose stored KV was reused", registry=r)
         self.generation_tokens = Counter("kvreuse_generation_tokens", "tokens generated", registry=r)
@@ -34,17 +59,18 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         Gauge("kvreuse_num_requests_waiting", "requests queued", registry=r).set_function(waiting)
         Gauge("kvreuse_num_requests_running", "sequences being decoded", registry=r).set_function(running)
+        r.register(StoreEvents(store))
 
-    def finished(self, endpoint: str, result: Generation) -> None:
-        self.requests.labels(endpoint, "finished").inc()
+    def request(self, endpoint: str, outcome: str, status: int) -> None:
+        self.requests.labels(endpoint, outcome, str(status)).inc()
+
+    def generated(self, result: Generation) -> None:
+        """A finished generation's tokens and latencies."""
         self.prompt_tokens.inc(result.prompt_tokens)
         self.cached_tokens.inc(cached_tokens(result.stats))
         self.generation_tokens.inc(len(result.token_ids))
         self.ttft.observe(result.ttft)
         self.e2e.observe(result.total_seconds)
-
-    def failed(self, endpoint: str, outcome: str) -> None:
-        self.requests.labels(endpoint, outcome).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

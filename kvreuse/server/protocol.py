@@ -9,17 +9,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_serializer
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
 
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
-NonEmptyText = Annotated[str, Field(min_length=1)]
+
+
+def encodable(text: str) -> str:
+    """JSON can carry a lone surrogate (\\ud800) that no tokenizer, store key or UTF-8 response can: refuse it
+    where it enters, naming the field."""
+    try:
+        text.encode()
+    except UnicodeEncodeError as e:
+        raise ValueError(f"text is not valid Unicode: a lone surrogate at character {e.start}") from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(encodable)]  # every string the server accepts
+NonEmptyText = Annotated[str, Field(min_length=1), AfterValidator(encodable)]
 
 
 class KvreuseOptions(BaseModel):
     """Per-request reuse options, sent as `extra_body={"kvreuse": {...}}`."""
 
     model_config = ConfigDict(extra="forbid")
-    method: str | None = Field(None, description="reuse method, e.g. cacheblend, cacheblend:0.3, naive, full")
+    method: Text | None = Field(None, description="reuse method, e.g. cacheblend, cacheblend:0.3, naive, full")
     ratio: float | None = Field(None, ge=0, le=1, description="recompute ratio of cacheblend or cachetune")
 
 
@@ -29,13 +42,13 @@ class StreamOptions(BaseModel):
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = None
 
     @property
     def text(self) -> str:
@@ -47,23 +60,23 @@ class ChatMessage(BaseModel):
 class GenerationParams(BaseModel):
     """What chat and completion requests share: sampling, streaming, and our reuse extensions."""
 
-    model: str | None = Field(None, description="a served model name (default: the first)")
+    model: Text | None = Field(None, description="a served model name (default: the first)")
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, **SEED_RANGE)
-    stop: str | list[str] | None = None
+    stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(1, ge=1)
-    user: str | None = None
+    user: Text | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     documents: list[NonEmptyText] = Field(default_factory=list, description="reusable chunks, placed in order")
-    cache_ids: list[str] = Field(default_factory=list, description="ids from POST /v1/caches, placed first")
+    cache_ids: list[Text] = Field(default_factory=list, description="ids from POST /v1/caches, placed first")
     kvreuse: KvreuseOptions | None = None
-    cache_salt: str | None = Field(None, min_length=1, description="tenant: store entries are shared only within it")
+    cache_salt: Text | None = Field(None, min_length=1, description="tenant: store entries are shared only within it")
 
     def refusal(self) -> tuple[str, str] | None:
         """(parameter, why) of the first parameter set to something this server does not implement."""
@@ -117,11 +130,11 @@ class ChatCompletionRequest(GenerationParams):
 
 
 class CompletionRequest(GenerationParams):
-    prompt: str | list[int] | list[str] | list[list[int]]
+    prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
     logprobs: int | None = Field(None, ge=0)
-    suffix: str | None = None
+    suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
 
     def _unsupported(self) -> dict[str, str | bool]:
@@ -278,10 +291,10 @@ class ErrorResponse(BaseModel):
 
 class CacheCreateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
-    model: str | None = None
+    model: Text | None = None
     text: NonEmptyText | None = Field(None, description="a document; tokenized exactly as in `documents`")
     token_ids: list[int] | None = Field(None, min_length=1)
-    cache_salt: str | None = Field(None, min_length=1)
+    cache_salt: Text | None = Field(None, min_length=1)
 
 
 class CacheInfo(BaseModel):

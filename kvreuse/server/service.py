@@ -41,7 +41,9 @@ from kvreuse.server.protocol import (
 
 T = TypeVar("T")
 RATIO_METHODS = {"cacheblend", "cachetune"}
-DISCONNECT_POLL_SECONDS = 1.0
+DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting request checks that its client is still there
+RETRY_AFTER_SECONDS = 1  # what a 429 tells the client to wait: the queue drains as fast as requests finish
+TOKENIZER_THREADS = 2  # one long text must not hold up every other request's tokenization
 
 
 @dataclass
@@ -116,13 +118,21 @@ class JobStream:
         self.job, self._events = job, events
 
     async def events(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[JobEvent]:
+        """The job's events until its last; stops early (cancelling the job) once the client has gone, which is
+        checked every DISCONNECT_POLL_SECONDS however fast events come."""
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_SECONDS
         try:
             while True:
                 try:
-                    event = await asyncio.wait_for(self._events.get(), DISCONNECT_POLL_SECONDS)
+                    event = await asyncio.wait_for(self._events.get(), max(0.0, next_check - loop.time()))
                 except TimeoutError:
+                    event = None
+                if loop.time() >= next_check:
                     if await disconnected():
                         return
+                    next_check = loop.time() + DISCONNECT_POLL_SECONDS
+                if event is None:
                     continue
                 yield event
                 if event.result or event.error:
@@ -147,19 +157,22 @@ class EngineService:
         window = engine.model.config.max_position_embeddings
         self.max_model_len = min(config.max_model_len or window, window)
         self.vocab_size = engine.model.config.vocab_size
+        # No token spans more characters than the longest vocabulary entry, so a text longer than this many
+        # characters cannot fit the context window: refused before the tokenizer spends seconds on it.
+        self.max_prompt_chars = self.max_model_len * max(map(len, engine.tokenizer.get_vocab()))
         self.caches = CacheRegistry()
         self.scheduler = Scheduler(engine, config.max_concurrency, config.max_queue)
-        self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running)
+        self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running, engine.store)
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-tokenize")
+        self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kv-tokenize")
 
     def start(self) -> None:
         self.scheduler.start()
 
     def close(self) -> None:
         self.scheduler.stop()
-        self._tokenizer_thread.shutdown(wait=True)
+        self._tokenizer_threads.shutdown(wait=True)
         self.engine.close()
 
     # ---- validation and preparation ------------------------------------------------------------------------
@@ -169,9 +182,15 @@ class EngineService:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
         return self.model_names[0]
 
+    def _check_length(self, texts: list[str], param: str) -> None:
+        characters = sum(map(len, texts))
+        if characters > self.max_prompt_chars:
+            raise bad_request(f"{param}: {characters} characters cannot fit the maximum context length of "
+                              f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)", param)
+
     async def _tokenize(self, fn: Callable[[], T], param: str) -> T:
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, fn)
         except (ValueError, TemplateError) as e:  # a chat template may refuse a conversation (role order)
             raise bad_request(f"{param}: {e}", param) from None
 
@@ -220,6 +239,7 @@ class EngineService:
         cached = self._cached_chunks(body.cache_ids, body.cache_salt)
         history = [{"role": m.role, "content": m.text} for m in body.messages[:-1]]
         question = body.messages[-1].text
+        self._check_length([*body.documents, *(m["content"] for m in history), question], "messages")
         tokenizer = self.engine.tokenizer
 
         def build() -> Request:
@@ -232,6 +252,7 @@ class EngineService:
         self._refuse_unsupported(body)
         cached = self._cached_chunks(body.cache_ids, body.cache_salt)
         prompt = body.single_prompt
+        self._check_length([*body.documents, prompt if isinstance(prompt, str) else ""], "prompt")
         tokenizer = self.engine.tokenizer
 
         def build() -> Request:
@@ -246,7 +267,7 @@ class EngineService:
 
     # ---- generation ------------------------------------------------------------------------------------
 
-    def submit(self, prepared: Prepared, endpoint: str) -> JobStream:
+    def submit(self, prepared: Prepared) -> JobStream:
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[JobEvent] = asyncio.Queue()
 
@@ -259,8 +280,9 @@ class EngineService:
         try:
             self.scheduler.submit(job)
         except QueueFull as e:
-            self.metrics.failed(endpoint, "queue_full")
-            raise APIError(429, f"{e}; retry later", code="queue_full") from None
+            self.metrics.queue_rejections.inc()
+            raise APIError(429, f"{e}; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
         return JobStream(job, events)
 
     # ---- the context-cache API ---------------------------------------------------------------------------
@@ -271,6 +293,7 @@ class EngineService:
             raise bad_request("text: give exactly one of text and token_ids", "text")
         param = "text" if body.text is not None else "token_ids"
         if body.text is not None:
+            self._check_length([body.text], param)
             ids = await self._tokenize(lambda: chunk_ids(self.engine.tokenizer, body.text), param)
         else:
             ids = self._check_token_ids(body.token_ids, param)

@@ -44,8 +44,8 @@ class RunningServer:
 def start_server(model_dir, **settings) -> RunningServer:
     sock = socket.socket()
     sock.bind(("127.0.0.1", 0))
-    config = ServerConfig(model=str(model_dir), store="memory:256MB", served_model_name=[MODEL_NAME],
-                          port=sock.getsockname()[1], **settings)
+    config = ServerConfig(model=str(model_dir), served_model_name=[MODEL_NAME], port=sock.getsockname()[1],
+                          **{"store": "memory:256MB", **settings})
     service = EngineService(ReuseEngine.load(config.model, config.store, prefix_block_size=config.prefix_block_size),
                             config)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))

@@ -3,6 +3,8 @@ serving. Admission control, timeouts, cancellation and the API key on servers of
 
 from __future__ import annotations
 
+import json
+import socket
 import time
 
 import openai
@@ -97,8 +99,9 @@ def test_a_full_queue_answers_429_and_a_closed_stream_is_cancelled(make_server):
                                                  stream=True, extra_body={"ignore_eos": True})
     chunks = iter(long_stream)
     next(chunks), next(chunks)  # the role, then a token: it is running
-    with pytest.raises(openai.RateLimitError, match="at capacity"):
+    with pytest.raises(openai.RateLimitError, match="at capacity") as refused:
         client.chat.completions.create(messages=MESSAGES, model=MODEL_NAME, max_tokens=2)
+    assert refused.value.response.headers["retry-after"] == "1"
     long_stream.close()  # the client goes away mid-stream
     deadline = time.monotonic() + 30
     while server.service.scheduler.running and time.monotonic() < deadline:
@@ -116,13 +119,92 @@ def test_a_request_over_its_time_gets_408(make_server):
         assert '"timeout_error"' in streamed and streamed.endswith("data: [DONE]\n\n")
 
 
-def test_the_api_key_guards_v1_only(make_server):
+def test_the_api_key_guards_everything_but_health_and_metrics(make_server):
     server = make_server(api_key="secret")
     with pytest.raises(openai.AuthenticationError):
         server.client(api_key="wrong").models.list()
     assert server.client(api_key="secret").models.list().data
     with server.http() as http:
-        assert http.get("/health").status_code == 200
+        assert http.get("/health").status_code == http.get("/metrics").status_code == 200
+        for path in ("/openapi.json", "/docs", "/v1/nothing-here"):
+            assert_error(http.get(path), 401, None, "API key")
+        assert http.get("/openapi.json", headers={"authorization": "Bearer secret"}).json()["paths"]
+
+
+def post_json(http, url: str, body: dict):
+    """POST `body` as JSON escaped to ASCII, as any client may send it: a lone surrogate travels as \\ud800."""
+    return http.post(url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
+
+
+LONE = "caf\ud800"
+
+
+@pytest.mark.parametrize("url, body, param", [
+    (CHAT, chat_body(messages=[{"role": "user", "content": LONE}]), "messages[0].content"),
+    (CHAT, chat_body(messages=[{"role": "user", "content": [{"type": "text", "text": LONE}]}]),
+     "messages[0].content"),  # no form of the union fits: the field is named
+    (CHAT, chat_body(messages=[{"role": "user", "content": "hi", "name": LONE}]), "messages[0].name"),
+    (CHAT, chat_body(documents=["fine", LONE]), "documents[1]"),
+    (CHAT, chat_body(stop=LONE), "stop"),
+    (CHAT, chat_body(user=LONE), "user"),
+    (CHAT, chat_body(cache_salt=LONE), "cache_salt"),
+    (CHAT, chat_body(kvreuse={"method": LONE}), "kvreuse.method"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": LONE}, "prompt"),
+    ("/v1/completions", {"model": MODEL_NAME, "prompt": [LONE]}, "prompt"),
+    ("/v1/caches", {"text": LONE}, "text"),
+])
+def test_a_lone_surrogate_in_any_text_field_is_a_400_and_the_connection_goes_on(http, client, url, body, param):
+    assert_error(post_json(http, url, body), 400, param)
+    assert http.post(CHAT, json=chat_body()).status_code == 200  # the same keep-alive connection
+
+
+def test_bodies_the_parser_cannot_read_name_the_body(http):
+    assert_error(http.post(CHAT, content=b'{"model": "\xff"}', headers={"content-type": "application/json"}),
+                 400, "body", "utf-8")
+    nested = b"[" * 100_000 + b"]" * 100_000
+    assert_error(http.post(CHAT, content=nested, headers={"content-type": "application/json"}), 400, "body")
+
+
+def test_a_body_over_the_limit_is_a_413_declared_or_streamed(make_server):
+    server = make_server(max_request_bytes=4096)
+    with server.http() as http:
+        big = chat_body(documents=["word " * 1000])
+        error = assert_error(http.post(CHAT, json=big), 413, "body", "4096 bytes")
+        assert error["code"] == "request_too_large"
+        chunked = (json.dumps(big)[i : i + 1000].encode() for i in range(0, len(json.dumps(big)), 1000))
+        assert_error(http.post(CHAT, content=chunked, headers={"content-type": "application/json"}), 413, "body")
+        assert http.post(CHAT, json=chat_body()).status_code == 200
+
+
+def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized(server, http, monkeypatch):
+    """A few MB of text would hold a tokenizer thread for seconds; no token spans more characters than the
+    longest vocabulary entry, so such a text is refused by its length alone."""
+    service = server.service
+    calls = []
+    real_encode = service.engine.tokenizer.encode
+    monkeypatch.setattr(service.engine.tokenizer, "encode", lambda *a, **k: calls.append(a) or real_encode(*a, **k))
+    huge = "x" * (service.max_prompt_chars + 1)
+    assert_error(http.post(CHAT, json=chat_body(documents=[huge])), 400, "messages", "characters")
+    assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": huge}), 400, "prompt")
+    assert_error(http.post("/v1/caches", json={"text": huge}), 400, "text", "characters")
+    assert calls == []
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_slot(make_server):
+    server = make_server()
+    body = json.dumps(chat_body(max_tokens=8000, ignore_eos=True)).encode()
+    port = int(server.url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nhost: test\r\ncontent-type: application/json\r\n"
+                     + f"content-length: {len(body)}\r\n\r\n".encode() + body)
+        deadline = time.monotonic() + 30
+        while not server.service.scheduler.running and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.service.scheduler.running == 1
+    gone = time.monotonic()
+    while server.service.scheduler.running and time.monotonic() < gone + 30:
+        time.sleep(0.05)
+    assert time.monotonic() - gone < 3  # not the whole generation's time
 
 
 def test_a_conversation_the_chat_template_refuses_is_a_400(make_server):
