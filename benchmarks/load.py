@@ -1,14 +1,16 @@
-"""Load test of `kvreuse serve`: N concurrent streaming chat clients for a fixed time with a RAG mix.
+"""Soak and load benchmark of `kvreuse serve`: concurrent clients send a realistic, hostile mix for a fixed time.
 
-Each request sends the passages of a HotpotQA row as `documents` and its question as the user message. Rows are
-drawn from a small pool, so documents repeat across requests and the store's chunks get reused, as in a RAG
-service whose corpus has hot documents. Reports request rate, client-side TTFT (arrival to the first streamed
-token) p50/p90/p99, end-to-end latency, errors and the server's peak RSS.
+The mix (shares set by --mix): RAG chats whose documents are HotpotQA passages from a small pool (documents
+repeat, so their stored chunks are reused); bursts of identical requests sent at the same moment; streams the
+client drops after the first token; non-streaming requests the client abandons; malformed requests of several
+kinds; completions. It reports requests and errors by kind (any 5xx or transport error is the server's fault),
+client-side TTFT percentiles of the streamed chats, the server's RSS over time (flat after warm-up or not), and
+whether the server's /metrics counted exactly what was sent.
 
-    flock /work/bench.lock .venv/bin/python benchmarks/load.py --clients 32 --duration 60 --out runs/load.json
+    .venv/bin/python -m benchmarks.load --duration 600 --clients 8 --out runs/soak.json
 
 By default it starts `kvreuse serve` (embedded model) on a free loopback port and stops it at the end; --url
-targets a running server instead (then no RSS is reported).
+targets a running server (its RSS is read when it listens on this machine, or from --server-pid).
 """
 
 from __future__ import annotations
@@ -23,43 +25,80 @@ import subprocess
 import sys
 import threading
 import time
+from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
-import openai
 import psutil
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvreuse.eval.datasets import load_dataset
 
+DEFAULT_MIX = "rag=0.5,identical=0.15,cancel_stream=0.1,abandon=0.05,malformed=0.15,completion=0.05"
+IDENTICAL_BURST = 3  # clients sending the very same request at once
+CANCELLED = 499  # what the server counts for a client that went away
+# each sent raw, as a broken or hostile client would
+MALFORMED = ["invalid_json", "wrong_type", "unknown_model", "bad_api_key", "too_long", "lone_surrogate"]
+# the status an error event after a 200 header stands for, by its OpenAI error type
+STREAM_ERROR_STATUS = {"timeout_error": 408, "cancelled_error": CANCELLED, "invalid_request_error": 400}
+
 
 @dataclass
-class Outcome:
-    ttft: float | None = None  # seconds to the first streamed token
-    latency: float = 0.0
-    completion_tokens: int = 0
-    prompt_tokens: int = 0
-    cached_tokens: int = 0
+class Sent:
+    """What the client sent and saw for one request."""
+
+    kind: str
+    endpoint: str
+    status: int | None = None  # None: the client gave up (cancelled) or the transport failed
+    expected: tuple[int, ...] = (200,)
+    ttft: float | None = None
     error: str | None = None
+
+    @property
+    def cancelled(self) -> bool:
+        return self.kind in ("cancel_stream", "abandon")
+
+    @property
+    def failure(self) -> str | None:
+        """Why this request counts against the server, if it does."""
+        if self.error:
+            return self.error
+        if self.status is not None and (self.status >= 500 or self.status not in self.expected):
+            return f"{self.kind}: unexpected {self.status}"
+        return None
 
 
 @dataclass
 class Report:
-    clients: int
     duration_s: float
-    requests: int
-    errors: int
-    requests_per_s: float
+    clients: int
+    sent_by_kind: dict[str, int]
+    failures_by_kind: dict[str, int]
+    server_errors: int
     ttft_p50_s: float
     ttft_p90_s: float
     ttft_p99_s: float
-    latency_p50_s: float
-    output_tokens_per_s: float
-    cached_prompt_share: float  # prompt tokens whose stored KV was reused, over all prompt tokens
-    peak_rss_mb: float | None
-    machine_load_1min: float  # the machine's load average at the end: other work shares the cores
+    rss_mb: dict[str, float | None]
+    rss_series: list[tuple[float, float]]
+    metrics_rows: list[dict]
+    metrics_agree: bool | None
+    metrics_note: str
+    machine_load_1min: float
     settings: dict = field(default_factory=dict)
-    error_samples: list[str] = field(default_factory=list)
+    failure_samples: list[str] = field(default_factory=list)
+
+
+def parse_mix(spec: str) -> dict[str, float]:
+    mix = {}
+    for part in spec.split(","):
+        name, _, share = part.partition("=")
+        if name not in {"rag", "identical", "cancel_stream", "abandon", "malformed", "completion"}:
+            raise SystemExit(f"--mix: unknown kind {name!r}")
+        mix[name] = float(share)
+    if not sum(mix.values()) > 0:
+        raise SystemExit("--mix: the shares must add up to more than 0")
+    return mix
 
 
 def percentile(values: list[float], p: float) -> float:
@@ -69,36 +108,206 @@ def percentile(values: list[float], p: float) -> float:
     return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
 
 
-class RssWatcher:
-    """Samples the resident memory of a process and its children until stopped; keeps the peak."""
+# ---- the server's memory ------------------------------------------------------------------------------
 
-    def __init__(self, pid: int, interval: float = 0.2):
-        self.process, self.interval, self.peak = psutil.Process(pid), interval, 0
+
+class RssWatcher:
+    """Samples the resident memory of a process and its children every `interval` s until stopped."""
+
+    def __init__(self, pid: int, interval: float):
+        self.process, self.interval = psutil.Process(pid), interval
+        self.series: list[tuple[float, float]] = []  # (seconds since start, MB)
+        self._started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 
+    def _sample(self) -> None:
+        rss = sum(p.memory_info().rss for p in [self.process, *self.process.children(recursive=True)])
+        self.series.append((round(time.monotonic() - self._started, 1), rss / 2**20))
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while True:
             try:
-                rss = sum(p.memory_info().rss for p in [self.process, *self.process.children(recursive=True)])
+                self._sample()
             except psutil.Error:
                 return
-            self.peak = max(self.peak, rss)
+            if self._stop.wait(self.interval):
+                return
 
-    def stop(self) -> float:
+    def stop(self) -> list[tuple[float, float]]:
         self._stop.set()
         self._thread.join()
-        return self.peak / 2**20
+        return self.series
+
+
+def rss_summary(series: list[tuple[float, float]], warmup: float) -> dict[str, float | None]:
+    """RSS after warm-up, at the end, at its peak, and its least-squares slope after warm-up (MB per minute)."""
+    after = [(t, mb) for t, mb in series if t >= warmup] or series[-1:]
+    if not after:
+        return {"after_warmup_mb": None, "end_mb": None, "peak_mb": None, "slope_mb_per_min": None}
+    slope = None
+    if len(after) >= 3:
+        mean_t, mean_mb = sum(t for t, _ in after) / len(after), sum(mb for _, mb in after) / len(after)
+        var = sum((t - mean_t) ** 2 for t, _ in after)
+        slope = 60 * sum((t - mean_t) * (mb - mean_mb) for t, mb in after) / var if var else None
+    return {"after_warmup_mb": after[0][1], "end_mb": series[-1][1], "peak_mb": max(mb for _, mb in series),
+            "slope_mb_per_min": slope}
+
+
+def listening_pid(url: str) -> int | None:
+    """The local process listening on the URL's port, if any (for --url on this machine)."""
+    port = httpx.URL(url).port
+    try:
+        connections = psutil.net_connections("tcp")
+    except psutil.Error:
+        return None
+    return next((c.pid for c in connections if c.status == psutil.CONN_LISTEN and c.laddr.port == port), None)
+
+
+# ---- /metrics ---------------------------------------------------------------------------------------------
+
+
+def scrape(client: httpx.Client) -> tuple[Counter, bool]:
+    """kvreuse_requests_total by (endpoint, code), and whether the server labels its requests by code."""
+    counts: Counter = Counter()
+    has_code = False
+    for family in text_string_to_metric_families(client.get("/metrics").text):
+        for sample in family.samples:
+            if sample.name == "kvreuse_requests_total":
+                has_code = has_code or "code" in sample.labels
+                counts[(sample.labels.get("endpoint"), sample.labels.get("code"))] += sample.value
+    return counts, has_code
+
+
+def agreement(sent: list[Sent], counted: Counter) -> tuple[list[dict], bool]:
+    """Rows of (endpoint, status): sent vs counted, and whether all agree. A request the client cancelled may
+    have finished first (a race no client can close): those are compared as the sum of 200 and 499."""
+    tally: Counter = Counter()
+    for s in sent:
+        if s.cancelled:
+            tally[(s.endpoint, "200|499")] += 1
+        elif s.status is not None:
+            tally[(s.endpoint, str(s.status))] += 1
+    counted = Counter({key: value for key, value in counted.items() if value})
+    raced = {endpoint for endpoint, code in tally if code == "200|499"}
+    for endpoint in raced:
+        cancels = counted.pop((endpoint, str(CANCELLED)), 0)
+        finished_beyond = counted.get((endpoint, "200"), 0) - tally.get((endpoint, "200"), 0)
+        counted[(endpoint, "200|499")] = cancels + max(0, finished_beyond)
+        counted[(endpoint, "200")] -= max(0, finished_beyond)
+    keys = sorted(set(tally) | {k for k, v in counted.items() if v})
+    rows = [{"endpoint": e, "status": c, "sent": tally.get((e, c), 0), "counted": counted.get((e, c), 0)}
+            for e, c in keys]
+    return rows, all(r["sent"] == r["counted"] for r in rows)
+
+
+# ---- the requests -------------------------------------------------------------------------------------------
+
+
+def chat_body(model: str, prompt, args: argparse.Namespace, **extra) -> dict:
+    return {"model": model, "messages": [{"role": "user", "content": prompt.question}], "documents": prompt.chunks,
+            "max_tokens": args.max_tokens, "temperature": 0, "kvreuse": {"method": args.method}, **extra}
+
+
+async def streamed(client: httpx.AsyncClient, s: Sent, url: str, body: dict, stop_after_first: bool) -> None:
+    """Stream a chat or completion, timing its first text; with `stop_after_first`, leave right after it."""
+    started = time.perf_counter()
+    async with client.stream("POST", url, json={**body, "stream": True}) as response:
+        s.status = response.status_code
+        async for line in response.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line.removeprefix("data: "))
+            if "error" in event:
+                s.status = STREAM_ERROR_STATUS.get(event["error"]["type"], 500)
+            elif s.ttft is None and any(c.get("text") or c.get("delta", {}).get("content")
+                                        for c in event.get("choices", [])):
+                s.ttft = time.perf_counter() - started
+                if stop_after_first:
+                    s.status = None  # the client leaves: the server should count it cancelled
+                    return
+
+
+async def malformed(client: httpx.AsyncClient, s: Sent, model: str, api_key: str | None, rng: random.Random) -> None:
+    name = rng.choice([m for m in MALFORMED if api_key or m != "bad_api_key"])
+    s.kind = f"malformed:{name}"
+    json_headers = {"content-type": "application/json"}
+    url = "/v1/chat/completions"
+    good = {"model": model, "messages": [{"role": "user", "content": "Hello?"}], "max_tokens": 2}
+    if name == "invalid_json":
+        s.expected, request = (400,), client.post(url, content=b'{"model": ', headers=json_headers)
+    elif name == "wrong_type":
+        s.expected, request = (400,), client.post(url, json={**good, "temperature": "hot"})
+    elif name == "unknown_model":
+        s.expected, request = (404,), client.post(url, json={**good, "model": "no-such-model"})
+    elif name == "bad_api_key":
+        s.expected, request = (401,), client.post(url, json=good, headers={"authorization": "Bearer wrong"})
+    elif name == "too_long":
+        s.expected, request = (400,), client.post(url, json={**good, "messages": [
+            {"role": "user", "content": "word " * 20000}]})
+    else:
+        raw = json.dumps({**good, "messages": [{"role": "user", "content": "caf\ud800"}]}).encode()
+        s.expected, request = (400,), client.post(url, content=raw, headers=json_headers)
+    s.status = (await request).status_code
+
+
+async def send(kind: str, client: httpx.AsyncClient, model: str, prompts: list, args: argparse.Namespace,
+               rng: random.Random) -> list[Sent]:
+    """One request of `kind` (a burst of them for `identical`), with what the client saw."""
+    chat = "/v1/chat/completions"
+    count = IDENTICAL_BURST if kind == "identical" else 1
+    sent = [Sent(kind, "completions" if kind == "completion" else "chat") for _ in range(count)]
+    prompt = rng.choice(prompts)
+
+    async def one(s: Sent) -> None:
+        try:
+            if kind == "rag":
+                await streamed(client, s, chat, chat_body(model, prompt, args), stop_after_first=False)
+            elif kind == "cancel_stream":
+                await streamed(client, s, chat, chat_body(model, prompt, args, max_tokens=256, ignore_eos=True),
+                               stop_after_first=True)
+            elif kind == "identical":
+                s.status = (await client.post(chat, json=chat_body(model, prompt, args))).status_code
+            elif kind == "abandon":
+                body = chat_body(model, prompt, args, max_tokens=256, ignore_eos=True)
+                try:
+                    s.status = (await asyncio.wait_for(client.post(chat, json=body), args.abandon_after)).status_code
+                except TimeoutError:
+                    s.status = None
+            elif kind == "completion":
+                body = {"model": model, "prompt": prompt.question, "max_tokens": args.max_tokens, "temperature": 0}
+                await streamed(client, s, "/v1/completions", body, stop_after_first=False)
+            else:
+                await malformed(client, s, model, args.api_key, rng)
+        except httpx.HTTPError as e:
+            s.error = f"{kind}: {type(e).__name__}: {e}"
+
+    await asyncio.gather(*(one(s) for s in sent))
+    return sent
+
+
+async def client_loop(url: str, model: str, prompts: list, args: argparse.Namespace, seed: int, deadline: float,
+                      sent: list[Sent]) -> None:
+    rng = random.Random(seed)
+    mix = parse_mix(args.mix)
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    async with httpx.AsyncClient(base_url=url, headers=headers, timeout=args.request_timeout) as client:
+        while time.perf_counter() < deadline:
+            kind = rng.choices(list(mix), weights=list(mix.values()))[0]
+            sent.extend(await send(kind, client, model, prompts, args, rng))
+
+
+# ---- running it -----------------------------------------------------------------------------------------
 
 
 def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    command = [sys.executable, "-m", "kvreuse.cli", "serve", *([args.model] if args.model else []),
+    command = [sys.executable, "-m", "kvreuse.cli", "serve", *([args.model_path] if args.model_path else []),
                "--port", str(port), "--store", args.store, "--max-concurrency", str(args.max_concurrency),
-               "--served-model-name", "kvreuse", "--log-level", "warning"]
+               "--log-level", "warning", *(["--api-key", args.api_key] if args.api_key else [])]
     server = subprocess.Popen(command)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 300
@@ -116,116 +325,128 @@ def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen, str]:
         time.sleep(0.5)
 
 
-async def one_request(client: openai.AsyncOpenAI, prompt, args: argparse.Namespace) -> Outcome:
-    outcome, started = Outcome(), time.perf_counter()
-    try:
-        stream = await client.chat.completions.create(
-            model="kvreuse", messages=[{"role": "user", "content": prompt.question}], max_tokens=args.max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True},
-            extra_body={"documents": prompt.chunks, "kvreuse": {"method": args.method}},
-        )
-        async for chunk in stream:
-            if outcome.ttft is None and chunk.choices and chunk.choices[0].delta.content:
-                outcome.ttft = time.perf_counter() - started
-            if chunk.usage:
-                outcome.completion_tokens = chunk.usage.completion_tokens
-                outcome.prompt_tokens = chunk.usage.prompt_tokens
-                outcome.cached_tokens = chunk.usage.prompt_tokens_details.cached_tokens
-        if not outcome.prompt_tokens:
-            outcome.error = "the stream ended without usage"
-    except (openai.OpenAIError, httpx.HTTPError) as e:
-        outcome.error = f"{type(e).__name__}: {e}"
-    outcome.latency = time.perf_counter() - started
-    return outcome
+def served_model(client: httpx.Client, asked: str | None) -> str:
+    if asked:
+        return asked
+    models = client.get("/v1/models")
+    if models.status_code != 200:
+        raise SystemExit(f"GET /v1/models answered {models.status_code}: {models.text[:200]} (--api-key?)")
+    return models.json()["data"][0]["id"]
 
 
-async def client_loop(url: str, prompts: list, args: argparse.Namespace, seed: int, deadline: float,
-                      outcomes: list[Outcome]) -> None:
-    rng = random.Random(seed)
-    async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
-                                  timeout=args.request_timeout) as client:
-        while time.perf_counter() < deadline:
-            outcomes.append(await one_request(client, rng.choice(prompts), args))
+def run(url: str, server_pid: int | None, args: argparse.Namespace) -> Report:
+    prompts = load_dataset(args.dataset, limit=args.pool).prompts
+    headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    with httpx.Client(base_url=url, headers=headers, timeout=30) as control:
+        model = served_model(control, args.model)
+        before, has_code = scrape(control)
+        watcher = RssWatcher(server_pid, args.rss_interval) if server_pid else None
+        sent: list[Sent] = []
+        started = time.perf_counter()
+        deadline = started + args.duration
+
+        async def clients() -> None:
+            await asyncio.gather(*(client_loop(url, model, prompts, args, i, deadline, sent)
+                                   for i in range(args.clients)))
+
+        try:
+            asyncio.run(clients())
+            elapsed = time.perf_counter() - started
+            time.sleep(2)  # cancellations reach the server's metrics once the engine notices them
+            after, _ = scrape(control)
+        finally:
+            series = watcher.stop() if watcher else []
+    return summarise(sent, after - before, has_code, series, elapsed, args)
 
 
-async def run_clients(url: str, prompts: list, args: argparse.Namespace) -> tuple[list[Outcome], float]:
-    outcomes: list[Outcome] = []
-    started = time.perf_counter()
-    deadline = started + args.duration
-    await asyncio.gather(*(client_loop(url, prompts, args, i, deadline, outcomes) for i in range(args.clients)))
-    return outcomes, time.perf_counter() - started
-
-
-def summarise(outcomes: list[Outcome], elapsed: float, peak_rss: float | None, args: argparse.Namespace) -> Report:
-    done = [o for o in outcomes if o.error is None]
-    ttfts = [o.ttft for o in done if o.ttft is not None]
-    prompt_tokens = sum(o.prompt_tokens for o in done)
+def summarise(sent: list[Sent], counted: Counter, has_code: bool, series: list[tuple[float, float]],
+              elapsed: float, args: argparse.Namespace) -> Report:
+    failures = [s.failure for s in sent if s.failure]
+    ttfts = [s.ttft for s in sent if s.kind == "rag" and s.status == 200 and s.ttft is not None]
+    rows, agree = agreement(sent, counted)
+    note = "sent vs counted by /metrics (cancelled requests may have finished first: compared as 200|499)"
+    if not has_code:
+        agree, note = None, "metrics lack label code: server too old to compare"
     return Report(
-        clients=args.clients,
-        duration_s=round(elapsed, 1),
-        requests=len(done),
-        errors=len(outcomes) - len(done),
-        requests_per_s=len(done) / elapsed,
-        ttft_p50_s=percentile(ttfts, 50),
-        ttft_p90_s=percentile(ttfts, 90),
-        ttft_p99_s=percentile(ttfts, 99),
-        latency_p50_s=percentile([o.latency for o in done], 50),
-        output_tokens_per_s=sum(o.completion_tokens for o in done) / elapsed,
-        cached_prompt_share=sum(o.cached_tokens for o in done) / prompt_tokens if prompt_tokens else 0.0,
-        peak_rss_mb=peak_rss,
-        machine_load_1min=os.getloadavg()[0],
-        settings={k: v for k, v in vars(args).items() if k != "out"},
-        error_samples=[o.error for o in outcomes if o.error][:5],
+        duration_s=round(elapsed, 1), clients=args.clients,
+        sent_by_kind=dict(Counter(s.kind.partition(":")[0] for s in sent)),
+        failures_by_kind=dict(Counter(f.partition(":")[0] for f in failures)),
+        server_errors=sum(1 for s in sent if s.status is not None and s.status >= 500),
+        ttft_p50_s=percentile(ttfts, 50), ttft_p90_s=percentile(ttfts, 90), ttft_p99_s=percentile(ttfts, 99),
+        rss_mb=rss_summary(series, args.warmup), rss_series=series, metrics_rows=rows, metrics_agree=agree,
+        metrics_note=note, machine_load_1min=os.getloadavg()[0],
+        settings={k: v for k, v in vars(args).items() if k not in ("out", "api_key")},
+        failure_samples=failures[:10],
     )
 
 
 def print_report(report: Report) -> None:
-    print(f"{report.clients} clients, {report.duration_s} s: {report.requests} requests "
-          f"({report.requests_per_s:.2f}/s), {report.errors} errors")
-    print(f"TTFT p50 {report.ttft_p50_s:.2f} s, p90 {report.ttft_p90_s:.2f} s, p99 {report.ttft_p99_s:.2f} s; "
-          f"latency p50 {report.latency_p50_s:.2f} s; {report.output_tokens_per_s:.1f} output tokens/s")
-    rss = f"{report.peak_rss_mb:.0f} MB" if report.peak_rss_mb is not None else "not measured (--url)"
-    print(f"prompt tokens reused: {report.cached_prompt_share:.0%}; server peak RSS {rss}; "
-          f"machine load average {report.machine_load_1min:.1f} on {os.cpu_count()} cores")
-    for sample in report.error_samples:
-        print(f"  error: {sample}")
+    total = sum(report.sent_by_kind.values())
+    print(f"{report.clients} clients, {report.duration_s} s: {total} requests sent "
+          + ", ".join(f"{k} {v}" for k, v in sorted(report.sent_by_kind.items())))
+    print(f"failures: {sum(report.failures_by_kind.values())} {report.failures_by_kind or ''}; "
+          f"server errors (5xx): {report.server_errors}")
+    print(f"RAG TTFT p50 {report.ttft_p50_s:.2f} s, p90 {report.ttft_p90_s:.2f} s, p99 {report.ttft_p99_s:.2f} s")
+    rss = report.rss_mb
+    if rss.get("end_mb") is not None:
+        slope = rss["slope_mb_per_min"]
+        print(f"server RSS: {rss['after_warmup_mb']:.0f} MB after warm-up, {rss['end_mb']:.0f} MB at the end, "
+              f"peak {rss['peak_mb']:.0f} MB, slope after warm-up "
+              + ("n/a" if slope is None else f"{slope:+.1f} MB/min"))
+    else:
+        print("server RSS: not measured (no local server process)")
+    print(f"/metrics: {report.metrics_note}")
+    for row in report.metrics_rows:
+        mark = "" if row["sent"] == row["counted"] else "   <-- MISMATCH"
+        print(f"  {row['endpoint']:12s} {row['status']:8s} sent {row['sent']:6d} counted {row['counted']:6.0f}{mark}")
+    verdict = {True: "agree", False: "DISAGREE", None: "not compared"}[report.metrics_agree]
+    print(f"metrics {verdict}; machine load average {report.machine_load_1min:.1f} on {os.cpu_count()} cores")
+    for sample in report.failure_samples:
+        print(f"  failure: {sample}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", help="a running server (default: start kvreuse serve on a free port)")
-    parser.add_argument("--model", help="model of the started server (default: the embedded one)")
+    parser.add_argument("--api-key", default=os.environ.get("KVREUSE_API_KEY"),
+                        help="the server's API key (default: $KVREUSE_API_KEY)")
+    parser.add_argument("--model", help="the model name requests use (default: the first of GET /v1/models)")
+    parser.add_argument("--server-pid", type=int, help="the server's pid, for its RSS (default: found by port)")
+    parser.add_argument("--model-path", help="model of the started server (default: the embedded one)")
     parser.add_argument("--store", default="memory:4GB", help="store of the started server")
     parser.add_argument("--max-concurrency", type=int, default=8, help="the started server's batch limit")
-    parser.add_argument("--method", default="cacheblend:0.15", help="reuse method of every request")
+    parser.add_argument("--method", default="cacheblend:0.15", help="reuse method of the chats")
+    parser.add_argument("--mix", default=DEFAULT_MIX, help=f"kinds of request and their shares ({DEFAULT_MIX})")
     parser.add_argument("--dataset", default="../shared/datasets/hotpotqa.jsonl")
     parser.add_argument("--pool", type=int, default=8, help="distinct rows the requests draw from")
-    parser.add_argument("--clients", type=int, default=32)
+    parser.add_argument("--clients", type=int, default=8)
     parser.add_argument("--duration", type=float, default=60, help="seconds during which clients send requests")
+    parser.add_argument("--warmup", type=float, default=60, help="seconds before RSS should be flat")
+    parser.add_argument("--rss-interval", type=float, default=5.0)
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--abandon-after", type=float, default=1.0, help="seconds before an abandoned request")
     parser.add_argument("--request-timeout", type=float, default=600)
     parser.add_argument("--out", type=Path, help="write the report as JSON here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    parse_mix(args.mix)
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    prompts = load_dataset(args.dataset, limit=args.pool).prompts
     server, url = (None, args.url) if args.url else start_server(args)
-    watcher = RssWatcher(server.pid) if server else None
+    pid = server.pid if server else args.server_pid or listening_pid(url)
     try:
-        outcomes, elapsed = asyncio.run(run_clients(url, prompts, args))
+        report = run(url, pid, args)
     finally:
-        peak_rss = watcher.stop() if watcher else None
         if server:
             server.terminate()
             server.wait(timeout=60)
-    report = summarise(outcomes, elapsed, peak_rss, args)
     print_report(report)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(asdict(report), indent=2))
-    return 0 if report.errors == 0 else 1
+    return 0 if not report.failures_by_kind and report.metrics_agree is not False else 1
 
 
 if __name__ == "__main__":

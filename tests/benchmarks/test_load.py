@@ -1,0 +1,57 @@
+"""benchmarks/load.py: its accounting (sent vs /metrics, the cancel race), RSS trend, and a short soak against
+the tiny test server that must account for every request and see no server error."""
+
+from __future__ import annotations
+
+import os
+from collections import Counter
+
+import pytest
+
+from benchmarks.load import Sent, agreement, parse_args, parse_mix, rss_summary, run
+
+
+def test_sent_and_counted_agree_row_by_row_and_a_miscount_is_reported():
+    sent = [Sent("rag", "chat", 200), Sent("rag", "chat", 200), Sent("malformed:x", "chat", 400, (400,))]
+    rows, agree = agreement(sent, Counter({("chat", "200"): 2, ("chat", "400"): 1}))
+    assert agree and {(r["status"], r["sent"], r["counted"]) for r in rows} == {("200", 2, 2), ("400", 1, 1)}
+    rows, agree = agreement(sent, Counter({("chat", "200"): 2, ("chat", "400"): 2, ("caches", "200"): 1}))
+    assert not agree
+    assert {(r["endpoint"], r["status"]) for r in rows if r["sent"] != r["counted"]} == {("chat", "400"),
+                                                                                        ("caches", "200")}
+
+
+def test_a_cancel_that_lost_the_race_to_the_end_counts_as_finished():
+    sent = [Sent("rag", "chat", 200), Sent("cancel_stream", "chat"), Sent("abandon", "chat")]
+    # one cancel arrived in time (499), the other request finished first (a second 200)
+    rows, agree = agreement(sent, Counter({("chat", "200"): 2, ("chat", "499"): 1}))
+    assert agree, rows
+    _, agree = agreement(sent, Counter({("chat", "200"): 1, ("chat", "499"): 1}))  # one request never counted
+    assert not agree
+
+
+def test_rss_slope_after_warm_up():
+    growing = [(t, 1000 + t) for t in range(0, 600, 5)]  # 1 MB per second
+    summary = rss_summary(growing, warmup=60)
+    assert summary["slope_mb_per_min"] == pytest.approx(60) and summary["after_warmup_mb"] == 1060
+    flat = [(t, 1000.0 if t < 60 else 1500.0) for t in range(0, 600, 5)]  # grows during warm-up only
+    assert rss_summary(flat, warmup=60)["slope_mb_per_min"] == pytest.approx(0)
+
+
+def test_a_mix_naming_an_unknown_kind_is_refused():
+    assert parse_mix("rag=1,identical=0.5") == {"rag": 1.0, "identical": 0.5}
+    with pytest.raises(SystemExit, match="unknown kind 'flood'"):
+        parse_mix("rag=1,flood=2")
+
+
+def test_a_short_soak_accounts_for_every_request(make_server):
+    server = make_server(api_key="soak-key", max_concurrency=2)
+    args = parse_args(["--url", server.url, "--api-key", "soak-key", "--duration", "4", "--clients", "3",
+                       "--max-tokens", "4", "--pool", "2", "--abandon-after", "0.2", "--rss-interval", "1",
+                       "--mix", "rag=1,identical=1,cancel_stream=1,abandon=1,malformed=2,completion=1"])
+    report = run(server.url, os.getpid(), args)
+    assert report.failures_by_kind == {} and report.server_errors == 0, report.failure_samples
+    assert set(report.sent_by_kind) == {"rag", "identical", "cancel_stream", "abandon", "malformed", "completion"}
+    assert report.metrics_agree, report.metrics_rows
+    assert sum(r["sent"] for r in report.metrics_rows) == sum(report.sent_by_kind.values())
+    assert report.rss_series and report.ttft_p50_s > 0
