@@ -224,6 +224,9 @@ class FusionExecutor:
             "loads_overlapped": loader.threaded,
             "prefill_seconds": elapsed,
             "deviation_checks": [asdict(c) for c in checks],
+            # the first check's figures as scalars, so per-example records (kvreuse eval) keep the signal
+            "deviation_mass": checks[0].mass if checks else None,
+            "deviation_residual": checks[0].residual if checks else None,
         }
 
 

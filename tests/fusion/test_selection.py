@@ -168,6 +168,7 @@ def test_a_residual_guard_keeps_the_rows_that_carry_the_deviation(tiny_engine):
     unguarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, float("inf")), request.token_ids)
     check = unguarded.stats["deviation_checks"][0]
     assert check["kept"] == 0 and check["residual"] == check["mass"] > 0
+    assert (unguarded.stats["deviation_mass"], unguarded.stats["deviation_residual"]) == (check["mass"], check["mass"])
     seen: list[set[int]] = []
     guarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, check["mass"] / 100), request.token_ids,
                                        observer=lambda layer, q, rows, cache: seen.append(set(rows.tolist())))
