@@ -9,6 +9,9 @@
     legolink0       chunks compiled behind dummy tokens, so they carry no sink; compute fresh tokens only
     cachetune:r     recompute, from layer 0 on, the r share of each chunk's tokens ranked highest offline by
                     its low-pass frequency score; transfer only the other rows (sparse transfer)
+    guarded:d       layer 0 in full, then keep recomputing the most deviating chunk tokens until the deviation
+                    left on the others is at most d of the stored KV's energy (default 5e-4): a share set per
+                    request by how strongly its chunks interact, up to every token (full prefill's output)
     auto[:floor]    the fastest of the above whose expected fidelity meets the floor (kvreuse.controller.auto):
                     auto:0.1 or auto:kl=0.1 bounds the first-token KL (default 0.15), auto:agreement=0.6 the
                     agreement with full prefill's output
@@ -111,6 +114,20 @@ class CacheBlend(Method):
         return [Narrowing(layer, keep) for layer, keep in zip(self.check_layers, keeps)]
 
 
+@dataclass(frozen=True)
+class Guarded(Method):
+    """CacheBlend's layer-0 recompute and deviation check at layer 1, with the kept rows chosen by the deviation
+    left on the dropped ones (Narrowing.max_residual) instead of a fixed ratio."""
+
+    max_residual: float = 5e-4
+    check_layer: int = 1
+
+    def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
+        every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
+        return plan_from_rows(self.name, request, placed, every_chunk_row,
+                              narrowing=[Narrowing(self.check_layer, 0.0, self.max_residual)], load_recomputed=True)
+
+
 DEFAULT_MAX_KL = 0.15
 
 
@@ -159,6 +176,16 @@ def _ratio(name: str, text: str) -> float:
     return ratio
 
 
+def _residual(text: str) -> float:
+    try:
+        residual = float(text)
+    except ValueError:
+        raise ValueError(f"method guarded: residual {text!r} is not a number") from None
+    if not 0 <= residual <= 1:
+        raise ValueError(f"method guarded: residual must be in [0, 1], got {residual}")
+    return residual
+
+
 def _count(name: str, text: str) -> int:
     if not text.isdigit():
         raise ValueError(f"method {name}: token count {text!r} must be a whole number >= 0")
@@ -173,9 +200,10 @@ METHODS = {
     "legolink": lambda spec, arg: LegoLink(spec, sink_tokens=_count("legolink", arg or "16")),
     "cacheblend": lambda spec, arg: CacheBlend(spec, ratio=_ratio("cacheblend", arg or "0.15")),
     "cachetune": lambda spec, arg: CacheTune(spec, ratio=_ratio("cachetune", arg or "0.15")),
+    "guarded": lambda spec, arg: Guarded(spec, max_residual=_residual(arg or "5e-4")),
     "auto": _auto,
 }
-TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "auto"}
+TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "guarded", "auto"}
 
 
 def parse_method(spec: str | None) -> Method:

@@ -12,7 +12,7 @@ from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.compile import compile_chunk, frequency_ranking
 from kvreuse.fusion.methods import parse_method
-from kvreuse.fusion.plan import Narrowing, PlacedSegment, plan_from_rows
+from kvreuse.fusion.plan import PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.store.spec import open_store
 
@@ -152,12 +152,9 @@ def test_on_the_real_model_cacheblend_and_legolink_come_closer_to_full_than_naiv
 
 
 def guarded_plan(engine, request: Request, max_residual: float):
-    """CacheBlend's plan with one check at layer 1 that keeps rows until the deviation left is `max_residual`."""
-    placed = engine.lookup(request, parse_method("naive"))
-    every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in enumerate(placed)
-                       if p.reusable and p.segment.kind == SegmentKind.CHUNK}
-    return plan_from_rows("guarded", request, placed, every_chunk_row, narrowing=[Narrowing(1, 0.0, max_residual)],
-                          load_recomputed=True)
+    """guarded's plan: one check at layer 1 that keeps rows until the deviation left is `max_residual`."""
+    policy = parse_method(f"guarded:{max_residual}")
+    return policy.plan(request, engine.lookup(request, policy))
 
 
 def test_a_residual_guard_keeps_the_rows_that_carry_the_deviation(tiny_engine):
@@ -165,7 +162,8 @@ def test_a_residual_guard_keeps_the_rows_that_carry_the_deviation(tiny_engine):
     tiny_engine.compile(request, ["naive"])
     deviating = [3, 8, 14]
     perturb_stored(tiny_engine, request, {1: deviating}, amount=1000.0)  # far beyond the rows' own deviation
-    unguarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, float("inf")), request.token_ids)
+    blend = parse_method("cacheblend:0")  # the same check at layer 1, keeping nothing
+    unguarded = tiny_engine.executor.run(blend.plan(request, tiny_engine.lookup(request, blend)), request.token_ids)
     check = unguarded.stats["deviation_checks"][0]
     assert check["kept"] == 0 and check["residual"] == check["mass"] > 0
     assert (unguarded.stats["deviation_mass"], unguarded.stats["deviation_residual"]) == (check["mass"], check["mass"])
@@ -183,3 +181,9 @@ def test_a_residual_guard_of_zero_recomputes_every_row_and_equals_full_prefill(t
     guarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, 0.0), request.token_ids)
     assert guarded.stats["deviation_checks"][0]["kept"] == 40
     torch.testing.assert_close(guarded.logits, tiny_engine.prefill(request, "full").logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("spec, message", [("guarded:x", "not a number"), ("guarded:2", r"in \[0, 1\]")])
+def test_bad_guard_specs_name_the_problem(spec, message):
+    with pytest.raises(ValueError, match=message):
+        parse_method(spec)

@@ -32,6 +32,8 @@ ANALYSES = {
     "sinks": Analysis("sinks", "chunk_sinks", "draw_chunk_sinks",
                       ("legolink0", "legolink:2", "cacheblend:0.15", "cachetune:0.15"),
                       "Epic Fig. 4: attention on chunk-initial tokens, naive vs full vs LegoLink"),
+    "fidelity-signal": Analysis("guard", "fidelity_signal", "draw_fidelity_signal", ("cacheblend:0.15",),
+                                "layer-1 KV deviation vs first-token KL per request; guarded:d speed vs bound"),
 }
 
 

@@ -65,3 +65,11 @@ def test_sinks_measure_every_method(analyses):
 def test_unknown_dataset_fails_before_the_model_loads(tmp_path, capsys):
     assert main(["analyze", "sinks", "--dataset", str(tmp_path / "missing.jsonl")]) == 2
     assert "missing.jsonl" in capsys.readouterr().err
+
+
+def test_fidelity_signal_guards_recompute_more_the_tighter_they_are(analyses):
+    summary = analyses["fidelity-signal"]["summary"]
+    shares = [summary[f"guarded:{d}"]["mean_recompute_share"] for d in ("0.001", "0.0005", "0.00025", "0.0001")]
+    assert shares == sorted(shares) and summary["naive"]["mean_recompute_share"] == 0
+    example = analyses["fidelity-signal"]["examples"][0]["methods"]["cacheblend:0.15"]
+    assert example["deviation_mass"] >= example["deviation_residual"] > 0
