@@ -166,24 +166,15 @@ def _positive(spec: str, text: str) -> float:
     return value
 
 
-def _ratio(name: str, text: str) -> float:
+def _unit(name: str, text: str, what: str = "ratio") -> float:
+    """A parameter in [0, 1]: a ratio, or guarded's residual."""
     try:
-        ratio = float(text)
+        value = float(text)
     except ValueError:
-        raise ValueError(f"method {name}: ratio {text!r} is not a number") from None
-    if not 0 <= ratio <= 1:
-        raise ValueError(f"method {name}: ratio must be in [0, 1], got {ratio}")
-    return ratio
-
-
-def _residual(text: str) -> float:
-    try:
-        residual = float(text)
-    except ValueError:
-        raise ValueError(f"method guarded: residual {text!r} is not a number") from None
-    if not 0 <= residual <= 1:
-        raise ValueError(f"method guarded: residual must be in [0, 1], got {residual}")
-    return residual
+        raise ValueError(f"method {name}: {what} {text!r} is not a number") from None
+    if not 0 <= value <= 1:
+        raise ValueError(f"method {name}: {what} must be in [0, 1], got {value}")
+    return value
 
 
 def _count(name: str, text: str) -> int:
@@ -198,9 +189,9 @@ METHODS = {
     "naive": lambda spec, arg: Method(spec),
     "legolink0": lambda spec, arg: Method(spec, compile_mode(LEGOLINK0_DUMMY_TOKENS)),
     "legolink": lambda spec, arg: LegoLink(spec, sink_tokens=_count("legolink", arg or "16")),
-    "cacheblend": lambda spec, arg: CacheBlend(spec, ratio=_ratio("cacheblend", arg or "0.15")),
-    "cachetune": lambda spec, arg: CacheTune(spec, ratio=_ratio("cachetune", arg or "0.15")),
-    "guarded": lambda spec, arg: Guarded(spec, max_residual=_residual(arg or "5e-4")),
+    "cacheblend": lambda spec, arg: CacheBlend(spec, ratio=_unit("cacheblend", arg or "0.15")),
+    "cachetune": lambda spec, arg: CacheTune(spec, ratio=_unit("cachetune", arg or "0.15")),
+    "guarded": lambda spec, arg: Guarded(spec, max_residual=_unit("guarded", arg or "5e-4", "residual")),
     "auto": _auto,
 }
 TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "guarded", "auto"}
