@@ -79,7 +79,8 @@ class DiskTier(BlobTier):
     @contextlib.contextmanager
     def _open(self, key: str) -> Iterator[FileSource | None]:
         try:
-            fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW)
+            # O_NONBLOCK: a FIFO planted at the path would otherwise block the open until someone writes to it.
+            fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
             yield None
             return
@@ -99,7 +100,10 @@ class DiskTier(BlobTier):
             self.policy.touch(key)
 
     def _exists(self, key: str) -> bool:
-        return self.path(key).exists()
+        try:
+            return stat.S_ISREG(os.lstat(self.path(key)).st_mode)  # a directory or link there is not an entry
+        except FileNotFoundError:
+            return False
 
     def _write(self, key: str, data: bytes) -> None:
         if not self.policy.fits(len(data)):

@@ -25,6 +25,9 @@ from kvreuse.store.codec import ByteSource, EntryDamaged, Range
 
 DEFAULT_PART_SIZE = 4 << 20
 REPLACED_PARTS_TTL_S = 30  # far longer than any read, short enough not to hold memory
+# A manifest naming more parts is damaged: acting on it (listing a billion part names to read or drop) would
+# hang the reader or exhaust its memory. 65,536 parts of the default 4 MB hold 256 GB, far beyond any entry.
+MAX_PARTS = 1 << 16
 MANIFEST = re.compile(rb"(?P<version>[0-9a-f]{16}):(?P<size>[0-9]{1,15}):(?P<part_size>[0-9]{1,15})")
 
 
@@ -93,9 +96,12 @@ class RedisTier(BlobTier):
 
     def _parse_manifest(self, raw: bytes) -> tuple[str, int, int]:
         match = MANIFEST.fullmatch(raw)
-        if match is None or int(match["size"]) < 1 or int(match["part_size"]) < 1:
+        if match is None:
             raise EntryDamaged(f"bad manifest {raw[:64]!r}")
-        return match["version"].decode(), int(match["size"]), int(match["part_size"])
+        size, part_size = int(match["size"]), int(match["part_size"])
+        if size < 1 or part_size < 1 or -(-size // part_size) > MAX_PARTS:
+            raise EntryDamaged(f"manifest {raw[:64]!r} claims {size} bytes in parts of {part_size}: out of bounds")
+        return match["version"].decode(), size, part_size
 
     def _part_keys(self, key: str, manifest: bytes) -> list[str]:
         version, size, part_size = self._parse_manifest(manifest)
@@ -112,7 +118,7 @@ class RedisTier(BlobTier):
         yield RedisSource(self.client, self._part_prefix(key, version), size, part_size)
 
     def _exists(self, key: str) -> bool:
-        return bool(self.client.exists(self._manifest(key)))
+        return self.client.type(self._manifest(key)) == b"string"  # a list or hash there is damage, not an entry
 
     def _write(self, key: str, data: bytes) -> None:
         version = uuid.uuid4().hex[:16]
@@ -164,9 +170,12 @@ class RedisTier(BlobTier):
     def usage(self) -> dict[str, int]:
         try:
             manifests = [m for m in self.client.mget([self._manifest(k) for k in self.keys()] or [""]) if m]
-            sizes = [self._parse_manifest(m)[1] for m in manifests]
-        except (*self.backend_errors, EntryDamaged):
+        except self.backend_errors:
             return {}
+        sizes = []
+        for manifest in manifests:
+            with contextlib.suppress(EntryDamaged):  # one damaged manifest must not blank the tier's figures
+                sizes.append(self._parse_manifest(manifest)[1])
         return {"entries": len(sizes), "bytes_used": sum(sizes)}
 
     def close(self) -> None:

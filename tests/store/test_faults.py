@@ -220,3 +220,58 @@ def test_redis_reader_of_a_replaced_version_still_reads_it(redis_server, make_en
         tier._write(entry.key, data)  # a concurrent writer swaps the manifest mid-read
         assert bytes(old_version.read_ranges([(0, old_version.size)])[0]) == data
     tier.clear()
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("claim", ["999999999999999:1", "9000000000:1"])
+def test_redis_manifest_claiming_too_many_parts_is_a_miss(redis_server, make_entry, claim):
+    """A damaged manifest is refused before it is acted on: naming a billion parts to read or drop used to hang
+    the reader (and the removal of the damaged entry)."""
+    tier = RedisTier(redis_server.url, prefix="bounds-test")
+    entry = make_entry()
+    tier.put(entry)
+    manifest = tier._manifest(entry.key)
+    version = tier.client.get(manifest).split(b":")[0].decode()
+    tier.client.set(manifest, f"{version}:{claim}")
+    assert all(r is None for r in reads(tier, entry.key))
+    assert tier.stats()["damaged"] >= 1 and not tier.contains(entry.key)
+    tier.clear()
+
+
+def test_redis_usage_skips_a_damaged_manifest(redis_server, make_entry):
+    tier = RedisTier(redis_server.url, prefix="usage-test")
+    good, bad = make_entry(), make_entry()
+    tier.put(good)
+    tier.put(bad)
+    tier.client.set(tier._manifest(bad.key), b"not a manifest")
+    assert tier.usage() == {"entries": 1, "bytes_used": len(raw_bytes(tier, good.key))}
+    tier.clear()
+
+
+def test_redis_key_of_another_type_is_not_contained(redis_server, make_entry):
+    tier = RedisTier(redis_server.url, prefix="type-test")
+    entry = make_entry()
+    tier.client.rpush(tier._manifest(entry.key), b"x")
+    assert not tier.contains(entry.key) and tier.get(entry.key) is None
+    tier.clear()
+
+
+@pytest.mark.timeout(30)
+def test_fifo_at_a_disk_entry_path_is_a_miss_without_blocking(tmp_path, make_entry):
+    tier = DiskTier(tmp_path)
+    entry = make_entry()
+    path = tier.path(entry.key)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    os.mkfifo(path)  # opening it for reading would wait for a writer forever
+    assert not tier.contains(entry.key)
+    assert all(r is None for r in reads(tier, entry.key))
+    assert tier.put(entry) and torch.equal(tier.get(entry.key).k, entry.k)
+
+
+def test_directory_or_symlink_at_a_disk_entry_path_is_not_contained(tmp_path, make_entry):
+    tier = DiskTier(tmp_path)
+    as_dir, as_link = make_entry(), make_entry()
+    tier.path(as_dir.key).mkdir(parents=True)
+    tier.path(as_link.key).parent.mkdir(parents=True, exist_ok=True)
+    tier.path(as_link.key).symlink_to(tmp_path / "elsewhere")
+    assert not tier.contains(as_dir.key) and not tier.contains(as_link.key)
