@@ -174,8 +174,10 @@ class FusionExecutor:
                 q, k, v = model.qkv(layer, hidden)
                 q, k = model.rope(q, selected_rotary), model.rope(k, selected_rotary)
                 if layer in narrowing:
+                    weights = (question_attention(model, layer, q, selected, k, approximate)
+                               if narrowing[layer].query_aware else None)
                     keep, check = most_deviating(narrowing[layer], plan.approximate_rows, cache, selected, k, v,
-                                                 approximate[selected])
+                                                 approximate[selected], weights)
                     checks.append(check)
                     selected, q, k, v, hidden = selected[keep], q[keep], k[keep], v[keep], hidden[keep]
                     selected_rotary = selected_rotary[keep]
@@ -242,23 +244,41 @@ class DeviationCheck:
     kept: int  # approximate rows still recomputed after it
 
 
+def question_attention(model: LayerwiseModel, layer: int, q: torch.Tensor, selected: torch.Tensor,
+                       k: torch.Tensor, approximate: torch.Tensor) -> torch.Tensor:
+    """Per selected row, [len(selected)]: the attention the question (the rows after the last reused chunk row)
+    pays it over the selected rows' recomputed keys, averaged over heads and question rows."""
+    last_chunk_row = int(approximate.nonzero().max()) if approximate.any() else -1
+    question = selected > last_chunk_row
+    attention = model.attention_weights(layer, q[question], selected[question], k, selected).mean((0, 1))
+    # A floor, so that no row's deviation is ignored outright (a sliding window or an underflow gives it zero
+    # attention here): a guard of 0 still recomputes every row.
+    return attention.clamp_min(1e-6)
+
+
 def most_deviating(narrowing: Narrowing, approximate_rows: int, cache: KVCache, selected: torch.Tensor,
-                   k: torch.Tensor, v: torch.Tensor, narrowable: torch.Tensor) -> tuple[torch.Tensor, DeviationCheck]:
+                   k: torch.Tensor, v: torch.Tensor, narrowable: torch.Tensor, weights: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, DeviationCheck]:
     """Indices into `selected` to keep (order preserved): every row that is not narrowable, plus the narrowable
     rows whose recomputed K and V are furthest (L2) from the stored ones: the `keep` share of the plan's
-    approximate rows, and more while the dropped rows' deviation exceeds `max_residual`."""
+    approximate rows, and more while the dropped rows' deviation exceeds `max_residual`. With `weights` (per
+    selected row), each row's deviation and stored energy count in proportion to its weight."""
     layer = narrowing.layer
     stored_k, stored_v = cache.keys[layer][selected][narrowable], cache.values[layer][selected][narrowable]
     deviation = torch.zeros(selected.numel())
     deviation[narrowable] = ((k[narrowable] - stored_k).square().sum((1, 2))
                              + (v[narrowable] - stored_v).square().sum((1, 2))).float()
-    energy = float(stored_k.float().square().sum() + stored_v.float().square().sum()) or 1.0
+    row_energy = stored_k.float().square().sum((1, 2)) + stored_v.float().square().sum((1, 2))
+    if weights is not None:
+        deviation, row_energy = deviation * weights, row_energy * weights[narrowable]
+    energy = float(row_energy.sum()) or 1.0
     order = torch.where(narrowable, deviation, torch.tensor(float("inf"))).argsort(descending=True)
     fixed, candidates = int((~narrowable).sum()), int(narrowable.sum())
     budget = min(round(narrowing.keep * approximate_rows), candidates)
     # left[j]: the deviation on the narrowable rows past the j most deviating ones
     ranked = deviation[order[fixed:]]
-    left = (ranked.sum() - torch.cat([torch.zeros(1), ranked.cumsum(0)])) / energy
+    left = torch.cat([ranked.flip(0).cumsum(0).flip(0), torch.zeros(1)]) / energy  # summed from the tail: exact
+    # for the small rows, where total minus running sum would cancel to 0
     if narrowing.max_residual is not None:
         budget = min(max(budget, int((left > narrowing.max_residual).sum())), candidates)
     keep = order[: fixed + budget].sort().values

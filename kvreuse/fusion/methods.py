@@ -12,6 +12,8 @@
     guarded:d       layer 0 in full, then keep recomputing the most deviating chunk tokens until the deviation
                     left on the others is at most d of the stored KV's energy (default 5e-4): a share set per
                     request by how strongly its chunks interact, up to every token (full prefill's output)
+    guarded-query:d guarded, with each token's deviation weighted by the attention the question pays it at the
+                    check layer (default 2e-3)
     auto[:floor]    the fastest of the above whose expected fidelity meets the floor (kvreuse.controller.auto):
                     auto:0.1 or auto:kl=0.1 bounds the first-token KL (default 0.15), auto:agreement=0.6 the
                     agreement with full prefill's output
@@ -121,11 +123,12 @@ class Guarded(Method):
 
     max_residual: float = 5e-4
     check_layer: int = 1
+    query_aware: bool = False
 
     def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
         every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
-        return plan_from_rows(self.name, request, placed, every_chunk_row,
-                              narrowing=[Narrowing(self.check_layer, 0.0, self.max_residual)], load_recomputed=True)
+        check = Narrowing(self.check_layer, 0.0, self.max_residual, self.query_aware)
+        return plan_from_rows(self.name, request, placed, every_chunk_row, narrowing=[check], load_recomputed=True)
 
 
 DEFAULT_MAX_KL = 0.15
@@ -192,9 +195,11 @@ METHODS = {
     "cacheblend": lambda spec, arg: CacheBlend(spec, ratio=_unit("cacheblend", arg or "0.15")),
     "cachetune": lambda spec, arg: CacheTune(spec, ratio=_unit("cachetune", arg or "0.15")),
     "guarded": lambda spec, arg: Guarded(spec, max_residual=_unit("guarded", arg or "5e-4", "residual")),
+    "guarded-query": lambda spec, arg: Guarded(spec, max_residual=_unit("guarded-query", arg or "2e-3", "residual"),
+                                               query_aware=True),
     "auto": _auto,
 }
-TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "guarded", "auto"}
+TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "guarded", "guarded-query", "auto"}
 
 
 def parse_method(spec: str | None) -> Method:

@@ -56,6 +56,9 @@ class Narrowing:
     layer: int
     keep: float
     max_residual: float | None = None
+    # Weigh each row's deviation (and its stored energy) by the attention the question's rows pay it at this
+    # layer: a row the question ignores matters less however far it strays.
+    query_aware: bool = False
 
 
 @dataclass

@@ -11,9 +11,11 @@ from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.compile import compile_chunk, frequency_ranking
+from kvreuse.fusion.executor import most_deviating, question_attention
 from kvreuse.fusion.methods import parse_method
-from kvreuse.fusion.plan import PlacedSegment
+from kvreuse.fusion.plan import Narrowing, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
+from kvreuse.model.kv_cache import KVCache
 from kvreuse.store.spec import open_store
 
 from ..conftest import random_ids
@@ -151,9 +153,9 @@ def test_on_the_real_model_cacheblend_and_legolink_come_closer_to_full_than_naiv
     assert mean["legolink:16"] < 0.75 * mean["naive"], mean
 
 
-def guarded_plan(engine, request: Request, max_residual: float):
+def guarded_plan(engine, request: Request, max_residual: float, method: str = "guarded"):
     """guarded's plan: one check at layer 1 that keeps rows until the deviation left is `max_residual`."""
-    policy = parse_method(f"guarded:{max_residual}")
+    policy = parse_method(f"{method}:{max_residual}")
     return policy.plan(request, engine.lookup(request, policy))
 
 
@@ -183,7 +185,53 @@ def test_a_residual_guard_of_zero_recomputes_every_row_and_equals_full_prefill(t
     torch.testing.assert_close(guarded.logits, tiny_engine.prefill(request, "full").logits, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("spec, message", [("guarded:x", "not a number"), ("guarded:2", r"in \[0, 1\]")])
+def check_with_weights(deviation: torch.Tensor, weights: torch.Tensor | None, max_residual: float) -> list[int]:
+    """most_deviating on 8 chunk rows whose stored KV is zero but for a unit energy each: row j's recomputed
+    key deviates by `deviation[j]`; returns the rows kept."""
+    rows = deviation.numel()
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=2, dtype=torch.float32, capacity=rows)
+    cache.allocate(torch.arange(rows))
+    cache.keys[1][:rows] = torch.tensor([1.0, 0.0]).expand(rows, 1, 2)
+    cache.values[1][:rows] = 0.0
+    k = cache.keys[1][:rows].clone()
+    k[:, 0, 1] = deviation.sqrt()
+    keep, _ = most_deviating(Narrowing(1, 0.0, max_residual), rows, cache, torch.arange(rows), k,
+                             cache.values[1][:rows].clone(), torch.ones(rows, dtype=torch.bool), weights)
+    return keep.tolist()
+
+
+def test_a_query_aware_check_keeps_the_deviating_rows_the_question_attends_to():
+    deviation = torch.tensor([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 4.0, 1.0])
+    attention = torch.tensor([0.0, 0.01, 0.3, 0.01, 0.3, 0.01, 0.0, 0.37])
+    assert check_with_weights(deviation, None, 0.7) == [0, 1, 6]  # unweighted: the largest deviations
+    # weighted: rows 2, 4 and 7 carry 0.97 of the weighted deviation (the weighted energy is 1.0)
+    assert check_with_weights(deviation, attention, 0.1) == [2, 4, 7]
+
+
+def test_the_question_attention_is_that_of_the_rows_after_the_last_chunk(tiny_engine):
+    model = tiny_engine.model
+    rows, question = 12, [9, 10, 11]
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(rows, model.num_q_heads, model.head_dim, generator=gen)
+    k = torch.randn(rows, model.num_kv_heads, model.head_dim, generator=gen)
+    approximate = torch.tensor([False] * 2 + [True] * 7 + [False] * 3)
+    got = question_attention(model, 1, q, torch.arange(rows), k, approximate)
+    expected = model.attention_weights(1, q[question], torch.tensor(question), k, torch.arange(rows)).mean((0, 1))
+    torch.testing.assert_close(got, expected.clamp_min(1e-6))
+
+
+def test_a_query_aware_guard_weighs_its_check_and_at_zero_equals_full_prefill(tiny_engine):
+    request = rag(chunks=(20, 20))
+    tiny_engine.compile(request, ["naive"])
+    query_aware, plain = (tiny_engine.executor.run(guarded_plan(tiny_engine, request, 0.0, method),
+                                                   request.token_ids) for method in ("guarded-query", "guarded"))
+    assert query_aware.stats["deviation_checks"][0]["kept"] == 40
+    assert query_aware.stats["deviation_mass"] != pytest.approx(plain.stats["deviation_mass"], rel=1e-3)
+    torch.testing.assert_close(query_aware.logits, tiny_engine.prefill(request, "full").logits, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("spec, message", [("guarded:x", "not a number"), ("guarded:2", r"in \[0, 1\]"),
+                                           ("guarded-query:-1", r"in \[0, 1\]")])
 def test_bad_guard_specs_name_the_problem(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_method(spec)

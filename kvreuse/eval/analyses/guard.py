@@ -22,8 +22,11 @@ from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.methods import parse_method
 
 FLOOR = 0.15  # the default first-token KL floor
-GUARDS = (1e-3, 5e-4, 2.5e-4, 1e-4)
+GUARDS = ("guarded:1e-3", "guarded:5e-4", "guarded:2.5e-4",
+          "guarded-query:2e-3", "guarded-query:1e-3", "guarded-query:5e-4")
 BASELINES = ("naive", "cacheblend:0.15")
+# The per-request signals: each the first check's deviation mass of a method, plain or weighted by the question.
+SIGNALS = {"deviation mass": "cacheblend:0.15", "question-weighted mass": "guarded-query:2e-3"}
 
 
 def _run(probe: ExampleProbe, method: str) -> tuple[dict, float]:
@@ -39,18 +42,20 @@ def fidelity_signal(probes: Iterable[ExampleProbe], settings: AnalysisSettings) 
     for probe in probes:
         full, full_seconds = _run(probe, "full")
         runs = {}
-        for method in (*BASELINES, *(f"guarded:{d:g}" for d in GUARDS)):
+        for method in (*BASELINES, *GUARDS):
             stats, seconds = _run(probe, method)
             runs[method] = {"kl": first_token_kl(full["logits"], stats["logits"]), "speedup": full_seconds / seconds,
                             "recompute_share": stats["recompute_share"], "deviation_mass": stats["deviation_mass"],
                             "deviation_residual": stats["deviation_residual"]}
         examples.append({"id": probe.prompt.id, "tokens": len(probe.request), "methods": runs})
     held_out = examples[1::2]
-    signal = [e["methods"]["cacheblend:0.15"]["deviation_mass"] for e in held_out]
     return {
         "floor": FLOOR,
-        "held_out_spearman": {method: held_out_spearman(signal, [e["methods"][method]["kl"] for e in held_out])
-                              for method in ("naive", "cacheblend:0.15")},
+        "held_out_spearman": {
+            signal: {method: held_out_spearman([e["methods"][source]["deviation_mass"] for e in held_out],
+                                               [e["methods"][method]["kl"] for e in held_out])
+                     for method in BASELINES}
+            for signal, source in SIGNALS.items()},
         "summary": {method: summarise([e["methods"][method] for e in examples]) for method in examples[0]["methods"]},
         "examples": examples,
     }
@@ -71,9 +76,10 @@ def draw_fidelity_signal(figure, numbers: dict) -> None:
     left, right = figure.subplots(1, 2)
     examples = numbers["examples"]
     held_out = examples[1::2]
+    signal = "deviation mass"
     for method, colour in (("naive", "tab:red"), ("cacheblend:0.15", "tab:blue")):
-        rho = numbers["held_out_spearman"][method]
-        left.scatter([e["methods"]["cacheblend:0.15"]["deviation_mass"] for e in held_out],
+        rho = numbers["held_out_spearman"][signal][method]
+        left.scatter([e["methods"][SIGNALS[signal]]["deviation_mass"] for e in held_out],
                      [e["methods"][method]["kl"] for e in held_out], color=colour,
                      label=f"{method} (held out, Spearman {rho:.2f})" if rho is not None else method)
     left.axhline(numbers["floor"], color="grey", linestyle="--", label="floor")

@@ -69,7 +69,11 @@ def test_unknown_dataset_fails_before_the_model_loads(tmp_path, capsys):
 
 def test_fidelity_signal_guards_recompute_more_the_tighter_they_are(analyses):
     summary = analyses["fidelity-signal"]["summary"]
-    shares = [summary[f"guarded:{d}"]["mean_recompute_share"] for d in ("0.001", "0.0005", "0.00025", "0.0001")]
-    assert shares == sorted(shares) and summary["naive"]["mean_recompute_share"] == 0
+    for method, guards in (("guarded", ("1e-3", "5e-4", "2.5e-4")), ("guarded-query", ("2e-3", "1e-3", "5e-4"))):
+        shares = [summary[f"{method}:{d}"]["mean_recompute_share"] for d in guards]
+        assert shares == sorted(shares), method
+    assert summary["naive"]["mean_recompute_share"] == 0
+    spearman = analyses["fidelity-signal"]["held_out_spearman"]
+    assert set(spearman) == {"deviation mass", "question-weighted mass"}
     example = analyses["fidelity-signal"]["examples"][0]["methods"]["cacheblend:0.15"]
     assert example["deviation_mass"] >= example["deviation_residual"] > 0
