@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kvreuse.eval.analyses.cli import add_commands as add_analysis_commands
-from kvreuse.eval.cli import add_commands as add_eval_commands
 from kvreuse.bench.fusion import add_arguments as add_fusion_arguments
 from kvreuse.bench.fusion import main as run_fusion_bench
 from kvreuse.bench.ttft_cli import add_arguments as add_ttft_arguments
 from kvreuse.bench.ttft_cli import main as run_ttft_bench
 from kvreuse.controller.cli import add_commands as add_profile_commands
+from kvreuse.eval.analyses.cli import add_commands as add_analysis_commands
+from kvreuse.eval.cli import add_commands as add_eval_commands
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import DTYPES, ModelLoadError
 from kvreuse.restore.cli import add_commands as add_restore_commands
@@ -26,7 +26,8 @@ GATE_PROMPT = (
 
 def _add_model_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--model", default=None, help="local Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+        "--model", default=None,
+        help="local Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
 

@@ -19,7 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvreuse.bench.tiers import tier_spec
-from kvreuse.bench.timing import interleaved_samples, limit_seconds, read_all_seconds, prefill_variant
+from kvreuse.bench.timing import interleaved_samples, limit_seconds, prefill_variant, read_all_seconds
 from kvreuse.controller.auto import meets
 from kvreuse.controller.cost import predict
 from kvreuse.controller.fidelity import FidelityTable, expected_fidelity, load_table

@@ -35,8 +35,8 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
 
 def _calibrate(loaded, stores: dict, profile, repeats: int):
-    from kvreuse.controller.calibrate import calibrated, cacheblend_rule, mean_ttft, synthetic_requests, tune_cachetune
     from kvreuse.controller.auto import AutoController
+    from kvreuse.controller.calibrate import cacheblend_rule, calibrated, mean_ttft, synthetic_requests, tune_cachetune
     from kvreuse.controller.fidelity import load_table
     from kvreuse.engine.reuse import ReuseEngine
 
@@ -53,7 +53,7 @@ def _calibrate(loaded, stores: dict, profile, repeats: int):
 
 
 def cmd_fidelity(args: argparse.Namespace) -> int:
-    from kvreuse.controller.fidelity import from_eval_results, user_table_path, save_table
+    from kvreuse.controller.fidelity import from_eval_results, save_table, user_table_path
 
     table = from_eval_results([Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results])
     path = save_table(table, Path(args.out) if args.out else user_table_path(table.model))

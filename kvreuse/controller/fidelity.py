@@ -81,7 +81,8 @@ def from_eval_results(paths: list[Path]) -> FidelityTable:
     tables = [_as_table(json.loads(Path(path).read_text())) for path in paths]
     models = {table.model for table in tables}
     if len(models) != 1:
-        raise ValueError(f"eval results of {len(models)} models given ({', '.join(sorted(models))}); one table per model")
+        raise ValueError(f"eval results of {len(models)} models given ({', '.join(sorted(models))}); "
+                         "one table per model")
     worst: dict[str, Fidelity] = {}
     for table in tables:
         for method, new in table.methods.items():

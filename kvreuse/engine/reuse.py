@@ -57,7 +57,8 @@ class FusedPrefill:
 
 
 class ReuseEngine:
-    def __init__(self, loaded: LoadedModel, store: KVStore, *, prefix_block_size: int = DEFAULT_BLOCK_SIZE, prefix_strategy: str = "auto",
+    def __init__(self, loaded: LoadedModel, store: KVStore, *, prefix_block_size: int = DEFAULT_BLOCK_SIZE,
+                 prefix_strategy: str = "auto",
                  controller: AutoController | None = None, placement: PlacementPolicy | None = None):
         """prefix_block_size: tokens per stored prefix block; prefix_strategy: how a stored prefix is restored
         (auto, load, compute, cake, layerwise: see kvreuse.restore); controller: what resolves method auto

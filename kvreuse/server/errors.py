@@ -61,7 +61,8 @@ def validation_error(exc: RequestValidationError) -> APIError:
         return bad_request(f"the body is not valid JSON: {first.get('msg')}", "body")
     loc = tuple(first.get("loc", ()))
     # A value matching no form of a union fails once per form, each under the form's name: name the field.
-    param = _field_path(_common_prefix([tuple(e.get("loc", ())) for e in errors if tuple(e.get("loc", ()))[:2] == loc[:2]]))
+    locations = [tuple(e.get("loc", ())) for e in errors]
+    param = _field_path(_common_prefix([where for where in locations if where[:2] == loc[:2]]))
     if not param or param == "body":
         return bad_request(f"the body must be a JSON object (Content-Type: application/json): {first.get('msg')}",
                            "body")

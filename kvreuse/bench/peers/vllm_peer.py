@@ -33,7 +33,8 @@ class VllmSettings:
     max_model_len: int
     threads: int  # cores vLLM's OpenMP threads are bound to: as many as kvreuse's torch uses
     kv_cache_bytes: int = 2 * 2**30
-    timeout_seconds: float = 1800.0  # start-up (model compile) included; a starved or hung engine must not hang the bench
+    # start-up (model compile) included; a starved or hung engine must not hang the bench
+    timeout_seconds: float = 1800.0
     dtype: str = "float32"
 
     @property
