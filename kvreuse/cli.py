@@ -63,11 +63,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_check_model(args: argparse.Namespace) -> int:
-    from kvreuse.model.check import run_gate
+    from kvreuse.model.check import gate_prompt_ids, run_gate
     from kvreuse.model.loader import load_model
 
     loaded = load_model(args.model, "float32")
-    prompt_ids = loaded.tokenizer(GATE_PROMPT).input_ids
+    prompt_ids = gate_prompt_ids(loaded.runtime, lambda text: loaded.tokenizer(text).input_ids, GATE_PROMPT)
     results = run_gate(loaded.runtime, prompt_ids)
     for result in results:
         print(f"{'PASS' if result.passed else 'FAIL'}  {result.name}: {result.detail}")

@@ -45,6 +45,9 @@ TINY_CONFIGS = {
     "mistral-window": dict(model_type="mistral", sliding_window=24),
     "qwen2": dict(model_type="qwen2"),  # qkv bias
     "qwen3": dict(model_type="qwen3", head_dim=16),  # q/k norm
+    # sliding and full layers with RoPE bases of their own, norms around attention and MLP, scaled embeddings
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=24,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
 }
 
 

@@ -47,7 +47,7 @@ def _dense_seconds(model: LayerwiseModel, rows: int, repeats: int, qkv_only: boo
     def step(layer: int) -> None:
         q, k, _ = model.qkv(layer, hidden)
         if not qkv_only:
-            model.rope(q, rotary), model.rope(k, rotary)
+            model.rope(layer, q, rotary), model.rope(layer, k, rotary)
             model.finish_layer(layer, hidden, attn_out)
 
     return statistics.mean(_median_seconds(lambda: step(layer), repeats) for layer in PROBE_LAYERS)
@@ -100,7 +100,7 @@ def _place_seconds(model: LayerwiseModel, repeats: int, rows: int = 2048) -> flo
     def place() -> None:
         cache = model.new_cache(rows)
         cache.allocate(positions)
-        cache.write(0, positions, model.rope(keys, rotary), values)
+        cache.write(0, positions, model.rope(0, keys, rotary), values)
 
     return _median_seconds(place, repeats) / rows
 

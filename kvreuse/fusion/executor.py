@@ -167,12 +167,12 @@ class FusionExecutor:
                 stored = loader.take(layer)
                 if stored is not None:
                     keys, values = stored
-                    cache.write(layer, loaded_rows, model.rope(keys.to(model.dtype), loaded_rotary),
+                    cache.write(layer, loaded_rows, model.rope(layer, keys.to(model.dtype), loaded_rotary),
                                 values.to(model.dtype))
                     del stored, keys, values
                     loader.placed()
                 q, k, v = model.qkv(layer, hidden)
-                q, k = model.rope(q, selected_rotary), model.rope(k, selected_rotary)
+                q, k = model.rope(layer, q, selected_rotary), model.rope(layer, k, selected_rotary)
                 if layer in narrowing:
                     weights = (question_attention(model, layer, q, selected, k, approximate)
                                if narrowing[layer].query_aware else None)

@@ -79,13 +79,21 @@ def chunk_ids(tokenizer, text: str, chunk_separator: str = "\n\n") -> list[int]:
 def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], question: str, salt: str | None = None
                  ) -> Request:
     """[template head with `history` (system prompt, earlier turns): the exact prefix] [chunk]... [question +
-    template tail]; `chunks` are token ids (see `chunk_ids`), so stored chunks can be placed by their tokens."""
-    head, tail = split_template(tokenizer, history)
+    template tail]; `chunks` are token ids (see `chunk_ids`), so stored chunks can be placed by their tokens.
+
+    A base model (a tokenizer with no chat template) gets plain text instead: [BOS, then each earlier message's
+    content as a paragraph] [chunk]... [question]."""
 
     def encode(text: str) -> list[int]:
         return tokenizer.encode(text, add_special_tokens=False)
 
-    segments = [Segment(SegmentKind.PREFIX, encode(head))]
+    if getattr(tokenizer, "chat_template", None) is None:
+        bos = [] if tokenizer.bos_token_id is None else [tokenizer.bos_token_id]
+        head_ids, tail = bos + encode("".join(f"{m['content']}\n\n" for m in history)), ""
+    else:
+        head, tail = split_template(tokenizer, history)
+        head_ids = encode(head)
+    segments = [Segment(SegmentKind.PREFIX, head_ids)]
     segments += [Segment(SegmentKind.CHUNK, list(ids)) for ids in chunks]
     segments.append(Segment(SegmentKind.FRESH, encode(question + tail)))
     return Request([s for s in segments if s.token_ids], salt)

@@ -1,14 +1,11 @@
 """Per-family adapters: the few places where decoder families differ in what the layer loop needs.
 
 The runtime drives the loaded `transformers` model's own modules (projections, norms, rotary embedding, MLP);
-an adapter only says how to get q/k/v out of a layer and which attention window a layer uses. Everything a
-family shares with Llama lives in `LlamaAdapter`.
+an adapter says how to get q/k/v out of a layer, how the layer ends (norms, MLP), which RoPE and attention window
+a layer uses. Everything a family shares with Llama lives in `LlamaAdapter`.
 """
 
 from __future__ import annotations
-
-import sys
-from typing import Callable
 
 import torch
 from torch import nn
@@ -29,8 +26,6 @@ class LlamaAdapter:
     def __init__(self, hf_model: nn.Module):
         self.config = hf_model.config
         self.decoder = hf_model.model
-        # Each family's modeling file defines its own apply_rotary_pos_emb; use that one, not a copy of it.
-        self.apply_rotary: Callable = sys.modules[type(hf_model).__module__].apply_rotary_pos_emb
 
     def project_qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normalised hidden rows [n, hidden] -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]."""
@@ -43,6 +38,21 @@ class LlamaAdapter:
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`."""
         return linear(mlp.act_fn(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+
+    def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """Output projection, residual, post-attention norm and MLP of the attended rows."""
+        hidden = residual + linear(attn_out, block.self_attn.o_proj)
+        return hidden + self.mlp(block.mlp, block.post_attention_layernorm(hidden))
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def rope_kinds(self) -> list[str | None]:
+        """The kinds of RoPE the layers use, as the model's rotary module takes them (None: it takes no kind)."""
+        return [None]
+
+    def rope_kind(self, layer_idx: int) -> str | None:
+        return None
 
     def sliding_window(self, layer_idx: int) -> int | None:
         """Tokens a query at layer `layer_idx` may look back over (None: the whole context)."""
@@ -60,11 +70,38 @@ class Qwen3Adapter(LlamaAdapter):
         return attn.q_norm(q), attn.k_norm(k), v
 
 
+class Gemma3Adapter(Qwen3Adapter):
+    """Gemma 3: q/k norm as Qwen3; norms after attention and around the MLP as well as before; sliding-window
+    layers (their window set per layer) rotating by a base of their own; the embedding scale is part of its
+    embedding module."""
+
+    def __init__(self, hf_model: nn.Module):
+        super().__init__(hf_model)
+        if getattr(self.config, "attn_logit_softcapping", None) is not None:  # Gemma 2's; the fused kernel has none
+            raise UnsupportedModelError("attention logit soft-capping is not supported by the layer-wise runtime")
+
+    def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        hidden = residual + block.post_attention_layernorm(linear(attn_out, block.self_attn.o_proj))
+        mlp_out = self.mlp(block.mlp, block.pre_feedforward_layernorm(hidden))
+        return hidden + block.post_feedforward_layernorm(mlp_out)
+
+    def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def rope_kinds(self) -> list[str | None]:
+        return sorted(set(self.config.layer_types))
+
+    def rope_kind(self, layer_idx: int) -> str | None:
+        return self.config.layer_types[layer_idx]
+
+
 ADAPTERS: dict[str, type[LlamaAdapter]] = {
     "llama": LlamaAdapter,
     "mistral": LlamaAdapter,
     "qwen2": LlamaAdapter,
     "qwen3": Qwen3Adapter,
+    "gemma3_text": Gemma3Adapter,
 }
 
 

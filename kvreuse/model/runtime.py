@@ -27,13 +27,15 @@ from kvreuse.model.linear import linear
 
 @dataclass
 class Rotary:
-    """cos/sin tables for a set of positions, shaped [n, 1, head_dim] to broadcast over heads."""
+    """cos/sin tables for a set of positions, shaped [kinds, n, 1, head_dim]: one table per kind of RoPE the
+    model's layers use (one for most families; Gemma 3's sliding and full layers rotate by different bases),
+    each broadcasting over heads."""
 
     cos: torch.Tensor
     sin: torch.Tensor
 
     def __getitem__(self, rows: torch.Tensor | slice) -> Rotary:
-        return Rotary(self.cos[rows], self.sin[rows])
+        return Rotary(self.cos[:, rows], self.sin[:, rows])
 
 
 @dataclass
@@ -135,6 +137,8 @@ class LayerwiseModel:
         self.dtype = next(hf_model.parameters()).dtype
         self.device = next(hf_model.parameters()).device
         self.windows = [self.adapter.sliding_window(i) for i in range(self.num_layers)]
+        self.rope_kinds = self.adapter.rope_kinds()  # the rotary module's argument per kind (None: takes none)
+        self._rope_kind_of_layer = [self.rope_kinds.index(self.adapter.rope_kind(i)) for i in range(self.num_layers)]
         self._rotate_half = sys.modules[type(hf_model).__module__].rotate_half
         # RoPE tables of positions [0, n), grown on demand: building them for a long prompt costs more than
         # loading its KV. Dynamic and longrope scaling make a position's angles depend on the whole call's
@@ -174,18 +178,22 @@ class LayerwiseModel:
         return table
 
     def _rotary_of(self, positions: torch.Tensor) -> Rotary:
-        cos, sin = self.decoder.rotary_emb(self._probe, positions[None, :])
-        return Rotary(cos[0, :, None, :], sin[0, :, None, :])
+        tables = [self.decoder.rotary_emb(self._probe, positions[None, :], *([] if kind is None else [kind]))
+                  for kind in self.rope_kinds]
+        return Rotary(torch.stack([cos[0, :, None, :] for cos, _ in tables]),
+                      torch.stack([sin[0, :, None, :] for _, sin in tables]))
 
     @property
     def _probe(self) -> torch.Tensor:
         # The rotary module reads only dtype and device from its first argument.
         return torch.empty(0, dtype=self.dtype, device=self.device)
 
-    def rope(self, x: torch.Tensor, rotary: Rotary, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate q or k rows [n, H, D] to the positions `rotary` was built for (apply_rotary_pos_emb's maths),
-        into `out` if given: keys go straight into their cache rows, with no temporaries to allocate and copy."""
-        return torch.mul(x, rotary.cos, out=out).addcmul_(self._rotate_half(x), rotary.sin)
+    def rope(self, layer: int, x: torch.Tensor, rotary: Rotary, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Rotate q or k rows [n, H, D] of `layer` to the positions `rotary` was built for (apply_rotary_pos_emb's
+        maths), into `out` if given: keys go straight into their cache rows, with no temporaries to allocate and
+        copy."""
+        kind = self._rope_kind_of_layer[layer]
+        return torch.mul(x, rotary.cos[kind], out=out).addcmul_(self._rotate_half(x), rotary.sin[kind])
 
     def attend(
         self,
@@ -239,20 +247,18 @@ class LayerwiseModel:
         """Write rows' KV into `cache`, keys given before RoPE (the stored form) and rotated on the way: into
         the cache's memory itself when the rows are a range."""
         if isinstance(rows, slice):
-            self.rope(k, rotary, out=cache.keys[layer][rows])
+            self.rope(layer, k, rotary, out=cache.keys[layer][rows])
             cache.values[layer][rows] = v
         else:
-            cache.write(layer, rows, self.rope(k, rotary), v)
+            cache.write(layer, rows, self.rope(layer, k, rotary), v)
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
-        block = self.layers[layer]
-        hidden = residual + linear(attn_out, block.self_attn.o_proj)
-        return hidden + self.adapter.mlp(block.mlp, block.post_attention_layernorm(hidden))
+        return self.adapter.finish_layer(self.layers[layer], residual, attn_out)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; callers pass only the rows whose next token they need."""
-        return linear(self.decoder.norm(hidden), self.hf_model.lm_head)
+        return self.adapter.cap_logits(linear(self.decoder.norm(hidden), self.hf_model.lm_head))
 
     # ---- composites ------------------------------------------------------------------------------------
 
@@ -274,7 +280,7 @@ class LayerwiseModel:
         q, k, v = self.qkv(layer, hidden)
         self.write_kv(cache, layer, rows, k, v, rotary)
         keys, values = cache.layer(layer)
-        out = self.attend(layer, self.rope(q, rotary), cache.positions[rows], keys, values, cache.positions)
+        out = self.attend(layer, self.rope(layer, q, rotary), cache.positions[rows], keys, values, cache.positions)
         return self.finish_layer(layer, hidden, out), k, v
 
     @torch.inference_mode()
@@ -328,7 +334,7 @@ class LayerwiseModel:
         hidden = self.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
         for layer in range(self.num_layers):
             q, k, v = self.qkv(layer, hidden)
-            q, k = self.rope(q, rotary), self.rope(k, rotary)
+            q, k = self.rope(layer, q, rotary), self.rope(layer, k, rotary)
             outputs = []
             for i, cache in enumerate(caches):
                 cache.write(layer, rows[i], k[i : i + 1], v[i : i + 1])

@@ -172,7 +172,7 @@ class PrefixJob:
         model.write_kv(self.cache, layer, rows, k, v, rotary)
         keys, values = self.cache.keys[layer][: rows.stop], self.cache.values[layer][: rows.stop]
         positions = self.positions[: rows.stop]
-        return model.attend(layer, model.rope(q, rotary), positions[rows], keys, values, positions)
+        return model.attend(layer, model.rope(layer, q, rotary), positions[rows], keys, values, positions)
 
     # ---- load -----------------------------------------------------------------------------------------
 

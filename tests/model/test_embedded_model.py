@@ -24,3 +24,11 @@ def test_gguf_path_and_converted_directory_load_the_same_model(embedded_model):
 
 def test_other_dtype_changes_the_fingerprint(embedded_model):
     assert load_model(None, "bfloat16").fingerprint != embedded_model.fingerprint
+
+
+def test_check_model_passes_on_gemma3_past_its_sliding_window(capsys):
+    """Gemma 3 270M (a base model with 512-token sliding layers): the gate's prompt runs past the window."""
+    assert main(["check-model", "gemma3-270m"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("PASS") == 3 and "FAIL" not in out
+    assert int(out.split(" tokens)")[0].rsplit(", ", 1)[1]) > 512

@@ -53,3 +53,11 @@ def test_console_script_reports_bad_model(tmp_path):
     )
     assert done.returncode == 2
     assert "missing.gguf" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_packaged_model_whose_wheel_is_missing_names_the_package(monkeypatch):
+    from kvreuse.model import loader
+
+    monkeypatch.setitem(loader.PACKAGED_MODELS, "tiny-packaged", ("no_such_module_kvreuse", "no-such-wheel"))
+    with pytest.raises(ModelLoadError, match="pip install no-such-wheel"):
+        resolve_model_dir("tiny-packaged")

@@ -3,7 +3,13 @@
 import pytest
 import torch
 
-from kvreuse.model.check import check_chunk_rerotation, check_greedy_generation, check_prefill_logits, run_gate
+from kvreuse.model.check import (
+    check_chunk_rerotation,
+    check_greedy_generation,
+    check_prefill_logits,
+    gate_prompt_ids,
+    run_gate,
+)
 from kvreuse.model.runtime import LayerwiseModel, attention_mask
 
 
@@ -33,12 +39,14 @@ def test_rotary_table_rows_equal_tables_built_per_call(tiny_model):
     for positions in (torch.arange(7), torch.tensor([1500, 3, 1024, 40]), range(2000, 2600), range(3000, 3000)):
         cached = tiny_model.rotary(positions)
         positions = torch.as_tensor(positions)
-        assert cached.cos.shape[0] == len(positions)
-        for p in positions[[0, -1]].tolist() if len(positions) else []:
-            cos, sin = tiny_model.decoder.rotary_emb(torch.empty(0), torch.tensor([[p]]))
-            row = int((positions == p).nonzero()[0])
-            torch.testing.assert_close(cached.cos[row, 0], cos[0, 0], atol=0, rtol=0)
-            torch.testing.assert_close(cached.sin[row, 0], sin[0, 0], atol=0, rtol=0)
+        assert cached.cos.shape[:2] == (len(tiny_model.rope_kinds), len(positions))
+        for i, kind in enumerate(tiny_model.rope_kinds):
+            for p in positions[[0, -1]].tolist() if len(positions) else []:
+                cos, sin = tiny_model.decoder.rotary_emb(torch.empty(0), torch.tensor([[p]]),
+                                                         *([] if kind is None else [kind]))
+                row = int((positions == p).nonzero()[0])
+                torch.testing.assert_close(cached.cos[i, row, 0], cos[0, 0], atol=0, rtol=0)
+                torch.testing.assert_close(cached.sin[i, row, 0], sin[0, 0], atol=0, rtol=0)
 
 
 def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny):
@@ -65,7 +73,7 @@ def test_rope_into_the_cache_equals_rope(tiny_model):
     rotary = tiny_model.rotary(torch.arange(30, 42))
     cache = tiny_model.new_cache(20)
     tiny_model.write_kv(cache, 0, slice(5, 17), k, k + 1, rotary)
-    torch.testing.assert_close(cache.keys[0][5:17], tiny_model.rope(k, rotary), atol=0, rtol=0)
+    torch.testing.assert_close(cache.keys[0][5:17], tiny_model.rope(0, k, rotary), atol=0, rtol=0)
     torch.testing.assert_close(cache.values[0][5:17], k + 1, atol=0, rtol=0)
 
 
@@ -81,11 +89,11 @@ def test_scattered_query_rows_see_only_earlier_positions(tiny_model, prompt_ids)
     rows = torch.tensor([41, 3, 17, 59, 0, 30])
     keys, values = full.cache.layer(0)
     q, _, _ = model.qkv(0, hidden[rows])
-    q = model.rope(q, model.rotary(positions[rows]))
+    q = model.rope(0, q, model.rotary(positions[rows]))
     subset = model.attend(0, q, positions[rows], keys, values, full.cache.positions)
 
     q_all, _, _ = model.qkv(0, hidden)
-    everything = model.attend(0, model.rope(q_all, rotary), positions, keys, values, positions)
+    everything = model.attend(0, model.rope(0, q_all, rotary), positions, keys, values, positions)
     torch.testing.assert_close(subset, everything[rows], atol=1e-5, rtol=0)
 
 
@@ -103,7 +111,7 @@ def test_few_sorted_query_rows_attend_in_groups_exactly(tiny_model):
     for layer in range(model.num_layers):
         keys, values = full.cache.layer(layer)
         q, _, _ = model.qkv(layer, hidden)
-        q = model.rope(q, model.rotary(rows))
+        q = model.rope(layer, q, model.rotary(rows))
         out = model.attend(layer, q, rows, keys, values, positions)
         mask = attention_mask(rows, positions, model.windows[layer])
         torch.testing.assert_close(out, model._sdpa(layer, q, keys, values, mask, False), atol=1e-5, rtol=0)
@@ -133,7 +141,7 @@ def test_gate_catches_rope_applied_by_row_index(make_tiny, tiny_family, prompt_i
     rope = model.rope
     # the classic placement bug: rotating by row index, ignoring the chunk's real offset
     monkeypatch.setattr(model, "rope",
-                        lambda x, rotary, out=None: rope(x, model.rotary(torch.arange(x.shape[0])), out))
+                        lambda layer, x, rotary, out=None: rope(layer, x, model.rotary(torch.arange(x.shape[0])), out))
     assert check_prefill_logits(model, prompt_ids).passed  # invisible to a plain prefill...
     assert not check_chunk_rerotation(model, prompt_ids).passed  # ...but not to placement
 
@@ -155,7 +163,7 @@ def test_attention_weights_are_what_attend_applies(tiny_model, prompt_ids):
     hidden = model.embed(torch.tensor(prompt_ids))
     rows = torch.tensor([41, 3, 17, 59, 0])
     q, _, _ = model.qkv(1, hidden[rows])
-    q = model.rope(q, model.rotary(positions[rows]))
+    q = model.rope(1, q, model.rotary(positions[rows]))
     keys, values = full.cache.layer(1)
     weights = model.attention_weights(1, q, positions[rows], keys, positions)
     grouped = values.repeat_interleave(model.num_q_heads // model.num_kv_heads, dim=1)
@@ -187,3 +195,12 @@ def test_batched_decode_equals_decoding_each_sequence_alone(tiny_model):
 def test_batched_decode_needs_one_token_per_cache(tiny_model):
     with pytest.raises(ValueError, match="one token per cache"):
         tiny_model.decode_batch([5, 6], [tiny_model.prefill([3, 4]).cache])
+
+
+def test_gate_prompt_runs_past_every_attention_window(tiny_model):
+    def encode(text: str) -> list[int]:
+        return list(range(len(text.split())))
+
+    ids = gate_prompt_ids(tiny_model, encode, "five words of gate text")
+    windows = [w for w in tiny_model.windows if w is not None]
+    assert len(ids) > max(windows) if windows else len(ids) == 5

@@ -1,0 +1,26 @@
+"""How requests are laid out as segments: a base model's plain-text prompt."""
+
+from __future__ import annotations
+
+from kvreuse.fusion.segments import SegmentKind, chat_request
+
+
+class BaseModelTokenizer:
+    """A tokenizer with no chat template (a base model's), one id per byte and a BOS of its own."""
+
+    chat_template = None
+    bos_token_id = 1
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [b + 3 for b in text.encode()]
+
+
+def test_a_base_model_gets_bos_and_plain_paragraphs_instead_of_a_chat_template():
+    tokenizer = BaseModelTokenizer()
+    history = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    request = chat_request(tokenizer, history, [[10, 11], [12]], "Q?\nAnswer:")
+    kinds = [s.kind for s in request.segments]
+    assert kinds == [SegmentKind.PREFIX, SegmentKind.CHUNK, SegmentKind.CHUNK, SegmentKind.FRESH]
+    assert request.segments[0].token_ids == [1, *tokenizer.encode("Be brief.\n\nHi\n\n")]
+    assert request.segments[-1].token_ids == tokenizer.encode("Q?\nAnswer:")  # no template tail after it
+    assert chat_request(tokenizer, [], [[10]], "Q").segments[0].token_ids == [1]
