@@ -303,12 +303,6 @@ class ReuseEngine:
             raise ValueError("answer: must contain at least one token")
         return answer_ids
 
-    def answer_logprobs(self, request: Request, method: str | None, answer: str) -> torch.Tensor:
-        """Log-probabilities of `answer`'s tokens after the method's prefill (teacher-forced)."""
-        answer_ids = self.answer_ids(answer)
-        fused = self.prefill(request, method, extra_capacity=len(answer_ids))
-        return self.teacher_forced_logprobs(fused.logits, fused.cache, answer_ids)
-
     @torch.inference_mode()
     def teacher_forced_logprobs(self, first_logits: torch.Tensor, cache: KVCache, answer_ids: list[int]
                                 ) -> torch.Tensor:

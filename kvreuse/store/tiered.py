@@ -169,11 +169,6 @@ class TieredStore(KVStore):
     def contains(self, key: str) -> bool:
         return self.locate(key) is not None
 
-    def reads_wait_for(self, key: str) -> bool:
-        """Whether a read of `key` waits on a device or the network (KVStore.reads_wait of the tier serving it)."""
-        tier = self.locate(key)
-        return tier is not None and self.tiers[tier].reads_wait
-
     def locate(self, key: str) -> int | None:
         """Index of the first tier holding `key`, or None: what a planner needs to price loading it."""
         return next((i for i, t in enumerate(self.tiers) if t.contains(key)), None)
