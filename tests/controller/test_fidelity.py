@@ -46,10 +46,11 @@ def test_an_unmeasured_ratio_takes_the_largest_measured_ratio_below_it():
     assert table.of("prefix") == table.of("full") == Fidelity(0.0, 1.0)
 
 
-def test_the_embedded_models_table_ships_with_the_package():
+@pytest.mark.parametrize("name", ["smollm2-135m-instruct.json", "gemma3-270m.json"])
+def test_each_measured_models_table_ships_with_the_package(name):
     from importlib import resources
 
-    shipped = json.loads((resources.files("kvreuse.controller") / "fidelity" / "smollm2-135m-instruct.json").read_text())
+    shipped = json.loads((resources.files("kvreuse.controller") / "fidelity" / name).read_text())
     table = load_table(shipped["model"])
     assert table is not None and table.model == shipped["model"] and table.sources
     assert {"naive", "cacheblend:0.15", "legolink:16", "cachetune:0.15"} <= table.methods.keys()
