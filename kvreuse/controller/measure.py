@@ -100,7 +100,7 @@ def _place_seconds(model: LayerwiseModel, repeats: int, rows: int = 2048) -> flo
     def place() -> None:
         cache = model.new_cache(rows)
         cache.allocate(positions)
-        cache.write(0, positions, model.rope(0, keys, rotary), values)
+        model.place(cache, 0, slice(0, rows), keys, values, rotary)
 
     return _median_seconds(place, repeats) / rows
 

@@ -1,9 +1,10 @@
-"""The one layer loop that executes every fusion plan.
+"""Executes every fusion plan as a driver of the model's one layer loop (`LayerwiseModel.run_layers`).
 
-For layer i: take layer i's stored KV (a loader thread has been fetching it while layer i-1 computed), rotate
-the reused keys to their global positions (deferred RoPE), compute q/k/v for the selected rows and write them
-over the stored rows, narrow the selection where the plan says (CacheBlend), attend the selected queries over
-all keys with the exact causal mask by position, and run the rest of the layer for the selected rows only.
+For layer i: take layer i's stored KV (a loader thread has been fetching it while layer i-1 computed) and place
+it, keys rotated to their global positions (deferred RoPE); then the model's step computes q/k/v for the
+selected rows and writes them over the stored rows, narrows the selection where the plan says (CacheBlend),
+attends the selected queries over all keys with the exact causal mask by position, and runs the rest of the
+layer for the selected rows only.
 A plan may start from a cache whose leading rows were restored exactly beforehand (a stored prefix, by
 `kvreuse.restore`): those rows are neither loaded nor computed here.
 """
@@ -19,7 +20,7 @@ import torch
 
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
-from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.model.runtime import LayerwiseModel, RowGroup
 from kvreuse.store.base import KVStore
 
 
@@ -132,6 +133,52 @@ class LayerObserver(Protocol):
     def __call__(self, layer: int, queries: torch.Tensor, rows: torch.Tensor, cache: KVCache) -> None: ...
 
 
+class PlanRows:
+    """A fusion plan as a driver of the model's layer loop: before each layer its stored KV is placed, then the
+    selected rows go through the step, narrowing where the plan says (CacheBlend's deviation check)."""
+
+    def __init__(self, model: LayerwiseModel, plan: FusionPlan, cache: KVCache, token_ids: torch.Tensor,
+                 loader: LayerLoader, observer: LayerObserver | None):
+        self.model, self.plan, self.cache, self.loader, self.observer = model, plan, cache, loader, observer
+        device = model.device
+        self.rotary = model.rotary(range(plan.num_rows))
+        self.loaded_rows = plan.loaded_rows.to(device)
+        self.loaded_rotary = self.rotary[self.loaded_rows]  # deferred RoPE: one rotation for every layer's keys
+        self.approximate = torch.zeros(plan.num_rows, dtype=torch.bool, device=device)
+        for span in plan.reused:
+            self.approximate[span.start : span.start + span.length] = span.approximate
+        self.approximate[-1] = False  # the last row always runs to the end
+        self.narrowing = {n.layer: n for n in plan.narrowing}
+        self.selected = plan.compute_rows.to(device)
+        self.hidden = model.embed(token_ids.to(device)[self.selected])
+        self.checks: list[DeviationCheck] = []
+        self.computed_rows: list[tuple[int, int]] = []  # (approximate rows, all rows) computed per layer
+
+    def enter(self, layer: int) -> tuple[torch.Tensor, list[RowGroup]]:
+        stored = self.loader.take(layer)
+        if stored is not None:
+            self.model.place(self.cache, layer, self.loaded_rows, *stored, self.loaded_rotary)
+            del stored
+            self.loader.placed()
+        narrow = self._narrow if layer in self.narrowing else None
+        return self.hidden, [RowGroup(self.cache, self.selected, self.selected, self.rotary[self.selected],
+                                      narrow=narrow, observe=self.observer)]
+
+    def _narrow(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        narrowing, approximate = self.narrowing[layer], self.approximate
+        weights = (question_attention(self.model, layer, q, self.selected, k, approximate)
+                   if narrowing.query_aware else None)
+        keep, check = most_deviating(narrowing, self.plan.approximate_rows, self.cache, self.selected, k, v,
+                                     approximate[self.selected], weights)
+        self.checks.append(check)
+        self.selected = self.selected[keep]
+        return keep
+
+    def leave(self, layer: int, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+        self.computed_rows.append((int(self.approximate[self.selected].sum()), self.selected.numel()))
+
+
 class FusionExecutor:
     def __init__(self, model: LayerwiseModel, store: KVStore | None):
         self.model, self.store = model, store
@@ -145,60 +192,21 @@ class FusionExecutor:
         fills the rest of it. observer: called after each layer's KV is written (analyses). overlap_loads: read
         each layer on a loader thread while the previous one computes, or inline (see LayerLoader)."""
         model, started = self.model, time.perf_counter()
-        positions = torch.arange(plan.num_rows)
-        cache = self._starting_cache(plan, restored, extra_capacity, positions)
-        rotary = model.rotary(range(plan.num_rows))
-        approximate = torch.zeros(plan.num_rows, dtype=torch.bool)
-        for span in plan.reused:
-            approximate[span.start : span.start + span.length] = span.approximate
-        approximate[-1] = False  # the last row always runs to the end
-        narrowing = {n.layer: n for n in plan.narrowing}
-        checks: list[DeviationCheck] = []
-
-        loaded_rows = plan.loaded_rows
-        loaded_rotary = rotary[loaded_rows]  # deferred RoPE: the same rotation for every layer's stored keys
-        selected = plan.compute_rows
-        selected_rotary = rotary[selected]
-        hidden = model.embed(token_ids[selected])
-        computed_rows = []
+        cache = self._starting_cache(plan, restored, extra_capacity)
         loader = LayerLoader(self.store, plan.reused, model.num_layers, threaded=overlap_loads)
         try:
-            for layer in range(model.num_layers):
-                stored = loader.take(layer)
-                if stored is not None:
-                    keys, values = stored
-                    cache.write(layer, loaded_rows, model.rope(layer, keys.to(model.dtype), loaded_rotary),
-                                values.to(model.dtype))
-                    del stored, keys, values
-                    loader.placed()
-                q, k, v = model.qkv(layer, hidden)
-                q, k = model.rope(layer, q, selected_rotary), model.rope(layer, k, selected_rotary)
-                if layer in narrowing:
-                    weights = (question_attention(model, layer, q, selected, k, approximate)
-                               if narrowing[layer].query_aware else None)
-                    keep, check = most_deviating(narrowing[layer], plan.approximate_rows, cache, selected, k, v,
-                                                 approximate[selected], weights)
-                    checks.append(check)
-                    selected, q, k, v, hidden = selected[keep], q[keep], k[keep], v[keep], hidden[keep]
-                    selected_rotary = selected_rotary[keep]
-                cache.write(layer, selected, k, v)
-                if observer is not None:
-                    observer(layer, q, selected, cache)
-                keys, values = cache.layer(layer)
-                out = model.attend(layer, q, positions[selected], keys, values, positions)
-                hidden = model.finish_layer(layer, hidden, out)
-                computed_rows.append((int(approximate[selected].sum()), selected.numel()))
+            rows = PlanRows(model, plan, cache, token_ids, loader, observer)
+            model.run_layers(range(model.num_layers), rows)
         finally:
             loader.close()
-        logits = model.logits(hidden[-1:])[0]
+        logits = model.logits(rows.hidden[-1:])[0]
         elapsed = time.perf_counter() - started
-        return FusionResult(logits, cache, self._stats(plan, computed_rows, checks, loader, elapsed))
+        return FusionResult(logits, cache, self._stats(plan, rows.computed_rows, rows.checks, loader, elapsed))
 
-    def _starting_cache(self, plan: FusionPlan, restored: KVCache | None, extra_capacity: int,
-                        positions: torch.Tensor) -> KVCache:
+    def _starting_cache(self, plan: FusionPlan, restored: KVCache | None, extra_capacity: int) -> KVCache:
         if restored is None and not plan.restored_rows:
             cache = self.model.new_cache(plan.num_rows + extra_capacity)
-            cache.allocate(positions)  # row r of the cache holds prompt position r
+            cache.allocate(torch.arange(plan.num_rows, device=self.model.device))  # row r holds position r
             return cache
         if restored is None or restored.length != plan.num_rows:
             raise ValueError(f"restored: a plan with {plan.restored_rows} restored rows needs their cache, holding "

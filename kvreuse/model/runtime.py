@@ -1,20 +1,24 @@
-"""Layer-wise model runtime: the primitives every reuse method is built from.
+"""Layer-wise model runtime: one layer step and one loop over layers, driven by every path of the engine.
 
-A decoder layer is split into the steps the reuse methods need to drive separately:
+`step` runs a decoder layer for groups of rows (one group per request):
 
-    qkv(rows)  ->  rope(q, k at any global positions)  ->  attend(queries over a full K/V set, causal by
-    position)  ->  finish_layer(o_proj + residual + MLP, for the selected rows only)
+    qkv(all rows)  ->  rope(q, k at any global positions)  ->  per group: [narrow]  ->  write KV into its
+    cache  ->  attend(its queries over its cache, causal by position)  ->  finish_layer(all rows)
 
-Keys come out of `qkv` before RoPE (the stored form), so a chunk computed at offset 0 can be placed anywhere by
-rotating its keys to their new positions. The weights, norms, activations and rotary module are the loaded
-`transformers` model's own; every projection's product goes through `linear.py`, and `adapters.py` covers what
-differs between families.
+`run_layers` is the only loop over layers; full prefill, batched decode, every fusion plan and every prefix
+restoration are `LayerDriver`s of it, saying which rows enter each layer. `place` is the one way stored KV gets
+into a request's cache. Keys come out of `qkv` before RoPE (the stored form), so a chunk computed at offset 0 can
+be placed anywhere by rotating its keys to their new positions. The weights, norms, activations and rotary
+module are the loaded `transformers` model's own; every projection's product goes through `linear.py`, and
+`adapters.py` covers what differs between families.
 """
 
 from __future__ import annotations
 
+import itertools
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -36,6 +40,75 @@ class Rotary:
 
     def __getitem__(self, rows: torch.Tensor | slice) -> Rotary:
         return Rotary(self.cos[:, rows], self.sin[:, rows])
+
+    @staticmethod
+    def cat(tables: Sequence[Rotary]) -> Rotary:
+        return Rotary(torch.cat([t.cos for t in tables], 1), torch.cat([t.sin for t in tables], 1))
+
+
+# (layer, q, k, v) of a group's rows, q and k rotated -> indices of the rows that go on (a narrowing plan)
+Narrow = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# (layer, hidden entering it, k before RoPE, v) of a group's rows: the stored form, for writing KV back
+Capture = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+
+
+@dataclass
+class RowGroup:
+    """One request's rows in a layer step: they fill `rows` of `cache` (slots, not positions) at `positions`
+    and attend over the cache's first `keys_until` rows (default: every row it holds; a restoration stops at its
+    run's end, as later rows may be unwritten memory, which a mask does not make safe)."""
+
+    cache: KVCache
+    rows: slice | torch.Tensor
+    positions: torch.Tensor
+    rotary: Rotary
+    keys_until: int | None = None
+    narrow: Narrow | None = None
+    capture: Capture | None = None
+    # Sees the group's rotated queries, its rows and its cache once the layer's KV is written (analyses).
+    observe: Callable[[int, torch.Tensor, torch.Tensor, KVCache], None] | None = None
+
+    def __len__(self) -> int:
+        return self.positions.numel()
+
+
+class LayerDriver(Protocol):
+    """What `run_layers` asks at each layer: the rows that enter it, grouped by request, and what to do with
+    their output."""
+
+    def enter(self, layer: int) -> tuple[torch.Tensor, Sequence[RowGroup]]: ...
+
+    def leave(self, layer: int, hidden: torch.Tensor) -> None: ...
+
+
+@dataclass
+class Straight:
+    """The same rows through every layer (a prefill, a decoding step): each layer's output enters the next."""
+
+    hidden: torch.Tensor
+    groups: Sequence[RowGroup]
+
+    def enter(self, layer: int) -> tuple[torch.Tensor, Sequence[RowGroup]]:
+        return self.hidden, self.groups
+
+    def leave(self, layer: int, hidden: torch.Tensor) -> None:
+        self.hidden = hidden
+
+
+@dataclass
+class CapturedKV:
+    """The stored form of rows' KV (keys before RoPE), layer by layer: what a prefill writes back to the store."""
+
+    keys: list[torch.Tensor] = field(default_factory=list)
+    values: list[torch.Tensor] = field(default_factory=list)
+
+    def record(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.keys.append(k)
+        self.values.append(v)
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """[num_layers, n, num_kv_heads, head_dim] each."""
+        return torch.stack(self.keys), torch.stack(self.values)
 
 
 @dataclass
@@ -242,15 +315,17 @@ class LayerwiseModel:
         )
         return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
-    def write_kv(self, cache: KVCache, layer: int, rows: slice | torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                 rotary: Rotary) -> None:
-        """Write rows' KV into `cache`, keys given before RoPE (the stored form) and rotated on the way: into
-        the cache's memory itself when the rows are a range."""
-        if isinstance(rows, slice):
-            self.rope(layer, k, rotary, out=cache.keys[layer][rows])
-            cache.values[layer][rows] = v
+    def place(self, cache: KVCache, layer: int, rows: slice | torch.Tensor, keys: torch.Tensor,
+              values: torch.Tensor, rotary: Rotary) -> None:
+        """The one KV placer: stored-form KV (keys before RoPE, any device and dtype) moved to the model's
+        device and dtype, keys rotated to the rows' positions, written at `rows` of `cache`."""
+        keys = keys.to(device=self.device, dtype=self.dtype)
+        values = values.to(device=self.device, dtype=self.dtype)
+        if isinstance(rows, slice):  # rotated straight into the cache's memory: no temporary to copy
+            self.rope(layer, keys, rotary, out=cache.keys[layer][rows])
+            cache.values[layer][rows] = values
         else:
-            cache.write(layer, rows, self.rope(layer, k, rotary), v)
+            cache.write(layer, rows, self.rope(layer, keys, rotary), values)
 
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
@@ -265,23 +340,45 @@ class LayerwiseModel:
     def new_cache(self, capacity: int = 256) -> KVCache:
         return KVCache(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype, capacity, self.device)
 
-    def compute_layer(
-        self,
-        layer: int,
-        hidden: torch.Tensor,
-        rotary: Rotary,
-        cache: KVCache,
-        rows: slice | torch.Tensor,
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Run `layer` for the given hidden rows, whose cache slots are `rows`, attending over the whole cache.
+    def step(self, layer: int, hidden: torch.Tensor, groups: Sequence[RowGroup]) -> torch.Tensor:
+        """The one layer step. `hidden` holds the rows entering `layer` of every group, in group order.
 
-        Returns the rows' output hidden state and their stored-form K (before RoPE) and V.
+        Projections, norms and MLP run on all rows at once (one weight read for every request of a batch, which
+        is what makes batching pay); RoPE too. Per group: its KV written into its own cache, then attention of
+        its queries over its cache's keys with the exact causal mask by position. Returns the rows' output, in
+        the same order; a group that narrows keeps only the rows it chose.
         """
         q, k, v = self.qkv(layer, hidden)
-        self.write_kv(cache, layer, rows, k, v, rotary)
-        keys, values = cache.layer(layer)
-        out = self.attend(layer, self.rope(layer, q, rotary), cache.positions[rows], keys, values, cache.positions)
-        return self.finish_layer(layer, hidden, out), k, v
+        for group, part in zip(groups, _parts([len(g) for g in groups])):
+            if group.capture is not None:
+                group.capture(layer, hidden[part], k[part], v[part])
+        rotary = groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups])
+        q, k = self.rope(layer, q, rotary), self.rope(layer, k, rotary)
+        outputs, kept = [], []
+        for group, part in zip(groups, _parts([len(g) for g in groups])):
+            gq, gk, gv, rows, positions = q[part], k[part], v[part], group.rows, group.positions
+            if group.narrow is not None:
+                keep = group.narrow(layer, gq, gk, gv)
+                gq, gk, gv, rows, positions = gq[keep], gk[keep], gv[keep], rows[keep], positions[keep]
+                kept.append(part.start + keep)
+            else:
+                kept.append(torch.arange(part.start, part.stop, device=self.device))
+            group.cache.write(layer, rows, gk, gv)
+            if group.observe is not None:
+                group.observe(layer, gq, rows, group.cache)
+            end = group.cache.length if group.keys_until is None else group.keys_until
+            keys, values = group.cache.keys[layer][:end], group.cache.values[layer][:end]
+            outputs.append(self.attend(layer, gq, positions, keys, values, group.cache.positions[:end]))
+        narrowed = any(g.narrow is not None for g in groups)
+        residual = hidden[torch.cat(kept)] if narrowed else hidden
+        return self.finish_layer(layer, residual, outputs[0] if len(outputs) == 1 else torch.cat(outputs))
+
+    def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:
+        """The one loop over layers, under prefill, decode, every fusion plan and every restoration: at each
+        layer the driver says which rows enter, and of which groups, and takes what the step gives back."""
+        for layer in layers:
+            hidden, groups = driver.enter(layer)
+            driver.leave(layer, self.step(layer, hidden, groups))
 
     @torch.inference_mode()
     def prefill(
@@ -300,18 +397,15 @@ class LayerwiseModel:
         if start_position is None:
             start_position = cache.next_position
         positions = torch.arange(start_position, start_position + ids.numel(), device=self.device)
-        rows = cache.allocate(positions)
-        rotary = self.rotary(range(start_position, start_position + ids.numel()))
-        hidden = self.embed(ids)
-        stored_k, stored_v = [], []
-        for layer in range(self.num_layers):
-            hidden, k, v = self.compute_layer(layer, hidden, rotary, cache, rows)
-            if capture_kv:
-                stored_k.append(k)
-                stored_v.append(v)
-        result = PrefillResult(logits=self.logits(hidden[-1:])[0], cache=cache)
-        if capture_kv:
-            result.keys, result.values = torch.stack(stored_k), torch.stack(stored_v)
+        captured = CapturedKV() if capture_kv else None
+        group = RowGroup(cache, cache.allocate(positions), positions,
+                         self.rotary(range(start_position, start_position + ids.numel())),
+                         capture=captured.record if captured else None)
+        driver = Straight(self.embed(ids), [group])
+        self.run_layers(range(self.num_layers), driver)
+        result = PrefillResult(logits=self.logits(driver.hidden[-1:])[0], cache=cache)
+        if captured is not None:
+            result.keys, result.values = captured.stacked()
         return result
 
     def decode(self, token_id: int, cache: KVCache) -> torch.Tensor:
@@ -321,24 +415,20 @@ class LayerwiseModel:
     @torch.inference_mode()
     def decode_batch(self, token_ids: list[int], caches: list[KVCache]) -> torch.Tensor:
         """One decoding step for several sequences: token_ids[i] is appended to caches[i]; returns the
-        next-token logits [len(token_ids), vocab].
-
-        Projections, MLP and LM head run on all sequences' rows at once (one weight read for the whole batch,
-        which is what makes batching pay); attention runs per sequence over its own cache.
-        """
+        next-token logits [len(token_ids), vocab]. One row group per sequence: the projections, MLP and LM head
+        run on all rows at once, attention per sequence over its own cache."""
         if len(token_ids) != len(caches) or not caches:
             raise ValueError(f"decode_batch needs one token per cache, got {len(token_ids)} and {len(caches)}")
         positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
-        rows = [cache.allocate(positions[i : i + 1]) for i, cache in enumerate(caches)]
         rotary = self.rotary(positions)
-        hidden = self.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device))
-        for layer in range(self.num_layers):
-            q, k, v = self.qkv(layer, hidden)
-            q, k = self.rope(layer, q, rotary), self.rope(layer, k, rotary)
-            outputs = []
-            for i, cache in enumerate(caches):
-                cache.write(layer, rows[i], k[i : i + 1], v[i : i + 1])
-                keys, values = cache.layer(layer)
-                outputs.append(self.attend(layer, q[i : i + 1], positions[i : i + 1], keys, values, cache.positions))
-            hidden = self.finish_layer(layer, hidden, torch.cat(outputs))
-        return self.logits(hidden)
+        groups = [RowGroup(cache, cache.allocate(positions[i : i + 1]), positions[i : i + 1], rotary[i : i + 1])
+                  for i, cache in enumerate(caches)]
+        driver = Straight(self.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device)), groups)
+        self.run_layers(range(self.num_layers), driver)
+        return self.logits(driver.hidden)
+
+
+def _parts(sizes: list[int]) -> list[slice]:
+    """Consecutive slices of the given sizes: where each group's rows sit in a step's joined rows."""
+    ends = list(itertools.accumulate(sizes))
+    return [slice(end - size, end) for size, end in zip(sizes, ends)]

@@ -3,9 +3,10 @@
 The request's KVCache is the meeting place of compute and I/O: row r holds position r, a loaded block's keys
 are rotated to their positions and written at their rows, a computed block writes its own. Every computation
 (a run of prefix rows, a layer of the whole prefix, the remainder after the prefix, a stage's layers) is a `Run`
-of one request's contiguous rows through some of its layers, and every run goes through the one layer loop,
-`forward`, whose `step` runs one layer for several runs at once (the batch scheduler's requests; a lone
-restoration's single run): each run attends over its own cache's rows before its end.
+of one request's contiguous rows through some of its layers. `forward` hands runs to the model's one layer loop
+(`LayerwiseModel.run_layers`), whose step runs one layer for several runs at once (the batch scheduler's
+requests; a lone restoration's single run), each a row group attending over its own cache's rows before its
+end. Nothing here computes: this package decides which rows are loaded and which computed.
 
 Two axes say what a position of the two-pointer line is: a prefix row through every layer (TokenAxis) or one
 row of one layer, layer-major (LayerAxis). On both, the I/O side reads stored blocks (whole, or the part past
@@ -14,7 +15,6 @@ the compute side's pointer) and the compute side runs short runs of rows.
 
 from __future__ import annotations
 
-import itertools
 import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
@@ -23,7 +23,7 @@ from typing import Callable, Sequence
 import torch
 
 from kvreuse.model.kv_cache import KVCache
-from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.model.runtime import CapturedKV, LayerwiseModel, RowGroup
 from kvreuse.restore.units import Span
 from kvreuse.store.base import KV, KVStore
 
@@ -63,21 +63,17 @@ class IOChannels:
 
 
 @dataclass
-class Capture:
-    """Stored-form KV (keys before RoPE) and boundary activations of computed rows, for writing blocks back."""
+class Capture(CapturedKV):
+    """Stored-form KV of computed rows and their boundary activations (the hidden state entering each layer that
+    starts a pipeline stage), for writing blocks back."""
 
-    boundary_layers: list[int]
-    k: list[torch.Tensor] = field(default_factory=list)
-    v: list[torch.Tensor] = field(default_factory=list)
+    boundary_layers: list[int] = field(default_factory=list)
     boundary: list[torch.Tensor] = field(default_factory=list)
 
     def record(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """What a step of `layer` computed for the captured rows: the hidden state entering it if it starts a
-        stage, and its KV in stored form."""
         if layer in self.boundary_layers:
             self.boundary.append(hidden)
-        self.k.append(k)
-        self.v.append(v)
+        super().record(layer, hidden, k, v)
 
 
 HiddenSource = Callable[[slice], torch.Tensor]
@@ -94,39 +90,41 @@ class Run:
     hidden: torch.Tensor
     capture: Capture | None = None
 
+    def group(self) -> RowGroup:
+        """The run as a row group of the model's step: its rows attend over its own cache up to their end (later
+        rows may be unwritten memory)."""
+        job = self.job
+        return RowGroup(job.cache, self.rows, job.positions[self.rows], job.rotary[self.rows],
+                        keys_until=self.rows.stop, capture=self.capture.record if self.capture else None)
+
+
+class Runs:
+    """Runs as a driver of the model's layer loop: at each layer, every run on it (of one request, or of every
+    request in a batch) goes through one step together, each as its own row group."""
+
+    def __init__(self, runs: Sequence[Run]):
+        self.runs, self.hidden = runs, [run.hidden for run in runs]
+        self._on: list[int] = []
+
+    @property
+    def layers(self) -> list[int]:
+        return sorted(set().union(*(run.layers for run in self.runs)))
+
+    def enter(self, layer: int) -> tuple[torch.Tensor, list[RowGroup]]:
+        self._on = [i for i, run in enumerate(self.runs) if layer in run.layers]
+        hidden = [self.hidden[i] for i in self._on]
+        return (torch.cat(hidden) if len(hidden) > 1 else hidden[0]), [self.runs[i].group() for i in self._on]
+
+    def leave(self, layer: int, hidden: torch.Tensor) -> None:
+        for i, out in zip(self._on, hidden.split([self.hidden[i].shape[0] for i in self._on])):
+            self.hidden[i] = out
+
 
 def forward(runs: Sequence[Run]) -> list[torch.Tensor]:
-    """The one layer loop: every run through its own layers, bottom-up; at each layer, all the runs on it (of
-    one request, or of every request in a batch) go through one step together. Returns each run's output."""
-    hidden = [run.hidden for run in runs]
-    for layer in sorted(set().union(*(run.layers for run in runs))):
-        on = [i for i, run in enumerate(runs) if layer in run.layers]
-        for i, out in zip(on, step(layer, [runs[i] for i in on], [hidden[i] for i in on])):
-            hidden[i] = out
-    return hidden
-
-
-def step(layer: int, runs: Sequence[Run], hidden: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-    """`layer` for several runs, given each one's entering hidden state. Projections, norms and MLP run on all
-    their rows at once: one weight read, and a matmul of many rows costs little more than one of a few on a CPU
-    as on a GPU. RoPE, the cache writes and attention run per run, over its own request's cache."""
-    model = runs[0].job.model
-    sizes = [h.shape[0] for h in hidden]
-    joined = torch.cat(hidden) if len(hidden) > 1 else hidden[0]
-    q, k, v = model.qkv(layer, joined)
-    outputs = []
-    for run, h, part in zip(runs, hidden, _parts(sizes)):
-        if run.capture is not None:
-            run.capture.record(layer, h, k[part], v[part])
-        outputs.append(run.job.attend(layer, run.rows, q[part], k[part], v[part]))
-    out = model.finish_layer(layer, joined, torch.cat(outputs) if len(outputs) > 1 else outputs[0])
-    return list(out.split(sizes))
-
-
-def _parts(sizes: list[int]) -> list[slice]:
-    """Consecutive slices of the given sizes: where each run's rows sit in a step's concatenated rows."""
-    ends = list(itertools.accumulate(sizes))
-    return [slice(end - size, end) for size, end in zip(sizes, ends)]
+    """Every run through its own layers, bottom-up, on the model's one layer loop. Returns each run's output."""
+    driver = Runs(runs)
+    runs[0].job.model.run_layers(driver.layers, driver)
+    return driver.hidden
 
 
 class PrefixJob:
@@ -164,16 +162,6 @@ class PrefixJob:
         """Rows through `layers` alone (default: all of this job's, from their entering state); their output."""
         return forward([self.run(rows, layers, hidden, capture)])[0]
 
-    def attend(self, layer: int, rows: slice, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """This job's part of a step: rotate q and k to the rows' positions, write the rows' KV, attend over every
-        row before their end. Only rows up to rows.stop: later rows may be unwritten memory (NaN), which a mask
-        does not make safe."""
-        model, rotary = self.model, self.rotary[rows]
-        model.write_kv(self.cache, layer, rows, k, v, rotary)
-        keys, values = self.cache.keys[layer][: rows.stop], self.cache.values[layer][: rows.stop]
-        positions = self.positions[: rows.stop]
-        return model.attend(layer, model.rope(layer, q, rotary), positions[rows], keys, values, positions)
-
     # ---- load -----------------------------------------------------------------------------------------
 
     def block_at(self, row: int) -> Block:
@@ -191,16 +179,14 @@ class PrefixJob:
                 kv = self.store.get_rows(block.key, torch.arange(local.start, local.stop), layers)
         if kv is None or kv[0].shape[:2] != (len(layers), length):
             return None
-        k, v = kv
-        self.bytes_loaded += k.nbytes + v.nbytes
-        model = self.model
-        return k.to(device=model.device, dtype=model.dtype), v.to(device=model.device, dtype=model.dtype)
+        self.bytes_loaded += kv[0].nbytes + kv[1].nbytes
+        return kv
 
     def place(self, rows: slice, layers: range, kv: KV) -> None:
-        """Write what `read` gave at `rows`, rotating the keys to their positions."""
+        """Write what `read` gave at `rows` through the model's KV placer."""
         rotary = self.rotary[rows]
         for i, layer in enumerate(layers):
-            self.model.write_kv(self.cache, layer, rows, kv[0][i], kv[1][i], rotary)
+            self.model.place(self.cache, layer, rows, kv[0][i], kv[1][i], rotary)
 
 
 class JobAxis(ABC):

@@ -187,7 +187,7 @@ class PrefixRestorer:
         restoration = self.restore_prefix(token_ids, strategy, cache_capacity)
         job = restoration.job
         ids = job.token_ids
-        capture = Capture(self.boundary_layers) if write_back else None
+        capture = Capture(boundary_layers=self.boundary_layers) if write_back else None
         remainder = slice(job.prefix_length, len(ids))
         hidden = job.compute_rows(remainder, capture)
         logits = self.model.logits(hidden[-1:])[0]
@@ -230,7 +230,7 @@ class PrefixRestorer:
     def _write_back(self, ids: torch.Tensor, rows: slice, capture: Capture) -> int:
         """Put the whole blocks inside `rows` (whose KV and boundaries `capture` holds) that are not stored."""
         keys = self.block_keys(ids)
-        k, v = torch.stack(capture.k), torch.stack(capture.v)  # [layers, rows, heads, dim]
+        k, v = capture.stacked()  # [layers, rows, heads, dim]
         boundary = torch.stack(capture.boundary) if capture.boundary else None
         written = 0
         for index in range(-(-rows.start // self.block_size), rows.stop // self.block_size):

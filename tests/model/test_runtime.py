@@ -68,13 +68,16 @@ def test_logits_are_the_lm_head_s(tiny_model):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
-def test_rope_into_the_cache_equals_rope(tiny_model):
-    k = torch.randn(12, tiny_model.num_kv_heads, tiny_model.head_dim)
+@pytest.mark.parametrize("rows", [slice(5, 17), torch.arange(5, 17).flip(0)])
+def test_place_rotates_stored_keys_and_converts_them_to_the_model_s_dtype(tiny_model, rows):
+    k = torch.randn(12, tiny_model.num_kv_heads, tiny_model.head_dim, dtype=torch.float64)
     rotary = tiny_model.rotary(torch.arange(30, 42))
     cache = tiny_model.new_cache(20)
-    tiny_model.write_kv(cache, 0, slice(5, 17), k, k + 1, rotary)
-    torch.testing.assert_close(cache.keys[0][5:17], tiny_model.rope(0, k, rotary), atol=0, rtol=0)
-    torch.testing.assert_close(cache.values[0][5:17], k + 1, atol=0, rtol=0)
+    tiny_model.place(cache, 0, rows, k, k + 1, rotary)
+    assert cache.keys[0].dtype == tiny_model.dtype
+    want = tiny_model.rope(0, k.to(tiny_model.dtype), rotary)
+    torch.testing.assert_close(cache.keys[0][rows], want, atol=0, rtol=0)
+    torch.testing.assert_close(cache.values[0][rows], (k + 1).to(tiny_model.dtype), atol=0, rtol=0)
 
 
 @torch.inference_mode()
