@@ -201,7 +201,7 @@ class FusionExecutor:
             loader.close()
         logits = model.logits(rows.hidden[-1:])[0]
         elapsed = time.perf_counter() - started
-        return FusionResult(logits, cache, self._stats(plan, rows.computed_rows, rows.checks, loader, elapsed))
+        return FusionResult(logits, cache, self._stats(plan, rows, loader, elapsed))
 
     def _starting_cache(self, plan: FusionPlan, restored: KVCache | None, extra_capacity: int) -> KVCache:
         if restored is None and not plan.restored_rows:
@@ -213,15 +213,17 @@ class FusionExecutor:
                              f"positions 0..{plan.num_rows - 1}")
         return restored
 
-    def _stats(self, plan: FusionPlan, computed_rows: list[tuple[int, int]], checks: list[DeviationCheck],
-               loader: LayerLoader, elapsed: float) -> dict:
-        total, layers = plan.approximate_rows, len(computed_rows)
+    def _stats(self, plan: FusionPlan, rows: PlanRows, loader: LayerLoader, elapsed: float) -> dict:
+        total, computed_rows, checks = plan.approximate_rows, rows.computed_rows, rows.checks
+        layers = len(computed_rows)
         return {
             "method": plan.method,
             "prompt_tokens": plan.num_rows,
             "restored_tokens": plan.restored_rows,
             "reused_tokens": sum(s.length for s in plan.reused),
             "loaded_tokens": sum(int(s.load.numel()) for s in plan.reused),
+            # loaded rows whose stored KV serves the last layer as is (not recomputed there): OpenAI's cached tokens
+            "kept_tokens": int((~torch.isin(rows.loaded_rows, rows.selected)).sum()),
             "computed_tokens_layer0": int(plan.compute_rows.numel()),
             # share of the reused chunk rows actually recomputed, averaged over layers
             "recompute_share": sum(c for c, _ in computed_rows) / (layers * total) if total else 0.0,

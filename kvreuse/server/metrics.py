@@ -15,9 +15,10 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
 
 
 def cached_tokens(stats: dict) -> int:
-    """Prompt tokens served from the cache: chunks and prefixes placed from the store, and the conversation
-    prefix restored exactly (loaded, or recomputed alongside the load by Cake/CacheFlow)."""
-    return stats["reused_tokens"] + stats["restored_tokens"]
+    """Prompt tokens whose KV was loaded from the store and kept as is: stored chunk rows no layer recomputed at
+    the last layer (a row CacheBlend recomputes through every layer is not cached), and the stored prefix's rows that
+    were loaded (not those Cake or CacheFlow recomputed beside the load)."""
+    return stats["kept_tokens"] + sum(stats["prefix_loaded_tokens"].values())
 
 
 STORE_EVENTS = ("damaged", "unavailable", "write_errors", "wrong_model", "evictions")

@@ -207,3 +207,18 @@ def test_any_bytes_in_place_of_a_stored_chunk_answer_as_if_it_were_not_stored(ti
         torch.testing.assert_close(out.logits, computed.logits, atol=1e-5, rtol=0)
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("method, recomputed_share", [("naive", 0.0), ("cacheblend:0.5", 0.5), ("cacheblend:1.0", 1.0)])
+def test_only_stored_rows_no_layer_recomputes_to_the_end_count_as_cached(tiny_engine, rag_request, method,
+                                                                        recomputed_share):
+    """OpenAI's cached_tokens: a chunk row CacheBlend recomputes through the last layer was loaded, not kept."""
+    from kvreuse.server.metrics import cached_tokens
+
+    request = rag_request()
+    tiny_engine.compile(request, [method])
+    stats = tiny_engine.prefill(request, method).stats
+    chunk_rows = sum(len(c.token_ids) for c in request.of_kind(SegmentKind.CHUNK))
+    assert stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK)) and stats["loaded_tokens"] == chunk_rows
+    assert stats["kept_tokens"] == chunk_rows - round(recomputed_share * chunk_rows)
+    assert cached_tokens(stats) == stats["kept_tokens"]  # no stored prefix here
