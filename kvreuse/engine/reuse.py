@@ -21,6 +21,7 @@ import logging
 import time
 from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,6 +39,7 @@ from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.restore.job import IOChannels
+from kvreuse.restore.scheduler import BatchRestorer
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
@@ -80,6 +82,7 @@ class ReuseEngine:
         self._controller = controller
         self.placement = placement
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
+        self._batch_restorer: BatchRestorer | None = None
         self._pending: dict[str, Future] = {}
 
     @classmethod
@@ -127,11 +130,11 @@ class ReuseEngine:
         mode = method.compile_mode if segment.kind == SegmentKind.CHUNK else "plain"
         return chunk_key(segment.token_ids, self._key_space(request.salt, mode))
 
-    def restorer_for(self, request: Request) -> PrefixRestorer:
-        """The prefix restorer keyed in the request's tenant; I/O channels and learnt rates are the machine's,
-        shared by every tenant."""
-        return PrefixRestorer(self.model, self.store, self._key_space(request.salt), self.prefix_block_size,
-                              channels=self._restore_channels, rates=self._restore_rates)
+    def restorer_for(self, request: Request | None) -> PrefixRestorer:
+        """The prefix restorer keyed in the request's tenant (None: no tenant); I/O channels and learnt rates are
+        the machine's, shared by every tenant."""
+        return PrefixRestorer(self.model, self.store, self._key_space(request.salt if request else None),
+                              self.prefix_block_size, channels=self._restore_channels, rates=self._restore_rates)
 
     def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset(),
                restored: int = 0) -> list[PlacedSegment]:
@@ -228,6 +231,63 @@ class ReuseEngine:
         self.check_fits(request, extra_capacity)
         started = time.perf_counter()
         restoration = self.restore_prefix(request, len(request) + extra_capacity) if policy.restores_prefix else None
+        return self._fuse(request, method, extra_capacity, restoration, started)
+
+    def prefill_batch(self, requests: Sequence[tuple[Request, str | None, int]]
+                      ) -> Iterator[FusedPrefill | Exception]:
+        """Several requests' prefills (request, method, extra capacity), as CacheFlow serves a batch: when two or
+        more have a stored prefix, those prefixes are restored together (`BatchRestorer`: each tier's I/O
+        channel turns to the request whose loads save the most, compute runs in batched steps), then each
+        request's plan runs on top of its restored rows. Yields each request's prefill in order, as soon as it is
+        ready, or the exception that stopped it; the others go on."""
+        started = time.perf_counter()
+        restorations: dict[int, Future] = {}
+        if len(requests) > 1 and self.prefix_strategy not in ("load", "compute"):
+            restorable = [i for i, (request, method, extra) in enumerate(requests)
+                          if self._has_stored_prefix(request, method, extra)]
+            for i in restorable if len(restorable) > 1 else []:
+                request, _, extra = requests[i]
+                try:
+                    restorations[i] = self.batch_restorer.submit_prefix(
+                        self.restorer_for(request), request.token_ids, self.prefix_strategy,
+                        len(request) + extra, max_tokens=len(exact_prefix(request).token_ids))
+                except Exception as e:  # it restores alone instead, reporting its own failure if it has one
+                    log.warning("batch restoration refused a request: %s", e)
+        for i, (request, method, extra) in enumerate(requests):
+            try:
+                if i not in restorations:
+                    yield self.prefill(request, method, extra)
+                    continue
+                restoration = restorations[i].result()
+                restoration.cache.allocate(torch.arange(restoration.cache.length, len(request),
+                                                        device=self.model.device))
+                yield self._fuse(request, method, extra, restoration, started, batch=len(restorations))
+            except Exception as e:  # one request's failure is its own
+                yield e
+
+    def _has_stored_prefix(self, request: Request, method: str | None, extra_capacity: int) -> bool:
+        """Whether `request` is valid, restores its exact prefix, and the store holds that prefix's first block."""
+        try:
+            policy = parse_method(method)
+            self.check_fits(request, extra_capacity)
+            prefix = exact_prefix(request)
+            return (policy.restores_prefix and prefix is not None
+                    and bool(self.restorer_for(request).plan(request.token_ids, len(prefix.token_ids))))
+        except Exception:  # its own prefill reports the error
+            return False
+
+    @property
+    def batch_restorer(self) -> BatchRestorer:
+        """CacheFlow's batch-aware restorer; its workers live as long as the engine."""
+        if self._batch_restorer is None:
+            self._batch_restorer = BatchRestorer(self.restorer_for(None))
+        return self._batch_restorer
+
+    def _fuse(self, request: Request, method: str | None, extra_capacity: int,
+              restoration: PrefixRestoration | None, started: float, batch: int = 1) -> FusedPrefill:
+        """The rest of a prefill once its stored prefix is restored: `auto` resolved, the chunks looked up and
+        the plan run on top of the restored rows; what missed is written back off the request's path."""
+        policy = parse_method(method)
         restored = restoration.rows if restoration else 0
         choice = None
         if isinstance(policy, Auto):
@@ -254,7 +314,7 @@ class ReuseEngine:
         stats = dict(result.stats, chunk_hits=sum(p.hit for p in placed if p.segment.kind == SegmentKind.CHUNK),
                      chunks=len(request.of_kind(SegmentKind.CHUNK)),
                      loaded_tokens_by_tier=loaded_tokens_by_tier(plan, span_tiers),
-                     **prefix_stats(restoration), **auto_stats(method, choice))
+                     **prefix_stats(restoration, batch), **auto_stats(method, choice))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
 
     def plan_on_tiers(self, request: Request, method: str, restored: int = 0) -> tuple[FusionPlan, list[str]]:
@@ -313,6 +373,8 @@ class ReuseEngine:
 
     def close(self) -> None:
         self._writer.shutdown(wait=True)
+        if self._batch_restorer is not None:
+            self._batch_restorer.close()
         self.store.close()
 
 
@@ -339,14 +401,15 @@ def auto_stats(requested: str | None, choice: Choice | None) -> dict:
             "auto_candidates": {c.method: c.prediction.seconds for c in choice.candidates}}
 
 
-def prefix_stats(restoration: PrefixRestoration | None) -> dict:
+def prefix_stats(restoration: PrefixRestoration | None, batch: int = 1) -> dict:
     """How the stored prefix came back: tokens restored, of them loaded and recomputed per tier they were stored
-    on (recomputed: by the restoration's compute side, or because a stored block was unreadable), seconds."""
+    on (recomputed: by the restoration's compute side, or because a stored block was unreadable), seconds, and
+    how many requests' prefixes were restored together with it (1: alone)."""
     if restoration is None:
         return {"prefix_restore_strategy": None, "prefix_restored_tokens": 0, "prefix_loaded_tokens": {},
-                "prefix_recomputed_tokens": {}, "prefix_restore_seconds": 0.0}
+                "prefix_recomputed_tokens": {}, "prefix_restore_seconds": 0.0, "prefix_restore_batch": 0}
     stats = restoration.stats
     return {"prefix_restore_strategy": stats["strategy"], "prefix_restored_tokens": restoration.rows,
             "prefix_loaded_tokens": stats["tokens_loaded_by_tier"],
             "prefix_recomputed_tokens": stats["tokens_computed_by_tier"],
-            "prefix_restore_seconds": stats["restore_seconds"]}
+            "prefix_restore_seconds": stats["restore_seconds"], "prefix_restore_batch": batch}

@@ -1,10 +1,11 @@
 """Continuous batching: generation jobs queue, are admitted up to a running limit, and decode together.
 
 One engine thread owns all torch work. Each iteration it runs the calls handed to it (cache compilation), ends
-cancelled and timed-out jobs, admits one waiting job (its prefill goes through ReuseEngine, so the exact prefix
-and stored chunks are reused), then steps every running sequence's decode as one batch. Admitting one job per
-iteration keeps running sequences streaming while new ones arrive. Jobs report through a callback they
-supply, called on the engine thread.
+cancelled and timed-out jobs, admits waiting jobs (their prefill goes through ReuseEngine, so the exact prefix
+and stored chunks are reused), then steps every running sequence's decode as one batch. Up to
+`max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
+together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
+streaming while new ones arrive. Jobs report through a callback they supply, called on the engine thread.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvreuse.engine.generate import Generation, TextStream, eos_token_ids
-from kvreuse.engine.reuse import ReuseEngine
+from kvreuse.engine.reuse import FusedPrefill, ReuseEngine
 from kvreuse.engine.sampling import Sampler, SamplingParams
 from kvreuse.fusion.segments import Request
 from kvreuse.model.kv_cache import KVCache
@@ -82,10 +83,12 @@ class _Sequence:
 
 class Scheduler:
     def __init__(self, engine: ReuseEngine, max_running: int = 8, max_waiting: int = 128,
-                 on_decode_step: Callable[[int], None] | None = None):
-        if max_running < 1 or max_waiting < 0:
-            raise ValueError(f"max_running must be >= 1 and max_waiting >= 0, got {max_running}, {max_waiting}")
+                 on_decode_step: Callable[[int], None] | None = None, max_prefill_batch: int = 4):
+        if max_running < 1 or max_waiting < 0 or max_prefill_batch < 1:
+            raise ValueError(f"max_running and max_prefill_batch must be >= 1 and max_waiting >= 0, got "
+                             f"{max_running}, {max_prefill_batch}, {max_waiting}")
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
+        self.max_prefill_batch = max_prefill_batch
         self.on_decode_step = on_decode_step
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
@@ -146,7 +149,7 @@ class Scheduler:
     def _step(self) -> None:
         self._run_calls()
         self._end_failed_jobs()
-        admitted = self._admit_one()
+        admitted = self._admit()
         if self._running:
             self._decode_step()
         elif not admitted:
@@ -176,27 +179,40 @@ class Scheduler:
                 self._running.remove(seq)
                 seq.job.on_event(JobEvent(text=seq.stream.new_text(), error=error))
 
-    def _admit_one(self) -> bool:
-        if len(self._running) >= self.max_running or not self._waiting:
-            return False
+    def _admit(self) -> bool:
+        """Prefill up to max_prefill_batch waiting jobs, as one batch; each joins the running sequences (and
+        streams its first token) as soon as its own prefill is done."""
         with self._lock:
-            job = self._waiting.popleft()
+            take = min(self.max_running - len(self._running), self.max_prefill_batch, len(self._waiting))
+            jobs = [self._waiting.popleft() for _ in range(max(take, 0))]
+        if not jobs:
+            return False
+        admitted = time.perf_counter()
+        prefills = self.engine.prefill_batch([(job.request, job.method, job.sampling.max_tokens) for job in jobs])
+        reported = 0
         try:
-            seq = self._prefill(job)
-        except Exception as e:  # one job's failure must not stop the engine
-            log.exception("prefill failed")
-            job.on_event(JobEvent(error=e))
-            return True
-        if error := job.failure(time.perf_counter()):  # cancelled or timed out while it was prefilled
-            job.on_event(JobEvent(error=error))
-            return True
-        self._running.append(seq)
-        self._advance(seq, seq.last_token)
+            for job, fused in zip(jobs, prefills):
+                reported += 1
+                self._start(job, fused, queued=admitted - job.arrived)
+        except Exception as e:  # a bug in the batch itself: its jobs fail, the engine and running sequences go on
+            log.exception("batch prefill failed")
+            for job in jobs[reported:]:
+                job.on_event(JobEvent(error=e))
         return True
 
-    def _prefill(self, job: GenerationJob) -> _Sequence:
-        queued = time.perf_counter() - job.arrived
-        fused = self.engine.prefill(job.request, job.method, extra_capacity=job.sampling.max_tokens)
+    def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:
+        """A prefilled job joins the running sequences and streams its first token; a failed one reports."""
+        if isinstance(fused, Exception):  # one job's failure must not stop the engine
+            log.error("prefill failed", exc_info=fused)
+            job.on_event(JobEvent(error=fused))
+        elif error := job.failure(time.perf_counter()):  # cancelled or timed out while it was prefilled
+            job.on_event(JobEvent(error=error))
+        else:
+            seq = self._sequence(job, fused, queued)
+            self._running.append(seq)
+            self._advance(seq, seq.last_token)
+
+    def _sequence(self, job: GenerationJob, fused: FusedPrefill, queued: float) -> _Sequence:
         eos_ids = set() if job.sampling.ignore_eos else self._eos_ids
         sampler = Sampler(job.sampling)
         seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),

@@ -24,7 +24,8 @@ import torch
 
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore.job import JobAxis, PrefixJob, Run, forward
-from kvreuse.restore.restorer import STRATEGIES, PrefixRestorer, RestoreResult, _as_ids, restore_stats
+from kvreuse.restore.restorer import (STRATEGIES, PrefixRestoration, PrefixRestorer, RestoreResult, _as_ids,
+                                     restore_stats)
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Rates, Span, TwoPointer, UnitLog
 
 T = TypeVar("T")
@@ -46,6 +47,7 @@ class Restoration:
     admitted: float = field(default_factory=time.perf_counter)
     restored: float = 0.0  # when its prefix was all in place
     busy: bool = False  # in a compute step (its spans are computed in order)
+    prefix_only: bool = False  # resolves to a PrefixRestoration once its prefix is in place: no remainder
 
     def __post_init__(self) -> None:
         self.pointers = TwoPointer(self.axis, self.compute_run, self.prior)
@@ -166,16 +168,28 @@ class BatchRestorer:
                cache_capacity: int | None = None) -> Future:
         """Admit a request; the future resolves to its RestoreResult (stats["total_seconds"]: admission to
         first-token logits)."""
+        return self._admit(self.restorer, token_ids, strategy, cache_capacity)
+
+    def submit_prefix(self, restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Tensor,
+                      strategy: str = "auto", cache_capacity: int | None = None, *, max_tokens: int) -> Future:
+        """Admit a request for its stored prefix only, as `PrefixRestorer.restore_prefix` restores it alone
+        (whole blocks within `max_tokens`, never the last token), in `restorer`'s key space (a tenant's); the
+        future resolves to a PrefixRestoration whose later rows are left to the caller (a fusion plan)."""
+        return self._admit(restorer, token_ids, strategy, cache_capacity, max_tokens)
+
+    def _admit(self, restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Tensor, strategy: str,
+               cache_capacity: int | None, max_tokens: int | None = None) -> Future:
         if strategy == "load" or strategy == "compute":
             raise ValueError("the batch scheduler runs two-pointer strategies: cake, layerwise or auto")
-        restorer = self.restorer
         ids = _as_ids(token_ids, restorer.model.device)
-        blocks = restorer.plan(ids)
+        blocks = restorer.plan(ids, max_tokens)
+        if not blocks and max_tokens is not None:
+            raise ValueError("nothing of this prompt's prefix is stored: there is no prefix to restore")
         strategy = restorer.choose(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
         axis = STRATEGIES[strategy][0](job)
         request = Restoration(job, axis, strategy, Future(), restorer.compute_run, key_weight(restorer.model),
-                              restorer.prior_rates(axis, job))
+                              restorer.prior_rates(axis, job), prefix_only=max_tokens is not None)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")
@@ -231,9 +245,15 @@ class BatchRestorer:
 
     def _step(self, work: list[tuple[Restoration, Span | None]]) -> None:
         """One batched compute step. A request that fails on its own is dropped and the others go on; if the
-        shared forward fails, every request in it fails."""
-        runs = [(request, span, run) for request, span in work
-                if (run := self._guarded(request, self._run_of, request, span)) is not None]
+        shared forward fails, every request in it fails. A prefix-only request whose prefix is in place resolves
+        here, with no run."""
+        restored = [request for request, span in work if span is None and request.prefix_only]
+        for request in restored:
+            self._guarded(request, self._prefix_restored, request)
+        runs = [(request, span, run) for request, span in work if request not in restored
+                and (run := self._guarded(request, self._run_of, request, span)) is not None]
+        if not runs:
+            return
         start = time.perf_counter()
         try:
             outputs = self._first_token_logits(runs, forward([run for _, _, run in runs]))
@@ -314,6 +334,15 @@ class BatchRestorer:
         self.restorer.remember_rates(request.axis, job, request.pointers.rates())
         self._remove(request)
         request.future.set_result(RestoreResult(logits, job.cache, stats))
+
+    def _prefix_restored(self, request: Restoration) -> None:
+        request.log.recompute_failed(request.axis)
+        request.restored = time.perf_counter()
+        stats = restore_stats(request.strategy, request.job, request.axis, request.log,
+                              restore=request.restored - request.admitted)
+        self.restorer.remember_rates(request.axis, request.job, request.pointers.rates())
+        self._remove(request)
+        request.future.set_result(PrefixRestoration(request.job, stats))
 
     def _drop(self, request: Restoration, error: BaseException) -> None:
         if self._remove(request):

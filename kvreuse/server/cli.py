@@ -19,6 +19,8 @@ FLAGS = {
     "--placement": (str, "where new chunks are stored: every tier (all, default) or the slowest tier whose reads "
                          "hide behind recompute (cost)"),
     "--max-concurrency": (int, "sequences prefilled and decoded together (default 8)"),
+    "--max-prefill-batch": (int, "waiting requests prefilled per step, their stored prefixes restored together "
+                                 "as CacheFlow restores a batch (default 4; 1: one at a time)"),
     "--max-queue": (int, "requests that may wait beyond those; more get 429 (default 256)"),
     "--request-timeout": (float, "seconds from arrival, queueing included, before a request is abandoned (600)"),
     "--max-model-len": (int, "prompt + generated tokens (default: the model's context window)"),

@@ -56,6 +56,12 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvreuse_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
+        self.prefix_restorations = Counter(
+            "kvreuse_prefix_restorations", "stored prefixes restored, by strategy and whether restored in a batch "
+            "with other requests' (CacheFlow's batch-aware restoration) or alone", ["strategy", "mode"], registry=r)
+        self.prefix_restored_tokens = Counter(
+            "kvreuse_prefix_restored_tokens", "stored-prefix tokens restored, by how: loaded or recomputed",
+            ["source"], registry=r)
         self.batch_size = Histogram("kvreuse_decode_batch_size", "sequences per batched decode step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         Gauge("kvreuse_num_requests_waiting", "requests queued", registry=r).set_function(waiting)
@@ -70,8 +76,17 @@ class Metrics:
         self.prompt_tokens.inc(result.prompt_tokens)
         self.cached_tokens.inc(cached_tokens(result.stats))
         self.generation_tokens.inc(len(result.token_ids))
+        self._restored(result.stats)
         self.ttft.observe(result.ttft)
         self.e2e.observe(result.total_seconds)
+
+    def _restored(self, stats: dict) -> None:
+        if stats["prefix_restore_strategy"] is None:
+            return
+        mode = "batch" if stats["prefix_restore_batch"] > 1 else "alone"
+        self.prefix_restorations.labels(stats["prefix_restore_strategy"], mode).inc()
+        self.prefix_restored_tokens.labels("loaded").inc(sum(stats["prefix_loaded_tokens"].values()))
+        self.prefix_restored_tokens.labels("recomputed").inc(sum(stats["prefix_recomputed_tokens"].values()))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -161,7 +161,8 @@ class EngineService:
         # characters cannot fit the context window: refused before the tokenizer spends seconds on it.
         self.max_prompt_chars = self.max_model_len * max(map(len, engine.tokenizer.get_vocab()))
         self.caches = CacheRegistry()
-        self.scheduler = Scheduler(engine, config.max_concurrency, config.max_queue)
+        self.scheduler = Scheduler(engine, config.max_concurrency, config.max_queue,
+                                   max_prefill_batch=config.max_prefill_batch)
         self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running, engine.store)
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())

@@ -133,3 +133,54 @@ def test_earlier_turns_extend_the_exact_prefix(embedded_model):
     assert len(later.token_ids) > len(now.token_ids) and later.token_ids[: len(now.token_ids)] == now.token_ids
     with pytest.raises(ValueError, match="history"):
         build_request(tokenizer, ["a chunk"], "Next?", history=[{"role": "user"}])
+
+
+def shared_prefix_requests(n: int) -> list[Request]:
+    """n requests on one stored conversation prefix of different lengths, each with its own chunk and question."""
+    history = random_ids(64, seed=11)
+    return [Request([Segment(SegmentKind.PREFIX, history[: 17 + 6 * i]),
+                     Segment(SegmentKind.CHUNK, random_ids(13, 20 + i)),
+                     Segment(SegmentKind.FRESH, random_ids(5, 30 + i))]) for i in range(n)]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "cake", "layerwise"])
+@pytest.mark.parametrize("method", ["prefix", "cacheblend:0.3"])
+def test_prefixes_restored_together_equal_each_request_prefilled_alone(tiny_model, strategy, method):
+    """CacheFlow's batch-aware restoration serving requests: their stored prefixes come back in one batch, then
+    each plan runs on top; every output equals the same request prefilled alone (and, for the exact method, a
+    full prefill)."""
+    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK, prefix_strategy=strategy)
+    try:
+        requests = shared_prefix_requests(4)
+        engine.compile(requests[-1], [method])  # the longest prefix's blocks, and every chunk
+        for request in requests:
+            engine.compile(request, [method])
+        batch = list(engine.prefill_batch([(r, method, 4) for r in requests]))
+        for request, out in zip(requests, batch):
+            assert out.stats["prefix_restore_batch"] == 4
+            assert out.stats["prefix_restored_tokens"] == len(request.segments[0].token_ids) // BLOCK * BLOCK
+            alone = engine.prefill(request, method, extra_capacity=4)
+            assert alone.stats["prefix_restore_batch"] == 1
+            torch.testing.assert_close(out.logits, alone.logits, **TOLERANCE)
+            if method == "prefix":
+                torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
+            next_id = int(out.logits.argmax())  # decoding goes on from the batch's cache
+            torch.testing.assert_close(engine.model.decode(next_id, out.cache),
+                                       engine.model.decode(next_id, alone.cache), **TOLERANCE)
+    finally:
+        engine.close()
+
+
+def test_a_batch_with_one_stored_prefix_restores_it_alone_and_a_bad_request_fails_alone(tiny_model):
+    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK)
+    try:
+        stored, fresh = shared_prefix_requests(2)
+        engine.compile(stored, ["prefix"])
+        fresh = Request([Segment(SegmentKind.PREFIX, random_ids(9, 40)), *fresh.segments[1:]])
+        too_long = (stored, "prefix", 10**6)
+        out = list(engine.prefill_batch([(stored, "prefix", 4), too_long, (fresh, "prefix", 4)]))
+        assert out[0].stats["prefix_restore_batch"] == 1 and out[0].stats["prefix_restored_tokens"] == 16
+        assert isinstance(out[1], ValueError) and "context window" in str(out[1])
+        assert out[2].stats["prefix_restored_tokens"] == 0
+    finally:
+        engine.close()
