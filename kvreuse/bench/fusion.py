@@ -14,7 +14,6 @@ import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
-import torch
 from rich.console import Console
 from rich.table import Table
 
@@ -86,11 +85,12 @@ def _run_example(engines: dict[str, ReuseEngine], request: Request, methods: lis
             out, cell = samples[tier, method].last, cells[tier, method]
             cell.ttft.append(samples[tier, method].median)
             cell.kl.append(first_token_kl(full.logits, out.logits))
-            cell.recompute_share.append(out.stats["recompute_share"])
-            cell.peak_layers_held = max(cell.peak_layers_held, out.stats["peak_stored_layers_held"])
-            cell.limit.append(limit_seconds(out.stats, read_all, full_ttft, len(request)))
-            cell.chosen.append(out.stats["method"])
-            plan, span_tiers = engine.plan_on_tiers(request, out.stats["method"])
+            fusion = out.stats.fusion
+            cell.recompute_share.append(fusion.recompute_share)
+            cell.peak_layers_held = max(cell.peak_layers_held, fusion.peak_stored_layers_held)
+            cell.limit.append(limit_seconds(fusion, read_all, full_ttft, len(request)))
+            cell.chosen.append(fusion.method)
+            plan, span_tiers = engine.plan_on_tiers(request, fusion.method)
             cell.predicted.append(predict(plan, span_tiers, engine.controller.profile).seconds)
 
 
@@ -141,24 +141,3 @@ def prediction_errors(cell: Cell) -> list[float]:
 
 def _tally(chosen: list[str]) -> str:
     return ", ".join(f"{m} x{n}" for m, n in sorted(Counter(chosen).items()))
-
-
-def add_arguments(parser) -> None:
-    parser.add_argument("--dataset", required=True, help="JSONL file in the schemas of ../shared/datasets/README.md")
-    parser.add_argument("--limit", type=int, default=10)
-    parser.add_argument("--methods", default=DEFAULT_METHODS)
-    parser.add_argument("--tiers", default="memory,disk", help="memory, disk, or store specs, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", default=None)
-
-
-def main(args) -> int:
-    methods = args.methods.split(",")
-    for method in methods:
-        parse_method(method)  # a bad name fails here, before the model loads
-    if "full" not in methods:
-        methods.insert(0, "full")
-    with torch.inference_mode():
-        run(args.dataset, args.limit, methods, args.tiers.split(","), args.repeats, args.model)
-    return 0
-

@@ -26,8 +26,8 @@ from rich.table import Table
 from kvreuse.bench.tiers import tier_label, tier_spec
 from kvreuse.model.loader import load_model
 from kvreuse.model.runtime import LayerwiseModel
-from kvreuse.restore import PrefixRestorer, profile
-from kvreuse.restore.scheduler import BatchRestorer
+from kvreuse.restore import PrefixRestorer, l_delta
+from kvreuse.restore.batch import BatchRestorer
 from kvreuse.store import KeySpace, open_store
 from kvreuse.store.tiered import TieredStore
 
@@ -114,7 +114,7 @@ def _median(runs: list[dict], key: str = "total_seconds") -> float:
 
 
 def cacheflow_choice(space: KeySpace, tier: str, prefix: int) -> str:
-    threshold = profile.threshold(space.model_fingerprint, tier)
+    threshold = l_delta.threshold(space.model_fingerprint, tier)
     return "layerwise" if threshold is not None and prefix < threshold else "cake"
 
 
@@ -237,7 +237,7 @@ def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: i
             token[length], layer[length] = _median(runs["cake"]), _median(runs["layerwise"])
     finally:
         stores[tier].close()
-    return profile.save(bench.space.model_fingerprint, tier, token, layer), token, layer
+    return l_delta.save(bench.space.model_fingerprint, tier, token, layer), token, layer
 
 
 # ---- reports ----------------------------------------------------------------------------------------------
@@ -321,4 +321,4 @@ def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeat
             cells = ", ".join(f"{n}: {token[n] * 1e3:.0f}/{layer[n] * 1e3:.0f}" for n in sorted(token))
             print(f"{bench.name} on {tier_label(tier)}: L_delta = {l_delta} tokens "
                   f"(token-wise/layer-wise ms by prefix length: {cells})")
-    print(f"saved to {profile.profile_path()}")
+    print(f"saved to {l_delta.profile_path()}")

@@ -11,6 +11,8 @@ from typing import Callable, Generic, Hashable, TypeVar
 import torch
 
 from kvreuse.engine.reuse import ReuseEngine
+from kvreuse.engine.stats import PrefillStats
+from kvreuse.fusion.executor import FusionStats
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request
 
@@ -23,7 +25,7 @@ class PrefillOutcome:
     """What a benchmark keeps of one prefill: not its KV cache, which would pile up over the samples."""
 
     logits: torch.Tensor
-    stats: dict
+    stats: PrefillStats
 
 
 def prefill_variant(engine: ReuseEngine, request: Request, method: str) -> Callable[[], PrefillOutcome]:
@@ -66,10 +68,10 @@ def read_all_seconds(engine: ReuseEngine, request: Request) -> tuple[float, int]
     return elapsed, sum(e.k.nbytes + e.v.nbytes for e in entries if e is not None)
 
 
-def limit_seconds(stats: dict, read_all: tuple[float, int], full_seconds: float, prompt_rows: int) -> float:
+def limit_seconds(stats: FusionStats, read_all: tuple[float, int], full_seconds: float, prompt_rows: int) -> float:
     """The larger of the time to read the bytes the method loaded (at the tier's measured rate) and the time to
     compute the rows it recomputed (full prefill's time per row and layer, times the rows it computed)."""
     seconds, nbytes = read_all
-    load_floor = seconds * stats["bytes_loaded"] / nbytes if nbytes else 0.0
-    compute_floor = full_seconds * stats["computed_rows_mean"] / prompt_rows
+    load_floor = seconds * stats.bytes_loaded / nbytes if nbytes else 0.0
+    compute_floor = full_seconds * stats.computed_rows_mean / prompt_rows
     return max(load_floor, compute_floor)

@@ -114,9 +114,9 @@ def _measure_workload(engines: dict[str, ReuseEngine], loaded: LoadedModel, work
         cell = cells.setdefault((workload.shape, tier, variant), Cell(engine_of(variant)))
         cell.seconds += sample.seconds
         if isinstance(sample.last, PrefillOutcome):
-            stats = sample.last.stats
+            stats = sample.last.stats.fusion
             cell.limits.append(limit_seconds(stats, read_all.get(tier, (0.0, 0)), full_seconds, len(request)))
-            cell.recompute_shares.append(stats["recompute_share"])
+            cell.recompute_shares.append(stats.recompute_share)
     for engine in engines.values():
         _forget(engine, workload, settings.methods)
 

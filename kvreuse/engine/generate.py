@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from kvreuse.engine.sampling import Sampler, SamplingParams
+from kvreuse.engine.stats import PrefillStats
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel
 from kvreuse.model.runtime import LayerwiseModel
@@ -22,7 +23,7 @@ class Generation:
     prompt_tokens: int
     ttft: float  # seconds from the request's start to its first token
     total_seconds: float
-    stats: dict = field(default_factory=dict)  # how the prompt's KV was obtained (reuse methods fill it)
+    stats: PrefillStats | None = None  # how the prompt's KV was obtained (the reuse engine fills it)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:

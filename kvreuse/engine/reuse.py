@@ -2,7 +2,7 @@
 
     engine = ReuseEngine.load()                                   # embedded model, in-memory store
     out = engine.ask(chunks=docs, question=q, method="cacheblend:0.15")
-    print(out.text, out.ttft, out.stats)                          # stats: tokens loaded/recomputed, seconds
+    print(out.text, out.ttft, out.stats)                          # PrefillStats: rows loaded/recomputed, seconds
 
 or, step by step: `request = engine.build_request(...)`, `engine.compile(request)` to warm the store ahead of
 time, `engine.generate(request, method)`.
@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
+from functools import partial
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,8 @@ from kvreuse.controller.auto import AutoController, Choice
 from kvreuse.controller.placement import NewEntry, PlacementPolicy, choose_tier
 from kvreuse.engine.generate import Generation, decode
 from kvreuse.engine.sampling import SamplingParams
+from kvreuse.engine.stats import AutoChoiceStats, PrefillStats, PrefixRestoreStats
+from kvreuse.engine.write_back import WriteBack
 from kvreuse.fusion.compile import compile_chunk
 from kvreuse.fusion.executor import FusionExecutor, FusionResult, StoredKVMissing
 from kvreuse.fusion.methods import Auto, Method, parse_method
@@ -39,7 +42,7 @@ from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.restore.job import IOChannels
-from kvreuse.restore.scheduler import BatchRestorer
+from kvreuse.restore.batch import BatchRestorer
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
@@ -55,7 +58,7 @@ class FusedPrefill:
     logits: torch.Tensor  # [vocab]: first-token logits
     cache: KVCache  # the request's own KV cache, ready for decoding
     ttft: float  # seconds: lookup, load and compute up to the first-token logits
-    stats: dict
+    stats: PrefillStats
 
 
 class ReuseEngine:
@@ -81,9 +84,8 @@ class ReuseEngine:
         self.prefix_strategy = prefix_strategy
         self._controller = controller
         self.placement = placement
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
+        self.write_back = WriteBack()
         self._batch_restorer: BatchRestorer | None = None
-        self._pending: dict[str, Future] = {}
 
     @classmethod
     def load(cls, model: str | None = None, store: str = DEFAULT_STORE, dtype: str = "float32", **options
@@ -184,7 +186,7 @@ class ReuseEngine:
     def _write_back(self, placed: list[PlacedSegment], method: Method) -> None:
         for p in placed:
             if p.key is not None and not p.hit:
-                self._in_background(p.key, self._compile, p.segment, p.key, method)
+                self.write_back.submit(p.key, partial(self._compile, p.segment, p.key, method))
 
     def _write_back_prefix(self, request: Request, restored: int) -> None:
         """Store the exact prefix's whole blocks past the `restored` tokens (they were just computed)."""
@@ -193,17 +195,10 @@ class ReuseEngine:
         if whole_blocks * self.prefix_block_size > restored:
             restorer = self.restorer_for(request)
             last_key = restorer.block_keys(prefix.token_ids)[whole_blocks - 1]
-            self._in_background(last_key, restorer.store_prefix, prefix.token_ids)
-
-    def _in_background(self, key: str, write, *args) -> None:
-        """Run write(*args) on the writer thread, unless a write of `key` is already pending."""
-        if key not in self._pending:
-            self._pending[key] = self._writer.submit(write, *args)
-            self._pending[key].add_done_callback(lambda _, key=key: self._pending.pop(key, None))
+            self.write_back.submit(last_key, partial(restorer.store_prefix, prefix.token_ids))
 
     def wait_for_write_back(self) -> None:
-        for future in list(self._pending.values()):
-            future.result()
+        self.write_back.wait()
         self.store.flush()
 
     # ---- requests --------------------------------------------------------------------------------------
@@ -311,10 +306,11 @@ class ReuseEngine:
         self._write_back(placed, policy)
         if policy.restores_prefix:
             self._write_back_prefix(request, restored)
-        stats = dict(result.stats, chunk_hits=sum(p.hit for p in placed if p.segment.kind == SegmentKind.CHUNK),
-                     chunks=len(request.of_kind(SegmentKind.CHUNK)),
-                     loaded_tokens_by_tier=loaded_tokens_by_tier(plan, span_tiers),
-                     **prefix_stats(restoration, batch), **auto_stats(method, choice))
+        stats = PrefillStats(result.stats, prefix_stats(restoration, batch),
+                             chunk_hits=sum(p.hit for p in placed if p.segment.kind == SegmentKind.CHUNK),
+                             chunks=len(request.of_kind(SegmentKind.CHUNK)),
+                             loaded_tokens_by_tier=loaded_tokens_by_tier(plan, span_tiers),
+                             auto=auto_stats(method, choice))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
 
     def plan_on_tiers(self, request: Request, method: str, restored: int = 0) -> tuple[FusionPlan, list[str]]:
@@ -372,7 +368,7 @@ class ReuseEngine:
         return logprobs[torch.arange(len(answer_ids)), torch.tensor(answer_ids)]
 
     def close(self) -> None:
-        self._writer.shutdown(wait=True)
+        self.write_back.close()
         if self._batch_restorer is not None:
             self._batch_restorer.close()
         self.store.close()
@@ -392,24 +388,18 @@ def loaded_tokens_by_tier(plan: FusionPlan, span_tiers: list[str]) -> dict[str, 
     return dict(by_tier)
 
 
-def auto_stats(requested: str | None, choice: Choice | None) -> dict:
+def auto_stats(requested: str | None, choice: Choice | None) -> AutoChoiceStats | None:
     """What method auto chose, and the TTFT the cost model predicted for it (`kvreuse bench fusion` sets it
     beside the measured one)."""
     if choice is None:
-        return {}
-    return {"requested_method": requested, "predicted_ttft": choice.predicted_seconds,
-            "auto_candidates": {c.method: c.prediction.seconds for c in choice.candidates}}
+        return None
+    return AutoChoiceStats(requested, choice.predicted_seconds,
+                           {c.method: c.prediction.seconds for c in choice.candidates})
 
 
-def prefix_stats(restoration: PrefixRestoration | None, batch: int = 1) -> dict:
-    """How the stored prefix came back: tokens restored, of them loaded and recomputed per tier they were stored
-    on (recomputed: by the restoration's compute side, or because a stored block was unreadable), seconds, and
-    how many requests' prefixes were restored together with it (1: alone)."""
+def prefix_stats(restoration: PrefixRestoration | None, batch: int = 1) -> PrefixRestoreStats:
     if restoration is None:
-        return {"prefix_restore_strategy": None, "prefix_restored_tokens": 0, "prefix_loaded_tokens": {},
-                "prefix_recomputed_tokens": {}, "prefix_restore_seconds": 0.0, "prefix_restore_batch": 0}
+        return PrefixRestoreStats()
     stats = restoration.stats
-    return {"prefix_restore_strategy": stats["strategy"], "prefix_restored_tokens": restoration.rows,
-            "prefix_loaded_tokens": stats["tokens_loaded_by_tier"],
-            "prefix_recomputed_tokens": stats["tokens_computed_by_tier"],
-            "prefix_restore_seconds": stats["restore_seconds"], "prefix_restore_batch": batch}
+    return PrefixRestoreStats(stats["strategy"], restoration.rows, stats["tokens_loaded_by_tier"],
+                              stats["tokens_computed_by_tier"], stats["restore_seconds"], batch)

@@ -2,7 +2,8 @@
 
 One engine thread owns all torch work. Each iteration it runs the calls handed to it (cache compilation), ends
 cancelled and timed-out jobs, admits waiting jobs (their prefill goes through ReuseEngine, so the exact prefix
-and stored chunks are reused), then steps every running sequence's decode as one batch. Up to
+and stored chunks are reused), steps every running sequence's decode as one batch, then runs one pending store
+write of what requests computed (`engine.write_back`: chunks to compile, prefix blocks). Up to
 `max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
 together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
 streaming while new ones arrive. Jobs report through a callback they supply, called on the engine thread.
@@ -16,12 +17,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvreuse.engine.generate import Generation, TextStream, eos_token_ids
 from kvreuse.engine.reuse import FusedPrefill, ReuseEngine
 from kvreuse.engine.sampling import Sampler, SamplingParams
+from kvreuse.engine.stats import PrefillStats
 from kvreuse.fusion.segments import Request
 from kvreuse.model.kv_cache import KVCache
 
@@ -76,7 +78,7 @@ class _Sequence:
     cache: KVCache
     sampler: Sampler
     stream: TextStream
-    stats: dict[str, Any]
+    stats: PrefillStats
     ttft: float = 0.0
     last_token: int = -1
 
@@ -102,6 +104,7 @@ class Scheduler:
     # ---- the caller's side (any thread) ------------------------------------------------------------------
 
     def start(self) -> None:
+        self.engine.write_back.between_steps()  # store writes run on the engine thread too, one per step
         self._thread.start()
 
     def stop(self) -> None:
@@ -109,6 +112,7 @@ class Scheduler:
         self._wake.set()
         if self._thread.is_alive():
             self._thread.join()
+            self.engine.write_back.in_background()  # the engine goes on alone
 
     @property
     def waiting(self) -> int:
@@ -152,7 +156,8 @@ class Scheduler:
         admitted = self._admit()
         if self._running:
             self._decode_step()
-        elif not admitted:
+        wrote = self.engine.write_back.run_one()
+        if not (self._running or admitted or wrote):
             self._wake.wait(IDLE_WAIT_SECONDS)
             self._wake.clear()
 
@@ -216,7 +221,7 @@ class Scheduler:
         eos_ids = set() if job.sampling.ignore_eos else self._eos_ids
         sampler = Sampler(job.sampling)
         seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
-                        dict(fused.stats, queue_seconds=queued))
+                        replace(fused.stats, queue_seconds=queued))
         seq.last_token = sampler(fused.logits)
         seq.ttft = time.perf_counter() - job.arrived
         return seq

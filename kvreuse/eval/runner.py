@@ -113,8 +113,10 @@ class ResultCache:
             f.write(json.dumps({"key": key, "result": asdict(result)}) + "\n")
 
 
-def _scalar_stats(stats: dict) -> dict:
-    return {k: v for k, v in (stats or {}).items() if isinstance(v, (int, float, str, bool)) or v is None}
+def _scalar_stats(stats: Any) -> dict:
+    """A prefill's stats as a flat record of scalars (`PrefillStats.record`, or a plain dict's scalars)."""
+    record = stats.record() if hasattr(stats, "record") else dict(stats or {})
+    return {k: v for k, v in record.items() if isinstance(v, (int, float, str, bool)) or v is None}
 
 
 class ExampleRun:

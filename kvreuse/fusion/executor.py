@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Protocol
 
 import torch
@@ -33,10 +33,45 @@ class StoredKVMissing(RuntimeError):
 
 
 @dataclass
+class FusionStats:
+    """What one plan's run did: rows reused, loaded, kept and computed, bytes read, seconds, deviation checks."""
+
+    method: str
+    prompt_tokens: int
+    reused_tokens: int  # rows of the reused spans, recomputed or not
+    loaded_tokens: int  # rows whose stored KV was read
+    kept_tokens: int  # loaded rows whose stored KV serves the last layer as is: OpenAI's cached tokens
+    computed_tokens_layer0: int
+    recompute_share: float  # share of the reused chunk rows recomputed, averaged over layers
+    computed_rows_mean: float  # all rows computed per layer (fresh ones included), averaged: the compute run
+    bytes_loaded: int
+    peak_stored_layers_held: int
+    load_seconds: float
+    load_wait_seconds: float
+    loads_overlapped: bool
+    prefill_seconds: float
+    deviation_checks: list[DeviationCheck]
+
+    @property
+    def deviation_mass(self) -> float | None:
+        """The first check's mass: the request's own fidelity signal (kvreuse eval keeps it per example)."""
+        return self.deviation_checks[0].mass if self.deviation_checks else None
+
+    @property
+    def deviation_residual(self) -> float | None:
+        return self.deviation_checks[0].residual if self.deviation_checks else None
+
+    def record(self) -> dict:
+        """The scalar figures, flat, for JSON records."""
+        scalars = {k: v for k, v in asdict(self).items() if k != "deviation_checks"}
+        return scalars | {"deviation_mass": self.deviation_mass, "deviation_residual": self.deviation_residual}
+
+
+@dataclass
 class FusionResult:
     logits: torch.Tensor  # [vocab], after the last prompt token
     cache: KVCache
-    stats: dict = field(default_factory=dict)
+    stats: FusionStats
 
 
 class LayerLoader:
@@ -213,33 +248,26 @@ class FusionExecutor:
                              f"positions 0..{plan.num_rows - 1}")
         return restored
 
-    def _stats(self, plan: FusionPlan, rows: PlanRows, loader: LayerLoader, elapsed: float) -> dict:
-        total, computed_rows, checks = plan.approximate_rows, rows.computed_rows, rows.checks
+    def _stats(self, plan: FusionPlan, rows: PlanRows, loader: LayerLoader, elapsed: float) -> FusionStats:
+        total, computed_rows = plan.approximate_rows, rows.computed_rows
         layers = len(computed_rows)
-        return {
-            "method": plan.method,
-            "prompt_tokens": plan.num_rows,
-            "restored_tokens": plan.restored_rows,
-            "reused_tokens": sum(s.length for s in plan.reused),
-            "loaded_tokens": sum(int(s.load.numel()) for s in plan.reused),
-            # loaded rows whose stored KV serves the last layer as is (not recomputed there): OpenAI's cached tokens
-            "kept_tokens": int((~torch.isin(rows.loaded_rows, rows.selected)).sum()),
-            "computed_tokens_layer0": int(plan.compute_rows.numel()),
-            # share of the reused chunk rows actually recomputed, averaged over layers
-            "recompute_share": sum(c for c, _ in computed_rows) / (layers * total) if total else 0.0,
-            # all rows computed per layer (fresh ones included), averaged over layers: the compute actually run
-            "computed_rows_mean": sum(n for _, n in computed_rows) / layers,
-            "bytes_loaded": loader.bytes_read,
-            "peak_stored_layers_held": loader.peak_layers_held,
-            "load_seconds": loader.read_seconds,
-            "load_wait_seconds": loader.wait_seconds,
-            "loads_overlapped": loader.threaded,
-            "prefill_seconds": elapsed,
-            "deviation_checks": [asdict(c) for c in checks],
-            # the first check's figures as scalars, so per-example records (kvreuse eval) keep the signal
-            "deviation_mass": checks[0].mass if checks else None,
-            "deviation_residual": checks[0].residual if checks else None,
-        }
+        return FusionStats(
+            method=plan.method,
+            prompt_tokens=plan.num_rows,
+            reused_tokens=sum(s.length for s in plan.reused),
+            loaded_tokens=sum(int(s.load.numel()) for s in plan.reused),
+            kept_tokens=int((~torch.isin(rows.loaded_rows, rows.selected)).sum()),
+            computed_tokens_layer0=int(plan.compute_rows.numel()),
+            recompute_share=sum(c for c, _ in computed_rows) / (layers * total) if total else 0.0,
+            computed_rows_mean=sum(n for _, n in computed_rows) / layers,
+            bytes_loaded=loader.bytes_read,
+            peak_stored_layers_held=loader.peak_layers_held,
+            load_seconds=loader.read_seconds,
+            load_wait_seconds=loader.wait_seconds,
+            loads_overlapped=loader.threaded,
+            prefill_seconds=elapsed,
+            deviation_checks=rows.checks,
+        )
 
 
 @dataclass

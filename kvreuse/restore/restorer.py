@@ -25,7 +25,7 @@ import torch
 
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
-from kvreuse.restore import profile
+from kvreuse.restore import l_delta
 from kvreuse.restore.job import Block, Capture, HiddenSource, IOChannels, LayerAxis, PrefixJob, TokenAxis
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Rates, UnitLog, two_pointer
 from kvreuse.store.base import KVStore
@@ -153,7 +153,7 @@ class PrefixRestorer:
         if not blocks:
             return "compute"
         tier = max(b.tier for b in blocks)
-        threshold = profile.threshold(self.key_space.model_fingerprint, tier_label(self.store, tier))
+        threshold = l_delta.threshold(self.key_space.model_fingerprint, tier_label(self.store, tier))
         prefix = blocks[-1].rows.stop
         return "layerwise" if threshold is not None and prefix < threshold else "cake"
 

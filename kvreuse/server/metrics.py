@@ -9,16 +9,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily
 
 from kvreuse.engine.generate import Generation
+from kvreuse.engine.stats import PrefixRestoreStats
 from kvreuse.store.base import KVStore, Tier
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
-
-
-def cached_tokens(stats: dict) -> int:
-    """Prompt tokens whose KV was loaded from the store and kept as is: stored chunk rows no layer recomputed at
-    the last layer (a row CacheBlend recomputes through every layer is not cached), and the stored prefix's rows that
-    were loaded (not those Cake or CacheFlow recomputed beside the load)."""
-    return stats["kept_tokens"] + sum(stats["prefix_loaded_tokens"].values())
 
 
 STORE_EVENTS = ("damaged", "unavailable", "write_errors", "wrong_model", "evictions")
@@ -74,19 +68,18 @@ class Metrics:
     def generated(self, result: Generation) -> None:
         """A finished generation's tokens and latencies."""
         self.prompt_tokens.inc(result.prompt_tokens)
-        self.cached_tokens.inc(cached_tokens(result.stats))
+        self.cached_tokens.inc(result.stats.cached_tokens)
         self.generation_tokens.inc(len(result.token_ids))
-        self._restored(result.stats)
+        self._restored(result.stats.prefix)
         self.ttft.observe(result.ttft)
         self.e2e.observe(result.total_seconds)
 
-    def _restored(self, stats: dict) -> None:
-        if stats["prefix_restore_strategy"] is None:
+    def _restored(self, prefix: PrefixRestoreStats) -> None:
+        if prefix.strategy is None:
             return
-        mode = "batch" if stats["prefix_restore_batch"] > 1 else "alone"
-        self.prefix_restorations.labels(stats["prefix_restore_strategy"], mode).inc()
-        self.prefix_restored_tokens.labels("loaded").inc(sum(stats["prefix_loaded_tokens"].values()))
-        self.prefix_restored_tokens.labels("recomputed").inc(sum(stats["prefix_recomputed_tokens"].values()))
+        self.prefix_restorations.labels(prefix.strategy, "batch" if prefix.batch > 1 else "alone").inc()
+        self.prefix_restored_tokens.labels("loaded").inc(prefix.loaded_tokens)
+        self.prefix_restored_tokens.labels("recomputed").inc(prefix.recomputed_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

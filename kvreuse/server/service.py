@@ -26,7 +26,7 @@ from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request,
 from kvreuse.server.caches import CacheRegistry, ContextCache, is_cache_id
 from kvreuse.server.config import ServerConfig
 from kvreuse.server.errors import APIError, bad_request
-from kvreuse.server.metrics import Metrics, cached_tokens
+from kvreuse.server.metrics import Metrics
 from kvreuse.server.protocol import (
     CacheCreateRequest,
     CacheInfo,
@@ -74,27 +74,27 @@ def method_spec(options: KvreuseOptions | None, default: str) -> str:
 
 
 def usage_of(result: Generation) -> Usage:
-    s = result.stats
+    s, fusion = result.stats, result.stats.fusion
     completion = len(result.token_ids)
     return Usage(
         prompt_tokens=result.prompt_tokens,
         completion_tokens=completion,
         total_tokens=result.prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens(s)),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=s.cached_tokens),
         kvreuse=KvreuseUsage(
-            method=s["method"],
-            reused_tokens=s["reused_tokens"],
-            restored_prefix_tokens=s["restored_tokens"],
-            restored_loaded_tokens_by_tier=s["prefix_loaded_tokens"],
-            restore_seconds=s["prefix_restore_seconds"],
-            computed_tokens=s["computed_tokens_layer0"],
-            recompute_share=s["recompute_share"],
-            loaded_tokens_by_tier=s["loaded_tokens_by_tier"],
-            chunk_hits=s["chunk_hits"],
-            chunks=s["chunks"],
-            load_seconds=s["load_seconds"],
-            compute_seconds=s["prefill_seconds"] - s["load_wait_seconds"],
-            queue_seconds=s["queue_seconds"],
+            method=fusion.method,
+            reused_tokens=fusion.reused_tokens,
+            restored_prefix_tokens=s.prefix.restored_tokens,
+            restored_loaded_tokens_by_tier=s.prefix.loaded_tokens_by_tier,
+            restore_seconds=s.prefix.seconds,
+            computed_tokens=fusion.computed_tokens_layer0,
+            recompute_share=fusion.recompute_share,
+            loaded_tokens_by_tier=s.loaded_tokens_by_tier,
+            chunk_hits=s.chunk_hits,
+            chunks=s.chunks,
+            load_seconds=fusion.load_seconds,
+            compute_seconds=fusion.prefill_seconds - fusion.load_wait_seconds,
+            queue_seconds=s.queue_seconds,
             ttft_seconds=result.ttft,
         ),
     )

@@ -6,9 +6,11 @@ and recomputing). Every throttled tier is reported as emulated: its figures come
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +22,10 @@ from kvreuse.store.base import KVStore
 from kvreuse.store.disk import DiskTier
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import KeySpace, chunk_key
+from kvreuse.store.memory import MemoryTier
+from kvreuse.store.redis import RedisTier
+from kvreuse.store.redis_server import LocalRedis
+from kvreuse.store.throttled import DEVICES, ThrottledTier
 
 SPARSE_SHARE = 0.85  # CacheTune's sparse transfer at r = 15%: load the other 85% of rows
 
@@ -95,3 +101,30 @@ def bench_tier(tier: KVStore, entries: list[KVEntry], label: str, note: str, *, 
         tier.delete(e.key)
     size = entries[0].nbytes
     return BenchResult(label, note, size / put_s / 1e9, size / get_s / 1e9, get_s * 1e3, layer_s * 1e3, rows_s * 1e3)
+
+
+def bench_all_tiers(entries: list[KVEntry], directory: str | None, redis: str, emulate: list[str]
+                    ) -> list[BenchResult]:
+    """Every tier kind on this machine: memory; disk with the page cache warm and cold, and its int8 form (in
+    `directory`, default a temporary one under /var/tmp); Redis ('auto': a private redis-server on loopback, a URL,
+    or 'none'); and the `emulate` devices over memory, labelled EMULATED."""
+    results: list[BenchResult] = []
+    with contextlib.ExitStack() as stack:
+        root = directory or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-bench-", dir="/var/tmp"))
+        disk = DiskTier(os.path.join(root, "store"))
+        results.append(bench_tier(MemoryTier(None), entries, "memory", "measured"))
+        results.append(bench_tier(disk, entries, "disk", f"measured, page cache warm ({root})"))
+        results.append(bench_tier(disk, entries, "disk", "measured, page cache cold (fadvise DONTNEED)", cold=True))
+        int8 = DiskTier(os.path.join(root, "int8"), quantize=True)
+        results.append(bench_tier(int8, entries, "disk int8", "measured, page cache warm; lossy 8-bit form"))
+        if redis != "none":
+            url = stack.enter_context(LocalRedis()).url if redis == "auto" else redis
+            redis_tier = RedisTier(url, prefix="kvreuse-bench")
+            results.append(bench_tier(redis_tier, entries, "redis", f"measured ({url})"))
+            redis_tier.close()
+        for name in emulate:
+            device = DEVICES[name]
+            tier = ThrottledTier(MemoryTier(None), device)
+            results.append(bench_tier(tier, entries, f"{name} (emulated)",
+                                      f"EMULATED over memory: {device.read_gbps:g} GB/s, {device.latency_ms:g} ms"))
+    return results

@@ -44,8 +44,8 @@ def test_the_restored_prefix_with_chunks_computed_on_top_is_exact(tiny_model, st
         request = conversation(prefix_tokens=23)
         engine.compile(request, ["prefix"])
         out = engine.prefill(request, "prefix", extra_capacity=3)
-        assert out.stats["prefix_restored_tokens"] == 20  # 5 whole blocks; the 3 tokens after them are computed
-        restored = sum(out.stats["prefix_loaded_tokens"].values()) + sum(out.stats["prefix_recomputed_tokens"].values())
+        assert out.stats.prefix.restored_tokens == 20  # 5 whole blocks; the 3 tokens after them are computed
+        restored = out.stats.prefix.loaded_tokens + out.stats.prefix.recomputed_tokens
         assert restored == pytest.approx(20)
         full = full_prefill(engine, request)
         torch.testing.assert_close(out.logits, full.logits, **TOLERANCE)
@@ -61,31 +61,31 @@ def test_the_restored_prefix_with_chunks_computed_on_top_is_exact(tiny_model, st
 
 def test_a_growing_conversation_reuses_its_longest_stored_prefix(engine):
     first = engine.prefill(conversation(prefix_tokens=10), "prefix")
-    assert first.stats["prefix_restored_tokens"] == 0
+    assert first.stats.prefix.restored_tokens == 0
     engine.wait_for_write_back()  # the two whole blocks computed for the first turn are now stored
     later = conversation(prefix_tokens=30)  # the history grew by a turn
     out = engine.prefill(later, "prefix")
-    assert out.stats["prefix_restored_tokens"] == 8
-    assert out.stats["prefix_restore_seconds"] > 0
+    assert out.stats.prefix.restored_tokens == 8
+    assert out.stats.prefix.seconds > 0
     torch.testing.assert_close(out.logits, full_prefill(engine, later).logits, **TOLERANCE)
     engine.wait_for_write_back()
-    assert engine.prefill(later, "prefix").stats["prefix_restored_tokens"] == 28
+    assert engine.prefill(later, "prefix").stats.prefix.restored_tokens == 28
 
 
 def test_chunk_fusion_on_a_restored_prefix_equals_it_on_a_computed_one(engine):
     request = conversation(prefix_tokens=18)
     engine.compile(request, ["naive"])  # chunk compiled alone: naive reuse is approximate, the same either way
     restored = engine.prefill(request, "naive")
-    assert restored.stats["prefix_restored_tokens"] == 16 and restored.stats["chunk_hits"] == 1
+    assert restored.stats.prefix.restored_tokens == 16 and restored.stats.chunk_hits == 1
     computed = make_tiny_engine(engine.model, engine.store, prefix_block_size=64).prefill(request, "naive")
-    assert computed.stats["prefix_restored_tokens"] == 0 and computed.stats["chunk_hits"] == 1
+    assert computed.stats.prefix.restored_tokens == 0 and computed.stats.chunk_hits == 1
     torch.testing.assert_close(restored.logits, computed.logits, **TOLERANCE)
 
 
 def test_full_recomputes_the_prefix_too(engine):
     request = conversation(prefix_tokens=18)
     engine.compile(request, ["full"])
-    assert engine.prefill(request, "full").stats["prefix_restore_strategy"] is None
+    assert engine.prefill(request, "full").stats.prefix.strategy is None
 
 
 def test_a_prefix_block_lost_after_lookup_is_recomputed_exactly(engine):
@@ -97,8 +97,8 @@ def test_a_prefix_block_lost_after_lookup_is_recomputed_exactly(engine):
     lossy.compile(request, ["prefix"])
     store.lost.add(lossy.restorer_for(request).block_keys(request.token_ids)[2])
     out = lossy.prefill(request, "prefix")
-    assert out.stats["prefix_restored_tokens"] == 16
-    assert out.stats["prefix_recomputed_tokens"] == {"memory": 4}
+    assert out.stats.prefix.restored_tokens == 16
+    assert out.stats.prefix.recomputed_tokens_by_tier == {"memory": 4}
     torch.testing.assert_close(out.logits, full_prefill(lossy, request).logits, **TOLERANCE)
 
 
@@ -157,10 +157,10 @@ def test_prefixes_restored_together_equal_each_request_prefilled_alone(tiny_mode
             engine.compile(request, [method])
         batch = list(engine.prefill_batch([(r, method, 4) for r in requests]))
         for request, out in zip(requests, batch):
-            assert out.stats["prefix_restore_batch"] == 4
-            assert out.stats["prefix_restored_tokens"] == len(request.segments[0].token_ids) // BLOCK * BLOCK
+            assert out.stats.prefix.batch == 4
+            assert out.stats.prefix.restored_tokens == len(request.segments[0].token_ids) // BLOCK * BLOCK
             alone = engine.prefill(request, method, extra_capacity=4)
-            assert alone.stats["prefix_restore_batch"] == 1
+            assert alone.stats.prefix.batch == 1
             torch.testing.assert_close(out.logits, alone.logits, **TOLERANCE)
             if method == "prefix":
                 torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
@@ -179,8 +179,8 @@ def test_a_batch_with_one_stored_prefix_restores_it_alone_and_a_bad_request_fail
         fresh = Request([Segment(SegmentKind.PREFIX, random_ids(9, 40)), *fresh.segments[1:]])
         too_long = (stored, "prefix", 10**6)
         out = list(engine.prefill_batch([(stored, "prefix", 4), too_long, (fresh, "prefix", 4)]))
-        assert out[0].stats["prefix_restore_batch"] == 1 and out[0].stats["prefix_restored_tokens"] == 16
+        assert out[0].stats.prefix.batch == 1 and out[0].stats.prefix.restored_tokens == 16
         assert isinstance(out[1], ValueError) and "context window" in str(out[1])
-        assert out[2].stats["prefix_restored_tokens"] == 0
+        assert out[2].stats.prefix.restored_tokens == 0
     finally:
         engine.close()

@@ -56,12 +56,12 @@ def test_missed_chunks_are_computed_and_written_back_without_waiting(slow_engine
     store.release.clear()  # every store write now blocks
     first = engine.prefill(request, "naive")  # all chunks miss: computed as fresh tokens, so exact
     torch.testing.assert_close(first.logits, engine.prefill(request, "full").logits, **TOLERANCE)
-    assert first.stats["chunk_hits"] == 0
+    assert first.stats.chunk_hits == 0
     store.release.set()
     engine.wait_for_write_back()
     second = engine.prefill(request, "naive")
-    assert second.stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK))
-    assert second.stats["loaded_tokens"] > 0
+    assert second.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
+    assert second.stats.fusion.loaded_tokens > 0
 
 
 def test_entry_lost_after_lookup_is_recomputed(slow_engine, rag_request):
@@ -73,7 +73,7 @@ def test_entry_lost_after_lookup_is_recomputed(slow_engine, rag_request):
     lost_chunk = [p for p in engine.lookup(request, parse_method("naive")) if p.key and p.segment.start][-1]
     store.lost.add(lost_chunk.key)  # still listed by meta(), but every read of it fails
     out = engine.prefill(request, "naive")
-    assert out.stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK)) - 1
+    assert out.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK)) - 1
     assert (out.logits - reference.logits).abs().max() > 0  # that chunk now sees its context
 
 
@@ -88,9 +88,9 @@ def test_reading_inline_or_on_a_slow_loader_thread_does_not_change_results(slow_
         threaded = engine.executor.run(plan, request.token_ids, overlap_loads=True)
         store.read_delay = 0.0
         assert torch.equal(inline.logits, threaded.logits), method
-        assert (inline.stats["loads_overlapped"], threaded.stats["loads_overlapped"]) == (False, True)
+        assert (inline.stats.loads_overlapped, threaded.stats.loads_overlapped) == (False, True)
         # the executor never holds more than one layer of stored KV beyond the request's own cache
-        assert inline.stats["peak_stored_layers_held"] == threaded.stats["peak_stored_layers_held"] == 1
+        assert inline.stats.peak_stored_layers_held == threaded.stats.peak_stored_layers_held == 1
 
 
 def test_only_reads_that_wait_on_a_device_get_a_loader_thread(tiny_model, make_engine, rag_request):
@@ -99,7 +99,7 @@ def test_only_reads_that_wait_on_a_device_get_a_loader_thread(tiny_model, make_e
         engine = make_engine(tiny_model, open_store(spec))
         try:
             engine.compile(request)
-            assert engine.prefill(request, "naive").stats["loads_overlapped"] is overlapped, spec
+            assert engine.prefill(request, "naive").stats.fusion.loads_overlapped is overlapped, spec
         finally:
             engine.close()
 
@@ -121,9 +121,9 @@ def test_a_salted_request_shares_the_store_but_not_its_entries(tiny_engine, rag_
     request = rag_request()
     tiny_engine.compile(request, ["naive"])
     salted = Request(request.segments, salt="tenant-a")
-    assert tiny_engine.prefill(salted, "naive").stats["chunk_hits"] == 0
+    assert tiny_engine.prefill(salted, "naive").stats.chunk_hits == 0
     tiny_engine.wait_for_write_back()
-    assert tiny_engine.prefill(salted, "naive").stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK))
+    assert tiny_engine.prefill(salted, "naive").stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
 
 
 def test_loaded_tokens_are_counted_by_the_tier_serving_them(tiny_model, make_engine, rag_request, tmp_path):
@@ -133,7 +133,7 @@ def test_loaded_tokens_are_counted_by_the_tier_serving_them(tiny_model, make_eng
         engine.compile(request, ["naive"])
         engine.store.tiers[0].clear()  # only the disk tier holds the entries now
         stats = engine.prefill(request, "naive").stats
-        assert stats["loaded_tokens_by_tier"] == {tier_label(engine.store, 1): stats["loaded_tokens"]}
+        assert stats.loaded_tokens_by_tier == {tier_label(engine.store, 1): stats.fusion.loaded_tokens}
     finally:
         engine.close()
 
@@ -157,11 +157,11 @@ def test_auto_runs_the_method_its_controller_chooses(tiny_model, rag_request, ma
         loose = engine.prefill(request, "auto:kl=0.5")
     finally:
         engine.close()
-    assert (chosen.stats["method"], chosen.stats["requested_method"]) == ("cacheblend:0.3", "auto")
-    assert set(chosen.stats["auto_candidates"]) == {"cacheblend:0.3", "prefix"}
-    assert chosen.stats["predicted_ttft"] == chosen.stats["auto_candidates"]["cacheblend:0.3"]
+    assert (chosen.stats.fusion.method, chosen.stats.auto.requested_method) == ("cacheblend:0.3", "auto")
+    assert set(chosen.stats.auto.candidates) == {"cacheblend:0.3", "prefix"}
+    assert chosen.stats.auto.predicted_ttft == chosen.stats.auto.candidates["cacheblend:0.3"]
     torch.testing.assert_close(chosen.logits, direct.logits, **TOLERANCE)
-    assert loose.stats["method"] == "naive"
+    assert loose.stats.fusion.method == "naive"
 
 
 def test_cost_placement_keeps_new_chunks_out_of_memory_when_the_slow_tier_hides_their_reads(tiny_model, rag_request,
@@ -181,7 +181,7 @@ def test_cost_placement_keeps_new_chunks_out_of_memory_when_the_slow_tier_hides_
         keys = [p.key for p in engine.lookup(request, parse_method(None)) if p.hit]
         assert keys and all(store.locate(k) == 1 and not store.tiers[0].contains(k) for k in keys)
         placed = engine.prefill(request, "cacheblend:0.15")
-        assert placed.stats["loaded_tokens_by_tier"] == {"hdd": placed.stats["loaded_tokens"]}
+        assert placed.stats.loaded_tokens_by_tier == {"hdd": placed.stats.fusion.loaded_tokens}
         store.flush()
         assert all(store.tiers[0].contains(k) for k in keys)  # a hit promotes them: hot entries live in memory
     finally:
@@ -203,7 +203,7 @@ def test_any_bytes_in_place_of_a_stored_chunk_answer_as_if_it_were_not_stored(ti
         engine.wait_for_write_back()
         engine.store.tiers[0]._write(damaged.key, garbage)
         out = engine.prefill(request, "naive")
-        assert out.stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK)) - 1
+        assert out.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK)) - 1
         torch.testing.assert_close(out.logits, computed.logits, atol=1e-5, rtol=0)
     finally:
         engine.close()
@@ -213,12 +213,10 @@ def test_any_bytes_in_place_of_a_stored_chunk_answer_as_if_it_were_not_stored(ti
 def test_only_stored_rows_no_layer_recomputes_to_the_end_count_as_cached(tiny_engine, rag_request, method,
                                                                         recomputed_share):
     """OpenAI's cached_tokens: a chunk row CacheBlend recomputes through the last layer was loaded, not kept."""
-    from kvreuse.server.metrics import cached_tokens
-
     request = rag_request()
     tiny_engine.compile(request, [method])
     stats = tiny_engine.prefill(request, method).stats
     chunk_rows = sum(len(c.token_ids) for c in request.of_kind(SegmentKind.CHUNK))
-    assert stats["chunk_hits"] == len(request.of_kind(SegmentKind.CHUNK)) and stats["loaded_tokens"] == chunk_rows
-    assert stats["kept_tokens"] == chunk_rows - round(recomputed_share * chunk_rows)
-    assert cached_tokens(stats) == stats["kept_tokens"]  # no stored prefix here
+    assert stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK)) and stats.fusion.loaded_tokens == chunk_rows
+    assert stats.fusion.kept_tokens == chunk_rows - round(recomputed_share * chunk_rows)
+    assert stats.cached_tokens == stats.fusion.kept_tokens  # no stored prefix here

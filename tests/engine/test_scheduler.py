@@ -156,3 +156,27 @@ def test_a_job_cancelled_while_its_prompt_is_computed_ends_without_a_token(tiny_
     scheduler.submit(job_for(tiny_chat_engine, "next?", events))
     assert outcome(events)[1].result.finish_reason == "length"
     assert scheduler.running == scheduler.waiting == 0
+
+
+def test_store_writes_run_on_the_engine_thread_between_steps(tiny_chat_engine):
+    """No torch work beside decoding: what a request computed is compiled and stored by the engine thread."""
+    writers = []
+    put = tiny_chat_engine.store.put
+    tiny_chat_engine.store.put = lambda *args, **kw: writers.append(threading.current_thread().name) or put(*args, **kw)
+    scheduler = Scheduler(tiny_chat_engine, max_running=2, max_waiting=2)
+    try:
+        scheduler.start()
+        events = queue.Queue()
+        job = job_for(tiny_chat_engine, "where writes run?", events)
+        job.request = tiny_chat_engine.build_request(["A passage nobody has stored yet, about write-back."],
+                                                     "where writes run?")
+        scheduler.submit(job)
+        outcome(events)
+        tiny_chat_engine.wait_for_write_back()
+        assert writers and set(writers) == {"kv-engine"}
+    finally:
+        scheduler.stop()
+        del tiny_chat_engine.store.put
+    request = tiny_chat_engine.build_request(["Another passage, stored once the scheduler has stopped."], "alone?")
+    tiny_chat_engine.generate(request, "naive", GREEDY)
+    tiny_chat_engine.wait_for_write_back()  # alone again, the engine writes on its own thread

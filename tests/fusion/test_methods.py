@@ -74,7 +74,7 @@ def test_scattered_recomputed_rows_use_an_exact_causal_mask(tiny_engine, rag_req
     request = rag_request()
     store_in_context_kv(tiny_engine, request, method, ranking_seed=7)
     out = tiny_engine.prefill(request, method)
-    assert 0 < out.stats["recompute_share"] < 1
+    assert 0 < out.stats.fusion.recompute_share < 1
     torch.testing.assert_close(out.logits, tiny_engine.prefill(request, "full").logits, **TOLERANCE)
 
 

@@ -166,22 +166,22 @@ def test_a_residual_guard_keeps_the_rows_that_carry_the_deviation(tiny_engine):
     perturb_stored(tiny_engine, request, {1: deviating}, amount=1000.0)  # far beyond the rows' own deviation
     blend = parse_method("cacheblend:0")  # the same check at layer 1, keeping nothing
     unguarded = tiny_engine.executor.run(blend.plan(request, tiny_engine.lookup(request, blend)), request.token_ids)
-    check = unguarded.stats["deviation_checks"][0]
-    assert check["kept"] == 0 and check["residual"] == check["mass"] > 0
-    assert (unguarded.stats["deviation_mass"], unguarded.stats["deviation_residual"]) == (check["mass"], check["mass"])
+    check = unguarded.stats.deviation_checks[0]
+    assert check.kept == 0 and check.residual == check.mass > 0
+    assert (unguarded.stats.deviation_mass, unguarded.stats.deviation_residual) == (check.mass, check.mass)
     seen: list[set[int]] = []
-    guarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, check["mass"] / 100), request.token_ids,
+    guarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, check.mass / 100), request.token_ids,
                                        observer=lambda layer, q, rows, cache: seen.append(set(rows.tolist())))
     first = request.segments[1].start
     assert sorted(r - first for r in seen[1] if first <= r < first + 40) == deviating
-    assert guarded.stats["deviation_checks"][0]["residual"] <= check["mass"] / 100
+    assert guarded.stats.deviation_checks[0].residual <= check.mass / 100
 
 
 def test_a_residual_guard_of_zero_recomputes_every_row_and_equals_full_prefill(tiny_engine):
     request = rag(chunks=(20, 20))
     tiny_engine.compile(request, ["naive"])
     guarded = tiny_engine.executor.run(guarded_plan(tiny_engine, request, 0.0), request.token_ids)
-    assert guarded.stats["deviation_checks"][0]["kept"] == 40
+    assert guarded.stats.deviation_checks[0].kept == 40
     torch.testing.assert_close(guarded.logits, tiny_engine.prefill(request, "full").logits, atol=1e-4, rtol=0)
 
 
@@ -225,8 +225,8 @@ def test_a_query_aware_guard_weighs_its_check_and_at_zero_equals_full_prefill(ti
     tiny_engine.compile(request, ["naive"])
     query_aware, plain = (tiny_engine.executor.run(guarded_plan(tiny_engine, request, 0.0, method),
                                                    request.token_ids) for method in ("guarded-query", "guarded"))
-    assert query_aware.stats["deviation_checks"][0]["kept"] == 40
-    assert query_aware.stats["deviation_mass"] != pytest.approx(plain.stats["deviation_mass"], rel=1e-3)
+    assert query_aware.stats.deviation_checks[0].kept == 40
+    assert query_aware.stats.deviation_mass != pytest.approx(plain.stats.deviation_mass, rel=1e-3)
     torch.testing.assert_close(query_aware.logits, tiny_engine.prefill(request, "full").logits, atol=1e-4, rtol=0)
 
 

@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvreuse.cli import build_parser
-from kvreuse.server.cli import config_from_args
+from kvreuse.cli.serve import config_from_args
 from kvreuse.server.config import ServerConfig, load_config
 
 

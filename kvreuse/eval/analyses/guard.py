@@ -34,7 +34,7 @@ def _run(probe: ExampleProbe, method: str) -> tuple[dict, float]:
     plan = policy.plan(probe.request, probe.engine.lookup(probe.request, policy))
     started = time.perf_counter()
     result = probe.engine.executor.run(plan, probe.request.token_ids)
-    return result.stats | {"logits": result.logits}, time.perf_counter() - started
+    return result.stats.record() | {"logits": result.logits}, time.perf_counter() - started
 
 
 def fidelity_signal(probes: Iterable[ExampleProbe], settings: AnalysisSettings) -> dict:

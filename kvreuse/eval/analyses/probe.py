@@ -14,6 +14,7 @@ import torch
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.eval.datasets import ChunkedPrompt
 from kvreuse.eval.metrics import first_token_kl
+from kvreuse.fusion.executor import FusionStats
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.plan import FusionPlan, plan_from_rows
 from kvreuse.fusion.segments import Segment, SegmentKind
@@ -43,7 +44,7 @@ class Observed:
     logits: torch.Tensor  # [vocab]
     cache: KVCache
     attention: list[torch.Tensor]  # per layer: [Hq, fresh rows, prompt rows]
-    stats: dict
+    stats: FusionStats
 
 
 def kv_deviation(cache: KVCache, reference: KVCache, rows: torch.Tensor) -> torch.Tensor:

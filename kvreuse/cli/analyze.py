@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreuse.eval.cli import _positive_int
+from kvreuse.cli.arguments import positive_int
 
 
 @dataclass(frozen=True)
@@ -54,7 +54,7 @@ def add_commands(subparsers) -> None:
         sub = names.add_parser(name, help=analysis.help)
         add = sub.add_argument
         add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file, one chunk per passage")
-        add("--limit", type=_positive_int, default=4, metavar="N", help="the first N examples (default 4)")
+        add("--limit", type=positive_int, default=4, metavar="N", help="the first N examples (default 4)")
         add("--out", type=Path, default=Path("docs/img"), metavar="DIR", help="where NAME.png and NAME.json go")
         add("--model", default=None, metavar="DIR", help="HF directory or .gguf file (default: embedded SmolLM2)")
         add("--ratio", type=_share, default=0.15, metavar="R", help="recompute ratio of fixed-ratio comparisons")

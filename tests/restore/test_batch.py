@@ -9,7 +9,7 @@ import torch
 
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
-from kvreuse.restore.scheduler import (BatchRestorer, Restoration, auto_priority, io_turn, io_wait, key_weight,
+from kvreuse.restore.batch import (BatchRestorer, Restoration, auto_priority, io_turn, io_wait, key_weight,
                                       recompute_cost)
 from kvreuse.restore.units import Rates, Span
 from kvreuse.store import KeySpace, open_store

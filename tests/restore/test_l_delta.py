@@ -4,16 +4,16 @@ folder, and used by strategy="auto"."""
 import torch
 
 from kvreuse.model.runtime import LayerwiseModel
-from kvreuse.restore import PrefixRestorer, profile
+from kvreuse.restore import PrefixRestorer, l_delta
 from kvreuse.store import KeySpace, open_store
 
 
 def test_crossover_is_the_first_length_where_layer_wise_is_not_clearly_faster():
-    assert profile.crossover({256: 3.0, 512: 2.0, 1024: 1.0}, {256: 1.0, 512: 2.0, 1024: 3.0}) == 512
-    assert profile.crossover({256: 2.0, 512: 4.0}, {256: 1.0, 512: 3.0}) == 513  # layer-wise throughout
+    assert l_delta.crossover({256: 3.0, 512: 2.0, 1024: 1.0}, {256: 1.0, 512: 2.0, 1024: 3.0}) == 512
+    assert l_delta.crossover({256: 2.0, 512: 4.0}, {256: 1.0, 512: 3.0}) == 513  # layer-wise throughout
     # 2% faster is within the benchmark's own spread: token-wise from the first length on
-    assert profile.crossover({256: 3.36, 512: 3.67}, {256: 3.29, 512: 3.81}) == 256
-    assert profile.crossover({256: 2.01, 512: 2.10}, {256: 1.72, 512: 2.04}) == 512  # 14% faster: a real win
+    assert l_delta.crossover({256: 3.36, 512: 3.67}, {256: 3.29, 512: 3.81}) == 256
+    assert l_delta.crossover({256: 2.01, 512: 2.10}, {256: 1.72, 512: 2.04}) == 512  # 14% faster: a real win
 
 
 def test_auto_follows_the_saved_threshold(make_tiny, tmp_path, monkeypatch):
@@ -23,7 +23,7 @@ def test_auto_follows_the_saved_threshold(make_tiny, tmp_path, monkeypatch):
     ids = torch.randint(3, 256, (45,), generator=torch.Generator().manual_seed(0)).tolist()
     restorer.store_prefix(ids)
     assert restorer.restore(ids, "auto").stats["strategy"] == "cake"  # not profiled: token-wise
-    assert profile.save("tiny", "memory", {16: 2.0, 64: 1.0}, {16: 1.0, 64: 2.0}) == 64
+    assert l_delta.save("tiny", "memory", {16: 2.0, 64: 1.0}, {16: 1.0, 64: 2.0}) == 64
     assert (tmp_path / "restore" / "l_delta.json").is_file()
     assert restorer.restore(ids, "auto").stats["strategy"] == "layerwise"  # 40 stored tokens < 64
     restorer.store_prefix(ids * 2)
@@ -37,4 +37,4 @@ def test_cli_registers_the_restore_commands():
     assert args.tiers == ["hdd"] and args.lengths == [512] and args.layers == 0
     assert args.batch_tiers == ["hdd", "ssd", "memory"] and args.batch_io[0] == "auto" and not args.batch_only
     args = build_parser().parse_args(["profile", "l-delta", "--tiers", "memory", "ssd"])
-    assert args.tiers == ["memory", "ssd"] and args.func.__name__ == "cmd_profile"
+    assert args.tiers == ["memory", "ssd"] and args.func.__name__ == "cmd_l_delta"

@@ -5,14 +5,9 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from kvreuse.cli.arguments import positive_int
+
 DEFAULT_METHODS = "full,naive,prefix,cacheblend:0.15,cacheblend:0.05,legolink:2,legolink:16,legolink0,cachetune:0.15"
-
-
-def _positive_int(text: str) -> int:
-    value = int(text) if text.isdigit() else 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
-    return value
 
 
 def add_commands(subparsers) -> None:
@@ -21,11 +16,11 @@ def add_commands(subparsers) -> None:
     add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file (QA, SAMSum, Multi-News)")
     add("--methods", default=DEFAULT_METHODS, metavar="LIST", help="comma-separated; full always runs, first")
     add("--model", default=None, metavar="DIR", help="HF directory or .gguf file (default: embedded SmolLM2)")
-    add("--limit", type=_positive_int, default=None, metavar="N", help="the first N examples only")
+    add("--limit", type=positive_int, default=None, metavar="N", help="the first N examples only")
     add("--chunking", default="passage", metavar="passage|fixed:N", help="one chunk per passage, or N-token pieces")
     add("--store", default=None, metavar="SPEC", help="KV store, e.g. memory:4GB or disk:PATH (default: the engine's)")
     add("--out", type=Path, default=Path("eval-results"), metavar="DIR", help="output directory and resume cache")
-    add("--max-tokens", type=_positive_int, default=None, metavar="N", help="default 32 QA, 128 SAMSum, 512 Multi-News")
+    add("--max-tokens", type=positive_int, default=None, metavar="N", help="default 32 QA, 128 SAMSum, 512 Multi-News")
     add("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
 

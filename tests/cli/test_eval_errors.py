@@ -4,7 +4,7 @@ import pytest
 
 from kvreuse.cli import main
 
-from .support import DATASETS
+from ..eval.support import DATASETS
 
 QA_FILE = str(DATASETS / "2wikimqa.jsonl")
 

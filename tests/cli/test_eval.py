@@ -4,7 +4,7 @@ import json
 
 from kvreuse.cli import main
 
-from .support import DATASETS
+from ..eval.support import DATASETS
 
 
 def test_eval_writes_every_method_and_resumes(tiny_model_dir, tmp_path, capsys):

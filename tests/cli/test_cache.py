@@ -7,8 +7,10 @@ import json
 
 import pytest
 
-from kvreuse.store.cli import add_commands
+from kvreuse.cli.cache import add_commands
 from kvreuse.store.spec import open_store
+
+from ..store.conftest import make_entry  # noqa: F401, F811  (the store tests' entry fixture)
 
 
 def run(*argv: str) -> int:
@@ -19,7 +21,7 @@ def run(*argv: str) -> int:
 
 
 @pytest.fixture
-def disk_store(tmp_path, make_entry):
+def disk_store(tmp_path, make_entry):  # noqa: F811
     spec = f"disk:{tmp_path}/store"
     store = open_store(spec)
     entries = [make_entry(extras=True) for _ in range(3)]

@@ -6,9 +6,9 @@ import json
 import pytest
 
 from kvreuse.cli import main
-from kvreuse.eval.analyses.cli import ANALYSES
+from kvreuse.cli.analyze import ANALYSES
 
-from ..support import DATASETS
+from ..eval.support import DATASETS
 
 
 @pytest.fixture(scope="module")

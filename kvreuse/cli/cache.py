@@ -11,19 +11,13 @@ import contextlib
 import dataclasses
 import json
 import os
-import tempfile
 from typing import Iterator
 
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.store.bench import BenchResult, EntryShape, bench_tier, make_entries
-from kvreuse.store.disk import DiskTier
-from kvreuse.store.memory import MemoryTier
-from kvreuse.store.redis import RedisTier
-from kvreuse.store.redis_server import LocalRedis
+from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
 from kvreuse.store.spec import open_store
-from kvreuse.store.throttled import DEVICES, ThrottledTier
 from kvreuse.store.tiered import TieredStore
 
 STORE_ENV = "KVREUSE_STORE"
@@ -124,25 +118,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console.print(f"{args.entries} entries of {entries[0].nbytes / 1e6:.2f} MB ({shape.layers} layers x "
                   f"{shape.tokens} tokens x {shape.heads} heads x {shape.head_dim}, {shape.dtype}); "
                   f"{os.cpu_count()} CPUs, load average {load:.2f} before the run")
-    results: list[BenchResult] = []
-    with contextlib.ExitStack() as stack:
-        root = args.dir or stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-bench-", dir="/var/tmp"))
-        disk = DiskTier(os.path.join(root, "store"))
-        results.append(bench_tier(MemoryTier(None), entries, "memory", "measured"))
-        results.append(bench_tier(disk, entries, "disk", f"measured, page cache warm ({root})"))
-        results.append(bench_tier(disk, entries, "disk", "measured, page cache cold (fadvise DONTNEED)", cold=True))
-        int8 = DiskTier(os.path.join(root, "int8"), quantize=True)
-        results.append(bench_tier(int8, entries, "disk int8", "measured, page cache warm; lossy 8-bit form"))
-        if args.redis != "none":
-            url = stack.enter_context(LocalRedis()).url if args.redis == "auto" else args.redis
-            redis_tier = RedisTier(url, prefix="kvreuse-bench")
-            results.append(bench_tier(redis_tier, entries, "redis", f"measured ({url})"))
-            redis_tier.close()
-        for name in filter(None, args.emulate.split(",")):
-            device = DEVICES[name]
-            tier = ThrottledTier(MemoryTier(None), device)
-            results.append(bench_tier(tier, entries, f"{name} (emulated)",
-                                      f"EMULATED over memory: {device.read_gbps:g} GB/s, {device.latency_ms:g} ms"))
+    results = bench_all_tiers(entries, args.dir, args.redis, list(filter(None, args.emulate.split(","))))
     console.print(_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -1,10 +1,12 @@
-"""`kvreuse profile costs` and `kvreuse profile fidelity`: registered on the main CLI by `add_commands`."""
+"""`kvreuse profile costs | fidelity | l-delta`: measure this machine and model for the controller and restoration."""
 
 from __future__ import annotations
 
 import argparse
 import tempfile
 from pathlib import Path
+
+from kvreuse.cli.bench import add_restore_arguments
 
 DEFAULT_TIERS = "memory,disk,ssd,hdd"
 
@@ -64,7 +66,17 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(kinds: argparse._SubParsersAction) -> None:
+def cmd_l_delta(args: argparse.Namespace) -> int:
+    from kvreuse.bench.restore import run_profile
+
+    run_profile(args.layers or None, args.tiers, args.lengths, args.repeats, args.block, args.threads,
+                args.compute_run)
+    return 0
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    profile = commands.add_parser("profile", help="measure this machine and model for the controller and restoration")
+    kinds = profile.add_subparsers(dest="profile", required=True)
     costs = kinds.add_parser("costs", help="the controller's machine profile: compute per layer, reads per tier")
     costs.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
     costs.add_argument("--dtype", default="float32")
@@ -83,3 +95,7 @@ def add_commands(kinds: argparse._SubParsersAction) -> None:
                           "earlier fidelity tables to fold in")
     fidelity.add_argument("--out", default=None, help="table file (default: in the kvreuse cache folder)")
     fidelity.set_defaults(func=cmd_fidelity)
+
+    l_delta = kinds.add_parser("l-delta", help="CacheFlow's L_delta (layer-wise vs token-wise restoration) per tier")
+    add_restore_arguments(l_delta, [256, 512, 1024, 2048], 3)
+    l_delta.set_defaults(func=cmd_l_delta)

