@@ -349,19 +349,21 @@ class LayerwiseModel:
         the same order; a group that narrows keeps only the rows it chose.
         """
         q, k, v = self.qkv(layer, hidden)
-        for group, part in zip(groups, _parts([len(g) for g in groups])):
+        parts = [slice(0, hidden.shape[0])] if len(groups) == 1 else _parts([len(g) for g in groups])
+        for group, part in zip(groups, parts):
             if group.capture is not None:
                 group.capture(layer, hidden[part], k[part], v[part])
         rotary = groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups])
         q, k = self.rope(layer, q, rotary), self.rope(layer, k, rotary)
         outputs, kept = [], []
-        for group, part in zip(groups, _parts([len(g) for g in groups])):
+        narrowing = any(g.narrow is not None for g in groups)
+        for group, part in zip(groups, parts):
             gq, gk, gv, rows, positions = q[part], k[part], v[part], group.rows, group.positions
             if group.narrow is not None:
                 keep = group.narrow(layer, gq, gk, gv)
                 gq, gk, gv, rows, positions = gq[keep], gk[keep], gv[keep], rows[keep], positions[keep]
                 kept.append(part.start + keep)
-            else:
+            elif narrowing:
                 kept.append(torch.arange(part.start, part.stop, device=self.device))
             group.cache.write(layer, rows, gk, gv)
             if group.observe is not None:
@@ -369,8 +371,7 @@ class LayerwiseModel:
             end = group.cache.length if group.keys_until is None else group.keys_until
             keys, values = group.cache.keys[layer][:end], group.cache.values[layer][:end]
             outputs.append(self.attend(layer, gq, positions, keys, values, group.cache.positions[:end]))
-        narrowed = any(g.narrow is not None for g in groups)
-        residual = hidden[torch.cat(kept)] if narrowed else hidden
+        residual = hidden[torch.cat(kept)] if kept else hidden
         return self.finish_layer(layer, residual, outputs[0] if len(outputs) == 1 else torch.cat(outputs))
 
     def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:
