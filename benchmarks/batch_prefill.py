@@ -70,7 +70,7 @@ def bench_tier(tier: str, lengths: list[int], repeats: int) -> dict:
                     ttft = policy(engine, requests)
                     if repeat:
                         runs[name].append(ttft)
-            strategies = {engine.prefill(r, "prefix").stats["prefix_restore_strategy"] for r in requests}
+            strategies = {engine.prefill(r, "prefix").stats.prefix.strategy for r in requests}
         finally:
             engine.close()
     return {"tier": tier, "strategies": sorted(strategies), **{

@@ -21,6 +21,8 @@ FLAGS = {
     "--max-concurrency": (int, "sequences prefilled and decoded together (default 8)"),
     "--max-prefill-batch": (int, "waiting requests prefilled per step, their stored prefixes restored together "
                                  "as CacheFlow restores a batch (default 4; 1: one at a time)"),
+    "--batch-restore": (str, "restore waiting requests' stored prefixes together: on, off, or auto (default: only "
+                             "when a tier's reads wait on a device or the network)"),
     "--max-queue": (int, "requests that may wait beyond those; more get 429 (default 256)"),
     "--request-timeout": (float, "seconds from arrival, queueing included, before a request is abandoned (600)"),
     "--max-model-len": (int, "prompt + generated tokens (default: the model's context window)"),
@@ -65,7 +67,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     placement = PlacementPolicy() if config.placement == "cost" else None
     engine = ReuseEngine.load(config.model, config.store, config.dtype, prefix_block_size=config.prefix_block_size,
-                              placement=placement)
+                              batch_restore=config.batch_restore, placement=placement)
     app = create_app(EngineService(engine, config))
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
                 timeout_graceful_shutdown=config.shutdown_timeout)

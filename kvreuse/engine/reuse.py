@@ -51,6 +51,7 @@ from kvreuse.store.tiered import TieredStore, tier_label
 
 log = logging.getLogger(__name__)
 DEFAULT_STORE = "memory:4GB"
+BATCH_RESTORE = ("auto", "on", "off")
 
 
 @dataclass
@@ -63,13 +64,19 @@ class FusedPrefill:
 
 class ReuseEngine:
     def __init__(self, loaded: LoadedModel, store: KVStore, *, prefix_block_size: int = DEFAULT_BLOCK_SIZE,
-                 prefix_strategy: str = "auto",
+                 prefix_strategy: str = "auto", batch_restore: str = "auto",
                  controller: AutoController | None = None, placement: PlacementPolicy | None = None):
         """prefix_block_size: tokens per stored prefix block; prefix_strategy: how a stored prefix is restored
         (auto, load, compute, cake, layerwise: see kvreuse.restore); controller: what resolves method auto
         (default: built from this machine's saved profile on first use, measuring what it lacks); placement:
         put each new chunk on the slowest tier whose reads still hide behind recompute (CacheBlend's device
-        choice, kvreuse.controller.placement) instead of on every tier."""
+        choice, kvreuse.controller.placement) instead of on every tier. batch_restore: whether `prefill_batch`
+        restores waiting requests' stored prefixes together (on), one after another (off), or together only when
+        some of their blocks sit on a tier whose reads wait on a device or the network (auto): where every read
+        is CPU work, as from memory or a page-cached disk, restoring together measured slower on the mean and no
+        faster for the last request (docs/RESULTS.md, benchmarks/batch_prefill.py)."""
+        if batch_restore not in BATCH_RESTORE:
+            raise ValueError(f"batch_restore: expected one of {', '.join(BATCH_RESTORE)}, got {batch_restore!r}")
         if prefix_strategy != "auto" and prefix_strategy not in STRATEGIES:
             raise ValueError(f"prefix_strategy: unknown strategy {prefix_strategy!r}; known: auto, "
                              f"{', '.join(STRATEGIES)}")
@@ -82,6 +89,7 @@ class ReuseEngine:
         self._restore_channels = IOChannels()
         self._restore_rates: dict = {}
         self.prefix_strategy = prefix_strategy
+        self.batch_restore = batch_restore
         self._controller = controller
         self.placement = placement
         self.write_back = WriteBack()
@@ -231,16 +239,18 @@ class ReuseEngine:
     def prefill_batch(self, requests: Sequence[tuple[Request, str | None, int]]
                       ) -> Iterator[FusedPrefill | Exception]:
         """Several requests' prefills (request, method, extra capacity), as CacheFlow serves a batch: when two or
-        more have a stored prefix, those prefixes are restored together (`BatchRestorer`: each tier's I/O
-        channel turns to the request whose loads save the most, compute runs in batched steps), then each
-        request's plan runs on top of its restored rows. Yields each request's prefill in order, as soon as it is
-        ready, or the exception that stopped it; the others go on."""
+        more have a stored prefix and `batch_restore` says it pays, those prefixes are restored together
+        (`BatchRestorer`: each tier's I/O channel turns to the request whose loads save the most, compute runs in
+        batched steps), then each request's plan runs on top of its restored rows. Yields each request's prefill
+        in order, as soon as it is ready, or the exception that stopped it; the others go on."""
         started = time.perf_counter()
         restorations: dict[int, Future] = {}
-        if len(requests) > 1 and self.prefix_strategy not in ("load", "compute"):
+        if len(requests) > 1 and self.batch_restore != "off" and self.prefix_strategy not in ("load", "compute"):
             restorable = [i for i, (request, method, extra) in enumerate(requests)
                           if self._has_stored_prefix(request, method, extra)]
-            for i in restorable if len(restorable) > 1 else []:
+            if not self._restore_together([requests[i][0] for i in restorable]):
+                restorable = []
+            for i in restorable:
                 request, _, extra = requests[i]
                 try:
                     restorations[i] = self.batch_restorer.submit_prefix(
@@ -259,6 +269,19 @@ class ReuseEngine:
                 yield self._fuse(request, method, extra, restoration, started, batch=len(restorations))
             except Exception as e:  # one request's failure is its own
                 yield e
+
+    def _restore_together(self, requests: list[Request]) -> bool:
+        """Whether these requests' stored prefixes are restored as one batch (see batch_restore)."""
+        if len(requests) < 2 or self.batch_restore == "on":
+            return len(requests) > 1
+        tiers = getattr(self.store, "tiers", [self.store])
+        waits = {block.tier for request in requests
+                 for block in self.restorer_for(request).plan(request.token_ids, len(exact_prefix(request).token_ids))
+                 if tiers[block.tier].reads_wait}
+        log.info("%d waiting requests with stored prefixes: restored %s", len(requests),
+                 f"together (tiers {sorted(waits)} wait on reads)" if waits
+                 else "one after another (every read is CPU work on this store's tiers)")
+        return bool(waits)
 
     def _has_stored_prefix(self, request: Request, method: str | None, extra_capacity: int) -> bool:
         """Whether `request` is valid, restores its exact prefix, and the store holds that prefix's first block."""

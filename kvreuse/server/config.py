@@ -31,6 +31,7 @@ class ServerConfig:
     placement: str = "all"  # new chunks on every tier ("all"), or on the slowest whose reads hide ("cost")
     max_concurrency: int = 8  # sequences prefilled and decoded together
     max_prefill_batch: int = 4  # waiting requests prefilled per step, their stored prefixes restored together
+    batch_restore: str = "auto"  # on, off, auto: together only when a tier's reads wait (ReuseEngine)
     max_queue: int = 256  # requests waiting beyond those; one more is refused with 429
     request_timeout: float = 600.0  # seconds from arrival (queueing included) until a request is abandoned
     max_model_len: int | None = None  # prompt + generated tokens; default: the model's context window
@@ -47,6 +48,7 @@ class ServerConfig:
             "placement": self.placement in ("all", "cost"),
             "max_concurrency": self.max_concurrency >= 1,
             "max_prefill_batch": self.max_prefill_batch >= 1,
+            "batch_restore": self.batch_restore in ("auto", "on", "off"),
             "max_queue": self.max_queue >= 0,
             "request_timeout": self.request_timeout > 0,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 2,

@@ -149,7 +149,7 @@ def test_prefixes_restored_together_equal_each_request_prefilled_alone(tiny_mode
     """CacheFlow's batch-aware restoration serving requests: their stored prefixes come back in one batch, then
     each plan runs on top; every output equals the same request prefilled alone (and, for the exact method, a
     full prefill)."""
-    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK, prefix_strategy=strategy)
+    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK, prefix_strategy=strategy, batch_restore="on")
     try:
         requests = shared_prefix_requests(4)
         engine.compile(requests[-1], [method])  # the longest prefix's blocks, and every chunk
@@ -171,8 +171,32 @@ def test_prefixes_restored_together_equal_each_request_prefilled_alone(tiny_mode
         engine.close()
 
 
+@pytest.mark.parametrize("store, together", [("memory:64MB", False), ("throttled:net10g:memory:64MB", True)])
+def test_auto_restores_together_only_when_a_tier_s_reads_wait(make_tiny, store, together):
+    """Where every read is CPU work (memory), restoring together only delays the first requests (RESULTS.md);
+    over a tier whose reads wait, the loads of one request overlap the others' compute, as CacheFlow's do."""
+    from kvreuse.store.spec import open_store
+
+    engine = make_tiny_engine(LayerwiseModel(make_tiny("llama")), open_store(store), prefix_block_size=BLOCK)
+    try:
+        requests = shared_prefix_requests(3)
+        for request in requests:
+            engine.compile(request, ["prefix"])
+        batch = list(engine.prefill_batch([(r, "prefix", 4) for r in requests]))
+        assert [out.stats.prefix.batch for out in batch] == [3 if together else 1] * 3
+        for request, out in zip(requests, batch):
+            torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
+    finally:
+        engine.close()
+
+
+def test_batch_restore_is_on_off_or_auto(tiny_model):
+    with pytest.raises(ValueError, match="batch_restore: expected one of auto, on, off, got 'sometimes'"):
+        make_tiny_engine(tiny_model, batch_restore="sometimes")
+
+
 def test_a_batch_with_one_stored_prefix_restores_it_alone_and_a_bad_request_fails_alone(tiny_model):
-    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK)
+    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK, batch_restore="on")
     try:
         stored, fresh = shared_prefix_requests(2)
         engine.compile(stored, ["prefix"])

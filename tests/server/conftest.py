@@ -46,8 +46,9 @@ def start_server(model_dir, **settings) -> RunningServer:
     sock.bind(("127.0.0.1", 0))
     config = ServerConfig(model=str(model_dir), served_model_name=[MODEL_NAME], port=sock.getsockname()[1],
                           **{"store": "memory:256MB", **settings})
-    service = EngineService(ReuseEngine.load(config.model, config.store, prefix_block_size=config.prefix_block_size),
-                            config)
+    engine = ReuseEngine.load(config.model, config.store, prefix_block_size=config.prefix_block_size,
+                              batch_restore=config.batch_restore)
+    service = EngineService(engine, config)
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()

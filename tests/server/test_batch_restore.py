@@ -1,5 +1,6 @@
 """Requests that arrive together with a stored conversation prefix have their prefixes restored together, as
-CacheFlow restores a batch; /metrics says so, and every answer equals the one the request gets alone."""
+CacheFlow restores a batch (`--batch-restore on`; auto does so only for tiers whose reads wait, which the memory
+tier's do not); /metrics says so, and every answer equals the one the request gets alone."""
 
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ def restorations(http) -> dict[str, float]:
 
 @pytest.fixture
 def server(make_server):
-    return make_server(prefix_block_size=PREFIX_BLOCK, max_concurrency=4, max_prefill_batch=4)
+    return make_server(prefix_block_size=PREFIX_BLOCK, max_concurrency=4, max_prefill_batch=4, batch_restore="on")
 
 
 def test_concurrent_requests_restore_their_stored_prefixes_together_and_answer_as_alone(server):
