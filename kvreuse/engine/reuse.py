@@ -41,7 +41,7 @@ from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
-from kvreuse.restore.job import IOChannels
+from kvreuse.restore.job import Block, IOChannels
 from kvreuse.restore.batch import BatchRestorer
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
@@ -275,8 +275,7 @@ class ReuseEngine:
         if len(requests) < 2 or self.batch_restore == "on":
             return len(requests) > 1
         tiers = getattr(self.store, "tiers", [self.store])
-        waits = {block.tier for request in requests
-                 for block in self.restorer_for(request).plan(request.token_ids, len(exact_prefix(request).token_ids))
+        waits = {block.tier for request in requests for block in self._prefix_blocks(request)
                  if tiers[block.tier].reads_wait}
         log.info("%d waiting requests with stored prefixes: restored %s", len(requests),
                  f"together (tiers {sorted(waits)} wait on reads)" if waits
@@ -288,11 +287,14 @@ class ReuseEngine:
         try:
             policy = parse_method(method)
             self.check_fits(request, extra_capacity)
-            prefix = exact_prefix(request)
-            return (policy.restores_prefix and prefix is not None
-                    and bool(self.restorer_for(request).plan(request.token_ids, len(prefix.token_ids))))
+            return policy.restores_prefix and exact_prefix(request) is not None and bool(self._prefix_blocks(request))
         except Exception:  # its own prefill reports the error
             return False
+
+    def _prefix_blocks(self, request: Request) -> list[Block]:
+        """The stored blocks of the request's exact prefix that its restoration would use."""
+        restorer = self.restorer_for(request)
+        return restorer.blocks_to_restore(request.token_ids, len(exact_prefix(request).token_ids))
 
     @property
     def batch_restorer(self) -> BatchRestorer:

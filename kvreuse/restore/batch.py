@@ -182,7 +182,7 @@ class BatchRestorer:
         if strategy == "load" or strategy == "compute":
             raise ValueError("the batch scheduler runs two-pointer strategies: cake, layerwise or auto")
         ids = _as_ids(token_ids, restorer.model.device)
-        blocks = restorer.plan(ids, max_tokens)
+        blocks = restorer.blocks_to_restore(ids, max_tokens)
         if not blocks and max_tokens is not None:
             raise ValueError("nothing of this prompt's prefix is stored: there is no prefix to restore")
         strategy = restorer.choose(strategy, blocks)

@@ -124,11 +124,12 @@ class PrefixRestorer:
             found.append((key, tier))
         return found
 
-    def lookup(self, token_ids: Sequence[int] | torch.Tensor) -> int:
+    def stored_length(self, token_ids: Sequence[int] | torch.Tensor) -> int:
         """Length in tokens of the longest stored prefix of `token_ids` (whole blocks)."""
         return len(self.stored_blocks(token_ids)) * self.block_size
 
-    def plan(self, token_ids: Sequence[int] | torch.Tensor, max_tokens: int | None = None) -> list[Block]:
+    def blocks_to_restore(self, token_ids: Sequence[int] | torch.Tensor, max_tokens: int | None = None
+                          ) -> list[Block]:
         """The stored blocks a restoration uses, clipped so that the last prompt token is always computed;
         whole blocks within the first `max_tokens` tokens only, if given."""
         end = len(token_ids) - 1
@@ -171,7 +172,7 @@ class PrefixRestorer:
         last token) into a new cache for the whole prompt; the rows after it are left to the caller."""
         started = time.perf_counter()
         ids = _as_ids(token_ids, self.model.device)
-        blocks = self.plan(ids, max_tokens)
+        blocks = self.blocks_to_restore(ids, max_tokens)
         strategy = self.choose(strategy, blocks)
         job = self.new_job(ids, blocks, cache_capacity)
         axis, log = self.run_strategy(strategy, job)

@@ -71,7 +71,7 @@ def restore_stage(restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Ten
     model = restorer.model
     layers = stage_layers(model.num_layers, world)[rank]
     ids = _as_ids(token_ids, model.device)
-    blocks = restorer.plan(ids)
+    blocks = restorer.blocks_to_restore(ids)
     hidden_in = boundary_source(restorer.store, blocks, layers.start) if layers.start else None
     job = restorer.new_job(ids, blocks, cache_capacity, layers=layers, hidden_in=hidden_in)
     strategy = restorer.choose(strategy, blocks)

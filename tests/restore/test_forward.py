@@ -28,7 +28,7 @@ def jobs_of(model, seed: int) -> list[PrefixJob]:
         ids = torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed + i)).tolist()
         restorer.store_prefix(ids[:stored])
         token_ids = _as_ids(ids, model.device)
-        jobs.append(restorer.new_job(token_ids, restorer.plan(token_ids)))
+        jobs.append(restorer.new_job(token_ids, restorer.blocks_to_restore(token_ids)))
     return jobs
 
 

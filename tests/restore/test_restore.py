@@ -51,7 +51,7 @@ CASES = [(45, 8), (45, 40), (45, 21), (48, 48), (45, 45), (20, 0)]
 def test_every_strategy_gives_full_prefill(tiny_model, strategy, prompt, stored):
     token_ids = ids_of(prompt)
     restorer = restorer_with(tiny_model, token_ids[:stored])
-    assert restorer.lookup(token_ids) == stored // BLOCK * BLOCK
+    assert restorer.stored_length(token_ids) == stored // BLOCK * BLOCK
     result = restorer.restore(token_ids, strategy, cache_capacity=prompt + 4)
     assert_matches_full(tiny_model, result, token_ids)
     assert result.stats["prefix_tokens"] == min(stored // BLOCK * BLOCK, prompt - 1)
@@ -70,8 +70,8 @@ def test_every_split_point_gives_full_prefill(tiny_model, axis):
     restorer = restorer_with(tiny_model, token_ids)
     ids = _as_ids(token_ids, tiny_model.device)
     with torch.inference_mode():
-        for split in range(axis(restorer.new_job(ids, restorer.plan(ids))).length + 1):
-            job = restorer.new_job(ids, restorer.plan(ids))
+        for split in range(axis(restorer.new_job(ids, restorer.blocks_to_restore(ids))).length + 1):
+            job = restorer.new_job(ids, restorer.blocks_to_restore(ids))
             restore_split(axis(job), split)
             hidden = job.compute_rows(slice(job.prefix_length, len(ids)))
             result = type("R", (), {"cache": job.cache, "logits": tiny_model.logits(hidden[-1:])[0]})
@@ -84,7 +84,7 @@ def test_write_back_stores_the_computed_blocks(tiny_model):
     result = restorer.restore(token_ids, "cake", write_back=True)
     assert result.stats["blocks_written"] == 3  # blocks 2, 3, 4; the partial block 5 is never stored
     restorer.store.flush()
-    assert restorer.lookup(token_ids) == 40
+    assert restorer.stored_length(token_ids) == 40
     assert_matches_full(tiny_model, restorer.restore(token_ids, "load"), token_ids)
 
 

@@ -58,7 +58,7 @@ def test_a_stage_without_stored_boundaries_says_so(make_tiny):
     restorer.store_prefix(prompt)
     ids = _as_ids(prompt, tiny_model.device)
     with pytest.raises(MissingBoundary, match="layer 2"):
-        boundary_source(restorer.store, restorer.plan(ids), 2)(slice(0, 8))
+        boundary_source(restorer.store, restorer.blocks_to_restore(ids), 2)(slice(0, 8))
 
 
 @pytest.mark.parametrize("axis", [TokenAxis, LayerAxis])
@@ -70,7 +70,7 @@ def test_a_stage_from_its_boundary_is_exact_at_every_split_point(make_tiny, axis
     prompt = ids_of(45, seed=3)
     restorer.store_prefix(prompt)
     ids = _as_ids(prompt, model.device)
-    blocks = restorer.plan(ids)
+    blocks = restorer.blocks_to_restore(ids)
     layers = stage_layers(model.num_layers, 2)[1]
     full = model.prefill(prompt)
     with torch.inference_mode():
