@@ -75,7 +75,7 @@ class Metrics:
         self.e2e.observe(result.total_seconds)
 
     def _restored(self, prefix: PrefixRestoreStats) -> None:
-        if prefix.strategy is None:
+        if not prefix.restored_tokens:  # nothing of its prefix was stored
             return
         self.prefix_restorations.labels(prefix.strategy, "batch" if prefix.batch > 1 else "alone").inc()
         self.prefix_restored_tokens.labels("loaded").inc(prefix.loaded_tokens)
