@@ -47,10 +47,11 @@ from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
 from kvreuse.store.spec import open_store
-from kvreuse.store.tiered import TieredStore, tier_label
+from kvreuse.store.tiered import Probed, TieredStore, tier_label
 
 log = logging.getLogger(__name__)
 DEFAULT_STORE = "memory:4GB"
+Probes = dict[tuple[str, bool], "Probed | None"]  # (key, with extras) -> what the store said, per request
 BATCH_RESTORE = ("auto", "on", "off")
 
 
@@ -147,20 +148,36 @@ class ReuseEngine:
                               self.prefix_block_size, channels=self._restore_channels, rates=self._restore_rates)
 
     def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset(),
-               restored: int = 0) -> list[PlacedSegment]:
-        """Each segment of `request` with its store key and whether the store holds it (keys in `lost` are
-        treated as misses: entries found unreadable during this request). The exact prefix has no key of its
-        own: its first `restored` tokens were restored block by block (`restore_prefix`), the rest is computed."""
+               restored: int = 0, probes: Probes | None = None) -> list[PlacedSegment]:
+        """Each segment of `request` with its store key, whether the store holds it and on which tier (keys in
+        `lost` are treated as misses: entries found unreadable during this request). The exact prefix has no key
+        of its own: its first `restored` tokens were restored block by block (`restore_prefix`), the rest is
+        computed. `probes`: what this request already asked the store (one probe serves every candidate of
+        method auto)."""
+        keys = {i: self.key_of(request, s, method) for i, s in enumerate(request.segments)
+                if s.kind == SegmentKind.CHUNK}
+        found = self._probe([k for k in keys.values() if k not in lost], method.needs_ranking, probes)
         placed = []
-        for segment in request.segments:
-            if segment.kind != SegmentKind.CHUNK:
+        for i, segment in enumerate(request.segments):
+            if i not in keys:
                 is_leading_prefix = segment.kind == SegmentKind.PREFIX and segment.start == 0
                 placed.append(PlacedSegment(segment, restored=restored if is_leading_prefix else 0))
                 continue
-            key = self.key_of(request, segment, method)
-            meta = None if key in lost else self.store.meta(key, with_extras=method.needs_ranking)
-            placed.append(PlacedSegment(segment, key, meta is not None, None if meta is None else meta.ranking))
+            hit = found.get(keys[i])
+            placed.append(PlacedSegment(segment, keys[i], hit is not None, None if hit is None else hit.meta.ranking,
+                                        tier=None if hit is None else hit.tier))
         return placed
+
+    def _probe(self, keys: list[str], with_extras: bool, probes: Probes | None) -> dict[str, Probed]:
+        """The store's one walk for these keys, less what `probes` already holds (a probe with extras serves one
+        without)."""
+        if probes is None:
+            return self.store.probe(keys, with_extras)
+        asked = [k for k in keys if (k, with_extras) not in probes and (k, True) not in probes]
+        found = self.store.probe(asked, with_extras) if asked else {}
+        for key in asked:
+            probes[key, with_extras] = found.get(key)
+        return {k: hit for k in keys if (hit := probes.get((k, True), probes.get((k, with_extras)))) is not None}
 
     def _compile(self, segment: Segment, key: str, method: Method) -> None:
         dummies = int(method.compile_mode.partition(":")[2] or 0) if segment.kind == SegmentKind.CHUNK else 0
@@ -309,15 +326,15 @@ class ReuseEngine:
         the plan run on top of the restored rows; what missed is written back off the request's path."""
         policy = parse_method(method)
         restored = restoration.rows if restoration else 0
-        choice = None
+        choice, probes = None, {}
         if isinstance(policy, Auto):
-            choice = self.controller.choose(policy, lambda m: self.plan_on_tiers(request, m, restored))
+            choice = self.controller.choose(policy, lambda m: self.plan_on_tiers(request, m, restored, probes))
             policy = parse_method(choice.method)
         lost: set[str] = set()
         while True:
-            placed = self.lookup(request, policy, lost, restored)
+            placed = self.lookup(request, policy, lost, restored, probes)
             plan = policy.plan(request, placed)
-            located = self._locate_spans(plan)
+            located = span_tiers_of(plan, placed)
             span_tiers = [tier_label(self.store, i) for i in located]
             try:
                 result: FusionResult = self.executor.run(
@@ -338,17 +355,14 @@ class ReuseEngine:
                              auto=auto_stats(method, choice))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
 
-    def plan_on_tiers(self, request: Request, method: str, restored: int = 0) -> tuple[FusionPlan, list[str]]:
+    def plan_on_tiers(self, request: Request, method: str, restored: int = 0, probes: Probes | None = None
+                      ) -> tuple[FusionPlan, list[str]]:
         """The method's plan for what the store holds now (the first `restored` rows restored already), and the
         tier of each reused span: what the controller's cost model prices."""
         policy = parse_method(method)
-        plan = policy.plan(request, self.lookup(request, policy, restored=restored))
-        return plan, [tier_label(self.store, i) for i in self._locate_spans(plan)]
-
-    def _locate_spans(self, plan: FusionPlan) -> list[int]:
-        """The tier serving each reused span, located before the run (a read promotes what it reads)."""
-        located = [self.store.locate(span.key) if hasattr(self.store, "locate") else 0 for span in plan.reused]
-        return [0 if i is None else i for i in located]
+        placed = self.lookup(request, policy, restored=restored, probes=probes)
+        plan = policy.plan(request, placed)
+        return plan, [tier_label(self.store, i) for i in span_tiers_of(plan, placed)]
 
     def _loads_wait(self, plan: FusionPlan, located: list[int]) -> bool:
         """Whether any of the plan's reads waits on a device or the network: only then does a loader thread
@@ -397,6 +411,13 @@ class ReuseEngine:
         if self._batch_restorer is not None:
             self._batch_restorer.close()
         self.store.close()
+
+
+def span_tiers_of(plan: FusionPlan, placed: list[PlacedSegment]) -> list[int]:
+    """The tier serving each reused span, as the lookup's probe found it (before the run: a read promotes what
+    it reads)."""
+    tiers = {p.key: p.tier for p in placed if p.key is not None}
+    return [tiers.get(span.key) or 0 for span in plan.reused]
 
 
 def exact_prefix(request: Request) -> Segment | None:

@@ -22,6 +22,7 @@ class PlacedSegment:
     hit: bool = False
     ranking: torch.Tensor | None = None  # CacheTune's per-token score, when the entry has one
     restored: int = 0  # leading tokens of an exact prefix restored before the plan runs (prefix restoration)
+    tier: int | None = None  # the first store tier holding it, when hit
 
     @property
     def reusable(self) -> bool:

@@ -15,7 +15,8 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-from typing import Any, Callable, Iterator
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Iterator
 
 from kvreuse.store.base import KV, KVStore, Rows
 from kvreuse.store.entry import EntryMeta, KVEntry
@@ -193,6 +194,23 @@ class TieredStore(KVStore):
     def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
         return next((m for t in self.tiers if (m := t.meta(key, with_extras)) is not None), None)
 
+    def probe(self, keys: Iterable[str], with_extras: bool = False) -> dict[str, Probed]:
+        """Where each key lives and its metadata, in one walk down the tiers: a key is asked of a tier only while
+        no tier above holds it, and once, where `meta` then `locate` would each walk the tiers. Keys held nowhere
+        (or unreadable) are absent."""
+        found: dict[str, Probed] = {}
+        missing = list(dict.fromkeys(keys))
+        for i, tier in enumerate(self.tiers):
+            still = []
+            for key in missing:
+                meta = tier.meta(key, with_extras)
+                if meta is None:
+                    still.append(key)
+                else:
+                    found[key] = Probed(i, meta)
+            missing = still
+        return found
+
     def stats(self) -> dict[str, Any]:
         with self._lock:
             counters = {k: list(v) if isinstance(v, list) else v for k, v in self.counters.items()}
@@ -208,6 +226,14 @@ class TieredStore(KVStore):
         self._writer.join()
         for tier in self.tiers:
             tier.close()
+
+
+@dataclass(frozen=True)
+class Probed:
+    """A stored entry as a planner sees it: the first tier holding it, and its metadata."""
+
+    tier: int
+    meta: EntryMeta
 
 
 def tier_label(store: KVStore, tier: int) -> str:

@@ -220,3 +220,30 @@ def test_only_stored_rows_no_layer_recomputes_to_the_end_count_as_cached(tiny_en
     assert stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK)) and stats.fusion.loaded_tokens == chunk_rows
     assert stats.fusion.kept_tokens == chunk_rows - round(recomputed_share * chunk_rows)
     assert stats.cached_tokens == stats.fusion.kept_tokens  # no stored prefix here
+
+
+def test_auto_s_candidates_share_one_store_probe_per_request(tiny_model, rag_request, make_engine):
+    """Method auto prices several candidates; their lookups share the request's one probe of the store (each
+    chunk key asked once) instead of asking per candidate, and no span is located with a second walk."""
+    from kvreuse.controller.auto import AutoController
+    from kvreuse.controller.fidelity import Fidelity, FidelityTable
+    from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
+
+    compute = ComputeProfile([64, 2048], [64e-5, 2048e-5], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    profile = MachineProfile("tiny-model", "float32", tiny_model.num_layers, 64, compute,
+                             {"memory": TierProfile("memory", 1e10, 0.0)})
+    table = FidelityTable("tiny-model", {m: Fidelity(0.05, 0.7) for m in ("naive", "cacheblend:0.3", "legolink:16")})
+    engine = make_engine(tiny_model, controller=AutoController(profile, table))
+    request = rag_request()
+    engine.compile(request)
+    probes, inner = [], engine.store.probe
+    engine.store.probe = lambda keys, extras=False: probes.append(list(keys)) or inner(keys, extras)
+    engine.store.locate = None  # would raise if anything located a span on its own
+    try:
+        out = engine.prefill(request, "auto")
+    finally:
+        del engine.store.probe, engine.store.locate
+        engine.close()
+    assert len(out.stats.auto.candidates) >= 3 and out.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
+    chunk_keys = {p.key for p in engine.lookup(request, parse_method("naive")) if p.key}
+    assert len(probes) == 1 and sorted(probes[0]) == sorted(chunk_keys)

@@ -172,3 +172,24 @@ def test_close_is_idempotent_and_final(tmp_path, make_entry):
     store.close()
     with pytest.raises(RuntimeError, match="closed"):
         store.put(make_entry())
+
+
+def test_a_probe_walks_the_tiers_once_and_asks_a_tier_only_for_keys_not_found_above(mem_disk, make_entry,
+                                                                                  monkeypatch):
+    store, memory, disk = mem_disk
+    top, below, both = make_entry(extras=True), make_entry(), make_entry()
+    for entry in (top, below, both):
+        store.put(entry)
+    store.flush()
+    memory.delete(below.key)
+    asked = {"memory": [], "disk": []}
+    for name, tier in (("memory", memory), ("disk", disk)):
+        original = tier.meta
+        monkeypatch.setattr(tier, "meta", lambda key, extras=False, original=original, name=name:
+                            asked[name].append(key) or original(key, extras))
+    nowhere = make_entry().key
+    found = store.probe([top.key, below.key, both.key, nowhere, top.key], with_extras=True)
+    assert {key: hit.tier for key, hit in found.items()} == {top.key: 0, below.key: 1, both.key: 0}
+    assert torch.equal(found[top.key].meta.ranking, top.meta.ranking)  # extras read where asked
+    assert sorted(asked["memory"]) == sorted([top.key, below.key, both.key, nowhere])  # each key once
+    assert sorted(asked["disk"]) == sorted([below.key, nowhere])  # only what the memory tier lacked
