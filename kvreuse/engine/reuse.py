@@ -7,10 +7,12 @@
 or, step by step: `request = engine.build_request(...)`, `engine.compile(request)` to warm the store ahead of
 time, `engine.generate(request, method)`.
 
-A request's exact prefix (chat header, system prompt, earlier turns) is restored first: the longest stored run
-of its blocks (block-chained keys, any tier) is brought back by a `PrefixRestorer` (load, compute or both at
-once; strategy "auto" picks Cake or CacheFlow's layer-wise by the profiled L_delta). Its chunks are looked up in
-the store; the method turns hits and misses into a plan; one executor runs it on top of the restored rows.
+A request's exact prefix (chat header, system prompt, earlier turns) is restored inside its plan: the longest
+stored run of its blocks (block-chained keys, any tier) becomes spans of the plan, whose rows or layers a
+`PrefixRestorer` splits between loading and computing (Cake token-wise, CacheFlow layer-wise: strategy "auto"
+picks by the profiled L_delta). Its chunks are looked up in the store; the method turns hits and misses into a
+plan; one executor runs it, one loader reading the prefix's blocks and the chunks layer by layer. Requests
+restored together by the batch scheduler (`prefill_batch`) run their plans on top of the restored rows instead.
 Prefix blocks and chunks that missed are computed with the request and stored for next time in the background:
 a request never waits for a store write, and a conversation whose history grows reuses its stored part.
 """
@@ -20,10 +22,10 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from concurrent.futures import Future
-from functools import partial
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -34,15 +36,15 @@ from kvreuse.engine.sampling import SamplingParams
 from kvreuse.engine.stats import AutoChoiceStats, PrefillStats, PrefixRestoreStats
 from kvreuse.engine.write_back import WriteBack
 from kvreuse.fusion.compile import compile_chunk
-from kvreuse.fusion.executor import FusionExecutor, FusionResult, StoredKVMissing
+from kvreuse.fusion.executor import FusionExecutor, FusionResult, FusionStats, StoredKVMissing
 from kvreuse.fusion.methods import Auto, Method, parse_method
-from kvreuse.fusion.plan import FusionPlan, PlacedSegment
+from kvreuse.fusion.plan import Block, FusionPlan, PlacedSegment, PrefixSplit
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
-from kvreuse.restore.job import Block, IOChannels
 from kvreuse.restore.batch import BatchRestorer
+from kvreuse.restore.job import IOChannels
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
@@ -148,12 +150,13 @@ class ReuseEngine:
                               self.prefix_block_size, channels=self._restore_channels, rates=self._restore_rates)
 
     def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset(),
-               restored: int = 0, probes: Probes | None = None) -> list[PlacedSegment]:
+               restored: int = 0, probes: Probes | None = None, split: PrefixSplit | None = None
+               ) -> list[PlacedSegment]:
         """Each segment of `request` with its store key, whether the store holds it and on which tier (keys in
         `lost` are treated as misses: entries found unreadable during this request). The exact prefix has no key
-        of its own: its first `restored` tokens were restored block by block (`restore_prefix`), the rest is
-        computed. `probes`: what this request already asked the store (one probe serves every candidate of
-        method auto)."""
+        of its own: its stored blocks come back under `split`, or its first `restored` tokens were restored
+        before the plan (a batch's restoration); the rest is computed. `probes`: what this request already asked
+        the store (one probe serves every candidate of method auto)."""
         keys = {i: self.key_of(request, s, method) for i, s in enumerate(request.segments)
                 if s.kind == SegmentKind.CHUNK}
         found = self._probe([k for k in keys.values() if k not in lost], method.needs_ranking, probes)
@@ -161,7 +164,8 @@ class ReuseEngine:
         for i, segment in enumerate(request.segments):
             if i not in keys:
                 is_leading_prefix = segment.kind == SegmentKind.PREFIX and segment.start == 0
-                placed.append(PlacedSegment(segment, restored=restored if is_leading_prefix else 0))
+                placed.append(PlacedSegment(segment, restored=restored if is_leading_prefix else 0,
+                                            split=split if is_leading_prefix else None))
                 continue
             hit = found.get(keys[i])
             placed.append(PlacedSegment(segment, keys[i], hit is not None, None if hit is None else hit.meta.ranking,
@@ -238,20 +242,18 @@ class ReuseEngine:
                 f"prompt: {len(request)} tokens (+{extra_tokens} to generate) exceed the context window of {window}"
             )
 
-    def restore_prefix(self, request: Request, capacity: int) -> PrefixRestoration | None:
-        """Restore the longest stored run of the exact prefix's blocks into a cache for the whole prompt."""
+    def split_prefix(self, request: Request, lost: frozenset[str] | set[str] = frozenset()) -> PrefixSplit | None:
+        """How the stored blocks of the request's exact prefix come back inside its plan (None: no prefix)."""
         prefix = exact_prefix(request)
         if prefix is None:
             return None
-        return self.restorer_for(request).restore_prefix(request.token_ids, self.prefix_strategy, capacity,
-                                            max_tokens=len(prefix.token_ids))
+        return self.restorer_for(request).split(request.token_ids, self.prefix_strategy,
+                                                max_tokens=len(prefix.token_ids), lost=lost,
+                                                other_rows=len(request) - len(prefix.token_ids))
 
     def prefill(self, request: Request, method: str | None = None, extra_capacity: int = 0) -> FusedPrefill:
-        policy = parse_method(method)
         self.check_fits(request, extra_capacity)
-        started = time.perf_counter()
-        restoration = self.restore_prefix(request, len(request) + extra_capacity) if policy.restores_prefix else None
-        return self._fuse(request, method, extra_capacity, restoration, started)
+        return self._fuse(request, method, extra_capacity, None, time.perf_counter())
 
     def prefill_batch(self, requests: Sequence[tuple[Request, str | None, int]]
                       ) -> Iterator[FusedPrefill | Exception]:
@@ -322,17 +324,23 @@ class ReuseEngine:
 
     def _fuse(self, request: Request, method: str | None, extra_capacity: int,
               restoration: PrefixRestoration | None, started: float, batch: int = 1) -> FusedPrefill:
-        """The rest of a prefill once its stored prefix is restored: `auto` resolved, the chunks looked up and
-        the plan run on top of the restored rows; what missed is written back off the request's path."""
+        """A prefill: `auto` resolved, the stored prefix split between loading and computing (unless a batch
+        restored it already: `restoration`), the chunks looked up and the plan run; a stored part found
+        unreadable is computed instead and the plan runs again. What missed is written back off the request's
+        path."""
         policy = parse_method(method)
         restored = restoration.rows if restoration else 0
+        lost: set[str] = set()
+        splits = restoration is None and policy.restores_prefix
+        split = self.split_prefix(request) if splits else None
         choice, probes = None, {}
         if isinstance(policy, Auto):
-            choice = self.controller.choose(policy, lambda m: self.plan_on_tiers(request, m, restored, probes))
+            choice = self.controller.choose(policy,
+                                            lambda m: self.plan_on_tiers(request, m, restored, probes, split))
             policy = parse_method(choice.method)
-        lost: set[str] = set()
+            split = split if policy.restores_prefix else None
         while True:
-            placed = self.lookup(request, policy, lost, restored, probes)
+            placed = self.lookup(request, policy, lost, restored, probes, split)
             plan = policy.plan(request, placed)
             located = span_tiers_of(plan, placed)
             span_tiers = [tier_label(self.store, i) for i in located]
@@ -343,24 +351,33 @@ class ReuseEngine:
                 )
                 break
             except StoredKVMissing as e:  # evicted or damaged since the lookup: compute it instead
+                if e.key in lost:  # the plan read it again: computing it instead did not take
+                    raise RuntimeError(f"the plan read stored KV {e.key} after it was found unreadable") from e
                 log.warning("%s; recomputing it", e)
                 lost.add(e.key)
+                split = self.split_prefix(request, lost) if split is not None else None
+        if split is not None and split.blocks:
+            self.restorer_for(request).learn(split, plan, result.stats)
         self._write_back(placed, policy)
         if policy.restores_prefix:
-            self._write_back_prefix(request, restored)
-        stats = PrefillStats(result.stats, prefix_stats(restoration, batch),
+            self._write_back_prefix(request, split.rows if split else restored)
+        prefix = prefix_stats(restoration, batch) if restoration else split_stats(split, plan, result.stats, self.store,
+                                                                                 self.model.num_layers)
+        stats = PrefillStats(result.stats, prefix,
                              chunk_hits=sum(p.hit for p in placed if p.segment.kind == SegmentKind.CHUNK),
                              chunks=len(request.of_kind(SegmentKind.CHUNK)),
                              loaded_tokens_by_tier=loaded_tokens_by_tier(plan, span_tiers),
                              auto=auto_stats(method, choice))
         return FusedPrefill(result.logits, result.cache, time.perf_counter() - started, stats)
 
-    def plan_on_tiers(self, request: Request, method: str, restored: int = 0, probes: Probes | None = None
-                      ) -> tuple[FusionPlan, list[str]]:
-        """The method's plan for what the store holds now (the first `restored` rows restored already), and the
-        tier of each reused span: what the controller's cost model prices."""
+    def plan_on_tiers(self, request: Request, method: str, restored: int = 0, probes: Probes | None = None,
+                      split: PrefixSplit | None = None) -> tuple[FusionPlan, list[str]]:
+        """The method's plan for what the store holds now (the first `restored` rows restored already, or the
+        stored prefix under `split`), and the tier of each reused span: what the controller's cost model
+        prices."""
         policy = parse_method(method)
-        placed = self.lookup(request, policy, restored=restored, probes=probes)
+        placed = self.lookup(request, policy, restored=restored, probes=probes,
+                             split=split if policy.restores_prefix else None)
         plan = policy.plan(request, placed)
         return plan, [tier_label(self.store, i) for i in span_tiers_of(plan, placed)]
 
@@ -417,6 +434,8 @@ def span_tiers_of(plan: FusionPlan, placed: list[PlacedSegment]) -> list[int]:
     """The tier serving each reused span, as the lookup's probe found it (before the run: a read promotes what
     it reads)."""
     tiers = {p.key: p.tier for p in placed if p.key is not None}
+    for p in placed:
+        tiers.update({block.key: block.tier for block in p.split.blocks} if p.split else {})
     return [tiers.get(span.key) or 0 for span in plan.reused]
 
 
@@ -427,9 +446,10 @@ def exact_prefix(request: Request) -> Segment | None:
 
 
 def loaded_tokens_by_tier(plan: FusionPlan, span_tiers: list[str]) -> dict[str, int]:
+    """Chunk rows read, by the tier serving them."""
     by_tier: Counter[str] = Counter()
     for span, tier in zip(plan.reused, span_tiers):
-        if span.load.numel():
+        if span.approximate and span.load.numel():
             by_tier[tier] += int(span.load.numel())
     return dict(by_tier)
 
@@ -449,3 +469,24 @@ def prefix_stats(restoration: PrefixRestoration | None, batch: int = 1) -> Prefi
     stats = restoration.stats
     return PrefixRestoreStats(stats["strategy"], restoration.rows, stats["tokens_loaded_by_tier"],
                               stats["tokens_computed_by_tier"], stats["restore_seconds"], batch)
+
+
+def split_stats(split: PrefixSplit | None, plan: FusionPlan, stats: FusionStats, store: KVStore, layers: int
+                ) -> PrefixRestoreStats:
+    """How the prefix's stored blocks came back inside the plan: rows loaded (in whole-token equivalents, for a
+    layer-wise split) and computed, by the tier each block was stored on."""
+    if split is None or not split.blocks:
+        return PrefixRestoreStats()
+    loaded: Counter[str] = Counter()
+    for span in plan.reused:
+        if not span.approximate:
+            loaded[span.key] += span.load.numel() * (layers - span.from_layer) / layers
+    by_tier: dict[str, list[float]] = {}
+    for block in split.blocks:
+        tier = by_tier.setdefault(tier_label(store, block.tier), [0.0, 0.0])
+        tier[0] += loaded[block.key]
+        tier[1] += block.length - loaded[block.key]
+    return PrefixRestoreStats(split.strategy, split.rows,
+                              {t: round(n) for t, (n, _) in by_tier.items() if round(n)},
+                              {t: round(n) for t, (_, n) in by_tier.items() if round(n)},
+                              stats.prefix_load_seconds, batch=1)

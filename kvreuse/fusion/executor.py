@@ -5,8 +5,10 @@ it, keys rotated to their global positions (deferred RoPE); then the model's ste
 selected rows and writes them over the stored rows, narrows the selection where the plan says (CacheBlend),
 attends the selected queries over all keys with the exact causal mask by position, and runs the rest of the
 layer for the selected rows only.
-A plan may start from a cache whose leading rows were restored exactly beforehand (a stored prefix, by
-`kvreuse.restore`): those rows are neither loaded nor computed here.
+An exact prefix's stored blocks are spans of the plan like the chunks (the restorer decided which of their
+rows or layers are loaded: `PrefixSplit`), so one loader reads both. A plan may instead start from a cache whose
+leading rows were restored beforehand (a batch's prefixes, restored together by `kvreuse.restore.batch`): those
+rows are neither loaded nor computed here.
 """
 
 from __future__ import annotations
@@ -38,15 +40,17 @@ class FusionStats:
 
     method: str
     prompt_tokens: int
-    reused_tokens: int  # rows of the reused spans, recomputed or not
+    reused_tokens: int  # rows of the reused chunks, recomputed or not (a stored prefix: PrefillStats.prefix)
     loaded_tokens: int  # rows whose stored KV was read
-    kept_tokens: int  # loaded rows whose stored KV serves the last layer as is: OpenAI's cached tokens
+    kept_tokens: int  # loaded chunk rows whose stored KV serves the last layer as is (OpenAI's cached tokens,
+    # with the prefix's loaded rows)
     computed_tokens_layer0: int
     recompute_share: float  # share of the reused chunk rows recomputed, averaged over layers
     computed_rows_mean: float  # all rows computed per layer (fresh ones included), averaged: the compute run
     bytes_loaded: int
     peak_stored_layers_held: int
     load_seconds: float
+    prefix_load_seconds: float  # of load_seconds, reading an exact prefix's stored blocks
     load_wait_seconds: float
     loads_overlapped: bool
     prefill_seconds: float
@@ -75,21 +79,24 @@ class FusionResult:
 
 
 class LayerLoader:
-    """Fetches each layer's stored KV for all reused spans as one tensor pair whose rows follow the spans' order
-    (the plan's `loaded_rows`).
+    """Fetches each layer's stored KV for all reused spans (chunks and an exact prefix's blocks alike) as one
+    tensor pair whose rows follow the spans' order (the plan's `loaded_rows_at(layer)`).
 
-    Threaded, it reads one layer ahead of the compute: layer i+1 once the consumer has placed layer i in the
-    request's KV cache (`placed`), so the read waits while layer i computes. Inline, `take` reads the layer on
-    the caller's thread: on a CPU host a read that is CPU work itself (a memory or page-cached disk tier) gains
-    nothing from overlap and a thread beside the compute's threads only slows both (kvreuse.store.base,
-    `reads_wait`). Either way at most one layer of stored KV is alive at a time.
+    Threaded, it reads `lookahead` layers ahead of the compute: layer i+1 once the consumer has placed layer i
+    in the request's KV cache (`placed`), so the read waits while layer i computes; a prefix restored
+    layer-wise lets it read its upper layers while the lower ones compute, as CacheFlow's layer pointer does.
+    Inline, `take` reads the layer on the caller's thread: on a CPU host a read that is CPU work itself (a
+    memory or page-cached disk tier) gains nothing from overlap and a thread beside the compute's threads only
+    slows both (kvreuse.store.base, `reads_wait`). At most `lookahead` layers of stored KV are alive at a time.
     """
 
-    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int, threaded: bool = True):
+    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int, threaded: bool = True,
+                 lookahead: int = 1):
         self.store, self.num_layers = store, num_layers
         self.spans = [s for s in spans if s.load.numel()]
         self.threaded = threaded and bool(self.spans)
         self.read_seconds = 0.0
+        self.read_seconds_by_key: dict[str, float] = {}
         self.wait_seconds = 0.0
         self.bytes_read = 0
         self.peak_layers_held = 0  # measured, not assumed: layers read and not yet placed
@@ -97,25 +104,28 @@ class LayerLoader:
         self._lock = threading.Lock()
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | BaseException | None] = [None] * num_layers
-        self._may_read = threading.Semaphore(1)
+        self._may_read = threading.Semaphore(max(1, lookahead))
         self._closed = False
         if self.threaded:
             threading.Thread(target=self._run, name="kv-loader", daemon=True).start()
 
     def _read(self, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if span.load.numel() == span.length:
+        start = time.perf_counter()
+        if span.reads_whole_entry:
             kv = self.store.get_layers(span.key, layer, layer + 1)
         else:
             kv = self.store.get_rows(span.key, span.load, range(layer, layer + 1))
-        if kv is None:
+        if kv is None or kv[0].shape[:2] != (1, span.load.numel()):  # missing, or not the entry planned on
             raise StoredKVMissing(span.key)
+        seconds = time.perf_counter() - start
+        self.read_seconds_by_key[span.key] = self.read_seconds_by_key.get(span.key, 0.0) + seconds
         return kv[0][0], kv[1][0]
 
     def _read_layer(self, layer: int) -> None:
-        """Read `layer` of every span into its slot (or the error that stopped it) and mark it ready."""
+        """Read `layer` of every span loaded on it into its slot (or the error that stopped it); mark it ready."""
         start = time.perf_counter()
         try:
-            kv = [self._read(span, layer) for span in self.spans]
+            kv = [self._read(span, layer) for span in self.spans if span.from_layer <= layer]
             self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
             self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
             del kv
@@ -127,8 +137,12 @@ class LayerLoader:
         self.read_seconds += time.perf_counter() - start
         self._ready[layer].set()
 
+    def reads(self, layer: int) -> bool:
+        """Whether any span is loaded on `layer`."""
+        return any(span.from_layer <= layer for span in self.spans)
+
     def _run(self) -> None:
-        for layer in range(self.num_layers):
+        for layer in filter(self.reads, range(self.num_layers)):
             self._may_read.acquire()
             if self._closed:
                 return
@@ -137,7 +151,7 @@ class LayerLoader:
                 return
 
     def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-        if not self.spans:
+        if not self.reads(layer):
             return None
         if not self.threaded:
             self._read_layer(layer)
@@ -170,15 +184,20 @@ class LayerObserver(Protocol):
 
 class PlanRows:
     """A fusion plan as a driver of the model's layer loop: before each layer its stored KV is placed, then the
-    selected rows go through the step, narrowing where the plan says (CacheBlend's deviation check)."""
+    selected rows go through the step, narrowing where the plan says (CacheBlend's deviation check); rows of a
+    prefix restored layer-wise leave the selection where their stored layers start."""
 
     def __init__(self, model: LayerwiseModel, plan: FusionPlan, cache: KVCache, token_ids: torch.Tensor,
                  loader: LayerLoader, observer: LayerObserver | None):
         self.model, self.plan, self.cache, self.loader, self.observer = model, plan, cache, loader, observer
         device = model.device
         self.rotary = model.rotary(range(plan.num_rows))
-        self.loaded_rows = plan.loaded_rows.to(device)
-        self.loaded_rotary = self.rotary[self.loaded_rows]  # deferred RoPE: one rotation for every layer's keys
+        # Deferred RoPE: one rotation of the loaded rows' positions for every layer that loads the same rows.
+        self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.leaving = {span.from_layer: [] for span in plan.reused if span.from_layer}
+        for span in plan.reused:
+            if span.from_layer:
+                self.leaving[span.from_layer].append(span.rows)
         self.approximate = torch.zeros(plan.num_rows, dtype=torch.bool, device=device)
         for span in plan.reused:
             self.approximate[span.start : span.start + span.length] = span.approximate
@@ -189,12 +208,24 @@ class PlanRows:
         self.checks: list[DeviationCheck] = []
         self.computed_rows: list[tuple[int, int]] = []  # (approximate rows, all rows) computed per layer
 
+    def loaded_at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows whose stored KV `layer` loads, and their rotary tables."""
+        start = max((s.from_layer for s in self.plan.reused if s.from_layer <= layer), default=0)
+        if start not in self._loaded:
+            rows = self.plan.loaded_rows_at(layer).to(self.model.device)
+            self._loaded[start] = rows, self.rotary[rows]
+        return self._loaded[start]
+
     def enter(self, layer: int) -> tuple[torch.Tensor, list[RowGroup]]:
         stored = self.loader.take(layer)
         if stored is not None:
-            self.model.place(self.cache, layer, self.loaded_rows, *stored, self.loaded_rotary)
+            rows, rotary = self.loaded_at(layer)
+            self.model.place(self.cache, layer, rows, *stored, rotary)
             del stored
             self.loader.placed()
+        if layer in self.leaving:  # from here on these rows' KV is loaded: their hidden state is not needed
+            staying = ~torch.isin(self.selected, torch.cat(self.leaving[layer]).to(self.selected.device))
+            self.selected, self.hidden = self.selected[staying], self.hidden[staying]
         narrow = self._narrow if layer in self.narrowing else None
         return self.hidden, [RowGroup(self.cache, self.selected, self.selected, self.rotary[self.selected],
                                       narrow=narrow, observe=self.observer)]
@@ -228,7 +259,9 @@ class FusionExecutor:
         each layer on a loader thread while the previous one computes, or inline (see LayerLoader)."""
         model, started = self.model, time.perf_counter()
         cache = self._starting_cache(plan, restored, extra_capacity)
-        loader = LayerLoader(self.store, plan.reused, model.num_layers, threaded=overlap_loads)
+        # A prefix restored layer-wise is read from its first stored layer on while the layers below compute.
+        lookahead = model.num_layers if any(s.from_layer for s in plan.reused) else 1
+        loader = LayerLoader(self.store, plan.reused, model.num_layers, threaded=overlap_loads, lookahead=lookahead)
         try:
             rows = PlanRows(model, plan, cache, token_ids, loader, observer)
             model.run_layers(range(model.num_layers), rows)
@@ -254,15 +287,17 @@ class FusionExecutor:
         return FusionStats(
             method=plan.method,
             prompt_tokens=plan.num_rows,
-            reused_tokens=sum(s.length for s in plan.reused),
+            reused_tokens=plan.approximate_rows,
             loaded_tokens=sum(int(s.load.numel()) for s in plan.reused),
-            kept_tokens=int((~torch.isin(rows.loaded_rows, rows.selected)).sum()),
+            kept_tokens=int((~torch.isin(plan.loaded_chunk_rows.to(rows.selected.device), rows.selected)).sum()),
             computed_tokens_layer0=int(plan.compute_rows.numel()),
             recompute_share=sum(c for c, _ in computed_rows) / (layers * total) if total else 0.0,
             computed_rows_mean=sum(n for _, n in computed_rows) / layers,
             bytes_loaded=loader.bytes_read,
             peak_stored_layers_held=loader.peak_layers_held,
             load_seconds=loader.read_seconds,
+            prefix_load_seconds=sum(loader.read_seconds_by_key.get(s.key, 0.0) for s in plan.reused
+                                    if not s.approximate),
             load_wait_seconds=loader.wait_seconds,
             loads_overlapped=loader.threaded,
             prefill_seconds=elapsed,

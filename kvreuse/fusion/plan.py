@@ -21,27 +21,75 @@ class PlacedSegment:
     key: str | None = None  # store key of its stored KV (None: fresh, never stored)
     hit: bool = False
     ranking: torch.Tensor | None = None  # CacheTune's per-token score, when the entry has one
-    restored: int = 0  # leading tokens of an exact prefix restored before the plan runs (prefix restoration)
+    restored: int = 0  # leading tokens of an exact prefix restored before the plan runs (a batch's restoration)
     tier: int | None = None  # the first store tier holding it, when hit
+    split: PrefixSplit | None = None  # an exact prefix's stored blocks, restored inside the plan
 
     @property
     def reusable(self) -> bool:
         return self.hit and self.segment.kind in (SegmentKind.PREFIX, SegmentKind.CHUNK)
 
 
+@dataclass(frozen=True)
+class Block:
+    """A stored prefix block as a request uses it: cache rows [rows.start, rows.stop) come from entry `key`.
+
+    rows may stop short of the block's end: the last prompt token is always computed, never loaded."""
+
+    index: int
+    key: str
+    rows: slice
+    tier: int
+    stored_tokens: int  # tokens the entry holds (the block size)
+
+    @property
+    def length(self) -> int:
+        return self.rows.stop - self.rows.start
+
+    def overlap(self, rows: slice) -> slice:
+        """The part of `rows` inside this block, relative to the block's first row."""
+        start, stop = max(rows.start, self.rows.start), min(rows.stop, self.rows.stop)
+        return slice(start - self.rows.start, max(start, stop) - self.rows.start)
+
+
+@dataclass(frozen=True)
+class PrefixSplit:
+    """How a stored exact prefix comes back inside a plan, as the restorer decided: its blocks' rows are loaded,
+    except the first `computed_rows` rows (token-wise: Cake, CacheFlow's token pointer), and only from layer
+    `computed_layers` on (layer-wise: CacheFlow's layer pointer); what is not loaded is computed, exactly."""
+
+    strategy: str  # load, compute, cake or layerwise
+    blocks: list[Block]
+    lost: frozenset[str] = frozenset()  # keys of blocks found unreadable during the request: computed
+    computed_rows: int = 0
+    computed_layers: int = 0
+
+    @property
+    def rows(self) -> int:
+        """Prompt rows the stored blocks cover: [0, rows)."""
+        return self.blocks[-1].rows.stop if self.blocks else 0
+
+
 @dataclass
 class ReusedSpan:
-    """Stored KV placed at `start`: rows `load` of the entry (indices into it) are read, for every layer."""
+    """Stored KV placed at `start`: rows `load` of the entry (indices into it) are read, for every layer from
+    `from_layer` on (the layers below compute those rows: a prefix restored layer-wise)."""
 
     key: str
     start: int
-    length: int  # tokens in the entry
+    length: int  # rows of the prompt it covers
     load: torch.Tensor  # sorted entry rows to read; the others are recomputed, so never transferred
     approximate: bool  # a chunk at a new position (narrowing may recompute it), not an exact prefix
+    from_layer: int = 0
+    stored_tokens: int | None = None  # tokens the entry holds, when more than `length` (a clipped prefix block)
 
     @property
     def rows(self) -> torch.Tensor:
         return self.start + self.load
+
+    @property
+    def reads_whole_entry(self) -> bool:
+        return self.load.numel() == (self.stored_tokens or self.length)
 
 
 @dataclass
@@ -81,8 +129,18 @@ class FusionPlan:
 
     @property
     def loaded_rows(self) -> torch.Tensor:
-        """Prompt rows whose stored KV is read, in the loader's order (span by span)."""
-        rows = [s.rows for s in self.reused if s.load.numel()]
+        """Prompt rows whose stored KV is read on the last layer, in the loader's order (span by span)."""
+        return self.loaded_rows_at(None)
+
+    @property
+    def loaded_chunk_rows(self) -> torch.Tensor:
+        """Rows of reused chunks whose stored KV is read."""
+        rows = [s.rows for s in self.reused if s.approximate]
+        return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+    def loaded_rows_at(self, layer: int | None) -> torch.Tensor:
+        """Prompt rows whose stored KV is read for `layer` (None: any layer), span by span."""
+        rows = [s.rows for s in self.reused if s.load.numel() and (layer is None or s.from_layer <= layer)]
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
 
     @property
@@ -109,6 +167,11 @@ def plan_from_rows(
     restored_rows = sum(p.restored for p in placed) if reuse else 0
     for i, p in enumerate(placed):
         rows = torch.arange(len(p.segment.token_ids))
+        if reuse and p.split is not None:
+            spans, computed = split_spans(p.split, p.segment)
+            reused += spans
+            compute.append(computed)
+            continue
         if not (reuse and p.reusable):
             compute.append(p.segment.start + rows[p.restored if reuse else 0:])
             continue
@@ -124,3 +187,22 @@ def plan_from_rows(
         compute.append(p.segment.start + chosen)
     compute_rows = torch.cat(compute).sort().values if compute else torch.empty(0, dtype=torch.long)
     return FusionPlan(method, len(request), reused, compute_rows, narrowing or [], restored_rows)
+
+
+def split_spans(split: PrefixSplit, segment: Segment) -> tuple[list[ReusedSpan], torch.Tensor]:
+    """A prefix segment under `split`: a span per block with rows to load, and the segment's rows computed
+    (from layer 0; a layer-wise split's loaded rows leave the computation at the span's `from_layer`)."""
+    spans = []
+    for block in split.blocks:
+        if block.key in split.lost:
+            continue
+        first_loaded = min(max(split.computed_rows - block.rows.start, 0), block.length)
+        if first_loaded < block.length:
+            spans.append(ReusedSpan(block.key, block.rows.start, block.length,
+                                    torch.arange(first_loaded, block.length), False, split.computed_layers,
+                                    block.stored_tokens))
+    computed = torch.ones(len(segment.token_ids), dtype=torch.bool)
+    for span in spans:
+        if not span.from_layer:
+            computed[span.rows - segment.start] = False
+    return spans, segment.start + computed.nonzero().flatten()

@@ -22,32 +22,11 @@ from typing import Callable, Sequence
 
 import torch
 
+from kvreuse.fusion.plan import Block
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import CapturedKV, LayerwiseModel, RowGroup
 from kvreuse.restore.units import Span
 from kvreuse.store.base import KV, KVStore
-
-
-@dataclass(frozen=True)
-class Block:
-    """A stored prefix block as a request uses it: cache rows [rows.start, rows.stop) come from entry `key`.
-
-    rows may stop short of the block's end: the last prompt token is always computed, never loaded."""
-
-    index: int
-    key: str
-    rows: slice
-    tier: int
-    stored_tokens: int  # tokens the entry holds (the block size)
-
-    @property
-    def length(self) -> int:
-        return self.rows.stop - self.rows.start
-
-    def overlap(self, rows: slice) -> slice:
-        """The part of `rows` inside this block, relative to the block's first row."""
-        start, stop = max(rows.start, self.rows.start), min(rows.stop, self.rows.stop)
-        return slice(start - self.rows.start, max(start, stop) - self.rows.start)
 
 
 class IOChannels:

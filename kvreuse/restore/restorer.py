@@ -13,20 +13,28 @@ Strategies (all exact; they differ only in speed):
   layerwise  CacheFlow layer-wise: compute layers bottom-up for the whole prefix while loading top-down
   auto       layerwise below the profiled threshold L_delta of this model and tier, cake from it on
 Pipeline-stage restoration runs one process per stage: see `stages.restore_stage`.
+
+A request served by the engine restores its prefix inside its fusion plan (`split`): the restorer decides which
+rows (token-wise) or layers (layer-wise) of the stored blocks are computed, from the costs per row and layer
+that earlier plans measured (`learn`), and the executor's one loader reads the rest with the request's chunks.
+`restore` and `restore_prefix` race the two sides' pointers instead (two_pointer): the batch scheduler, the
+pipeline stages and `kvreuse bench restore` use them.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Collection, Sequence
 
 import torch
 
+from kvreuse.fusion.executor import FusionStats
+from kvreuse.fusion.plan import Block, FusionPlan, PrefixSplit
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import l_delta
-from kvreuse.restore.job import Block, Capture, HiddenSource, IOChannels, LayerAxis, PrefixJob, TokenAxis
+from kvreuse.restore.job import Capture, HiddenSource, IOChannels, LayerAxis, PrefixJob, TokenAxis
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Axis, Rates, UnitLog, two_pointer
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
@@ -78,6 +86,47 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
     return [range(a, b) for a, b in zip(starts, starts[1:])]
 
 
+@dataclass(frozen=True)
+class StepCosts:
+    """Seconds per row per layer a plan spent computing, and reading stored prefix rows from one tier, as
+    measured by earlier plans (None: not measured yet)."""
+
+    compute: float | None = None
+    read: float | None = None
+
+    def merged(self, newer: StepCosts, weight: float = 0.5) -> StepCosts:
+        """A running average: `newer`'s figures weigh `weight`, these the rest."""
+
+        def mix(old: float | None, new: float | None) -> float | None:
+            return old if new is None else new if old is None else (1 - weight) * old + weight * new
+
+        return StepCosts(mix(self.compute, newer.compute), mix(self.read, newer.read))
+
+
+def computed_rows(rows: int, other_rows: int, costs: StepCosts, overlapped: bool) -> int:
+    """Token-wise: how many of the first `rows` stored rows to compute beside the plan's `other_rows` computed
+    rows, so that each layer's compute and its reads of the rest end together (overlapped reads), or by which
+    is cheaper per row (inline reads, which cost the compute's own time). Unmeasured: load them all."""
+    if costs.compute is None or costs.read is None:
+        return 0
+    if not overlapped:
+        return 0 if costs.read <= costs.compute else rows
+    balance = (rows * costs.read - other_rows * costs.compute) / (costs.compute + costs.read)
+    return min(max(round(balance), 0), rows)
+
+
+def computed_layers(rows: int, other_rows: int, num_layers: int, costs: StepCosts, overlapped: bool) -> int:
+    """Layer-wise: how many of the bottom layers compute every stored row, so that those layers' compute ends
+    when the reads of the layers above do (overlapped: the loader reads ahead), or by which is cheaper per row
+    (inline). Unmeasured: load every layer."""
+    if costs.compute is None or costs.read is None:
+        return 0
+    if not overlapped:
+        return 0 if costs.read <= costs.compute else num_layers
+    balance = num_layers * (rows * costs.read - other_rows * costs.compute) / (rows * (costs.compute + costs.read))
+    return min(max(round(balance), 0), num_layers)
+
+
 class PrefixRestorer:
     def __init__(
         self,
@@ -89,7 +138,7 @@ class PrefixRestorer:
         boundary_stages: Sequence[int] = (2,),
         channels: IOChannels | None = None,
         compute_run: int = DEFAULT_COMPUTE_RUN,
-        rates: dict[tuple[str, int], Rates] | None = None,
+        rates: dict[tuple[str, int], Rates | StepCosts] | None = None,
     ):
         """boundary_stages: the stage counts whose boundary activations are stored with each block, so that
         a deployment with that many pipeline stages can restore every stage at once. compute_run: tokens' worth
@@ -102,7 +151,9 @@ class PrefixRestorer:
         starts = {s for n in boundary_stages for s in stage_starts(model.num_layers, n)}
         self.boundary_layers = sorted(starts - {0})  # layer 0's input is the embedding: never stored
         self.channels = channels or IOChannels()
-        self._rates = {} if rates is None else rates  # (axis, tier) -> rates earlier restorations achieved
+        # (axis, tier) -> Rates earlier two-pointer restorations achieved; ("step", tier) -> StepCosts earlier
+        # plans measured
+        self._rates = {} if rates is None else rates
 
     # ---- lookup ---------------------------------------------------------------------------------------
 
@@ -143,7 +194,50 @@ class PrefixRestorer:
             blocks.append(Block(i, key, slice(start, min(start + self.block_size, end)), tier, self.block_size))
         return blocks
 
-    # ---- restoration ----------------------------------------------------------------------------------
+    # ---- restoration inside a fusion plan ---------------------------------------------------------------
+
+    def split(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto", *, max_tokens: int | None = None,
+              lost: Collection[str] = (), other_rows: int = 0) -> PrefixSplit:
+        """How the longest stored prefix of `token_ids` (whole blocks within `max_tokens`, never the last token)
+        comes back inside the request's plan, beside `other_rows` rows the plan computes anyway: which of its
+        rows (cake) or layers (layerwise) are computed, the rest loaded by the plan's loader. Blocks in `lost`
+        (found unreadable during this request) are computed."""
+        blocks = self.blocks_to_restore(token_ids, max_tokens)
+        strategy = self.choose(strategy, blocks)
+        rows = blocks[-1].rows.stop if blocks else 0
+        costs, overlapped = self.step_costs(blocks), self.reads_wait(blocks)
+        lost = frozenset(lost) & {b.key for b in blocks}
+        if strategy == "compute":
+            return PrefixSplit(strategy, blocks, lost, computed_rows=rows)
+        if strategy == "cake":
+            return PrefixSplit(strategy, blocks, lost, computed_rows(rows, other_rows, costs, overlapped))
+        if strategy == "layerwise":
+            layers = computed_layers(rows, other_rows, self.model.num_layers, costs, overlapped)
+            return PrefixSplit(strategy, blocks, lost, computed_layers=layers)
+        return PrefixSplit(strategy, blocks, lost)
+
+    def reads_wait(self, blocks: list[Block]) -> bool:
+        """Whether reading these blocks waits on a device or the network (so it overlaps the plan's compute)."""
+        tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
+        return any(tiers[b.tier].reads_wait for b in blocks)
+
+    def step_costs(self, blocks: list[Block]) -> StepCosts:
+        """What earlier plans measured for stored prefix rows on the slowest of these blocks' tiers."""
+        return self._rates.get(("step", max((b.tier for b in blocks), default=-1)), StepCosts())
+
+    def learn(self, split: PrefixSplit, plan: FusionPlan, stats: FusionStats) -> None:
+        """Fold what the plan that ran `split` measured into the costs the next splits are decided by: its
+        compute per row and layer (reads that did not overlap taken out), and its reads of the prefix's rows."""
+        layers = self.model.num_layers
+        inline_reads = stats.load_wait_seconds if stats.loads_overlapped else stats.load_seconds
+        computed = stats.computed_rows_mean * layers
+        read = sum(int(s.load.numel()) * (layers - s.from_layer) for s in plan.reused if not s.approximate)
+        measured = StepCosts(max(stats.prefill_seconds - inline_reads, 0.0) / computed if computed else None,
+                             stats.prefix_load_seconds / read if read else None)
+        key = ("step", max((b.tier for b in split.blocks), default=-1))
+        self._rates[key] = self._rates.get(key, StepCosts()).merged(measured)
+
+    # ---- restoration by two pointers ------------------------------------------------------------------
 
     def choose(self, strategy: str, blocks: list[Block]) -> str:
         if strategy != "auto":

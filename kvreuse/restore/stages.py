@@ -23,9 +23,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
 
+from kvreuse.fusion.plan import Block
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
-from kvreuse.restore.job import Block, HiddenSource
+from kvreuse.restore.job import HiddenSource
 from kvreuse.restore.restorer import PrefixRestorer, RestoreResult, _as_ids, restore_stats, stage_layers
 from kvreuse.store import KeySpace, open_store
 from kvreuse.store.base import KVStore

@@ -7,11 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.fusion.executor import FusionExecutor
+from kvreuse.fusion.executor import FusionExecutor, LayerLoader
 from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.plan import PrefixSplit
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import STRATEGIES
+from kvreuse.restore.job import PrefixJob
+from kvreuse.restore.restorer import StepCosts
+from kvreuse.store.spec import open_store
 
 from ..conftest import make_tiny_engine, random_ids
 
@@ -105,7 +109,7 @@ def test_a_prefix_block_lost_after_lookup_is_recomputed_exactly(engine):
 def test_a_plan_with_restored_rows_needs_their_cache(engine):
     request = conversation(prefix_tokens=18)
     engine.compile(request, ["prefix"])
-    restoration = engine.restore_prefix(request, len(request))
+    restoration = engine.restorer_for(request).restore_prefix(request.token_ids, "load", len(request), max_tokens=18)
     placed = engine.lookup(request, parse_method("prefix"), restored=restoration.rows)
     plan = parse_method("prefix").plan(request, placed)
     assert plan.restored_rows == 16 and int(plan.compute_rows[0]) == 16
@@ -206,5 +210,100 @@ def test_a_batch_with_one_stored_prefix_restores_it_alone_and_a_bad_request_fail
         assert out[0].stats.prefix.batch == 1 and out[0].stats.prefix.restored_tokens == 16
         assert isinstance(out[1], ValueError) and "context window" in str(out[1])
         assert out[2].stats.prefix.restored_tokens == 0
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("computed_rows, computed_layers", [(0, 0), (3, 0), (9, 0), (20, 0), (0, 1), (0, 2)])
+def test_every_split_of_the_stored_prefix_inside_the_plan_is_exact(tiny_model, computed_rows, computed_layers):
+    """Whatever rows (token-wise) or layers (layer-wise) of the stored blocks the restorer computes, the plan that
+    loads the rest beside a chunk equals a full prefill; a layer-wise split's rows leave the computation where
+    their stored layers start."""
+    engine = make_tiny_engine(tiny_model, prefix_block_size=BLOCK)
+    try:
+        request = conversation(prefix_tokens=23)
+        engine.compile(request, ["naive"])
+        blocks = engine.restorer_for(request).blocks_to_restore(request.token_ids, max_tokens=23)
+        computed_layers = min(computed_layers, tiny_model.num_layers - 1)
+        split = PrefixSplit("cake", blocks, computed_rows=computed_rows, computed_layers=computed_layers)
+        plan = parse_method("prefix").plan(request, engine.lookup(request, parse_method("prefix"), split=split))
+        assert sum(s.load.numel() for s in plan.reused) == 20 - computed_rows
+        assert {s.from_layer for s in plan.reused} <= {computed_layers}
+        out = engine.executor.run(plan, request.token_ids)
+        rows, layers = len(request), engine.model.num_layers
+        loaded = 20 - computed_rows
+        computed = computed_layers * rows + (layers - computed_layers) * (rows - 20) if computed_layers else (
+            layers * (rows - loaded))
+        assert out.stats.computed_rows_mean == pytest.approx(computed / layers)
+        full = full_prefill(engine, request)
+        torch.testing.assert_close(out.logits, full.logits, **TOLERANCE)
+        for layer in range(engine.model.num_layers):
+            for got, want in zip(out.cache.layer(layer), full.cache.layer(layer)):
+                torch.testing.assert_close(got, want, **TOLERANCE)
+    finally:
+        engine.close()
+
+
+def test_a_stored_prefix_and_stored_chunks_load_through_one_loader(engine, monkeypatch):
+    """One loader reads both, layer by layer: every layer's read holds the prefix's blocks and the chunk, and
+    nothing else reads the store's prefix blocks."""
+    request = conversation(prefix_tokens=18)
+    engine.compile(request, ["naive"])
+    loaders, reads = [], []
+    real_init, real_read = LayerLoader.__init__, LayerLoader._read
+
+    def counting_init(self, *args, **kwargs):
+        loaders.append(self)
+        real_init(self, *args, **kwargs)
+
+    def recording_read(self, span, layer):
+        reads.append((layer, span.key))
+        return real_read(self, span, layer)
+
+    monkeypatch.setattr(LayerLoader, "__init__", counting_init)
+    monkeypatch.setattr(LayerLoader, "_read", recording_read)
+    monkeypatch.setattr(PrefixJob, "read", lambda *a: pytest.fail("a prefix block read beside the plan's loader"))
+    out = engine.prefill(request, "naive")
+    blocks = engine.restorer_for(request).block_keys(request.token_ids)[:4]
+    chunk = engine.key_of(request, request.segments[1], parse_method("naive"))
+    assert len(loaders) == 1
+    assert reads == [(layer, key) for layer in range(engine.model.num_layers) for key in [*blocks, chunk]]
+    assert out.stats.prefix.restored_tokens == 16 and out.stats.prefix.loaded_tokens == 16
+    assert out.stats.chunk_hits == 1 and out.stats.cached_tokens == 16 + 13
+    naive = parse_method("naive")
+    prefix_computed = engine.executor.run(naive.plan(request, engine.lookup(request, naive)), request.token_ids)
+    torch.testing.assert_close(out.logits, prefix_computed.logits, **TOLERANCE)
+
+
+class WaitingReads:
+    """A store whose reads the engine treats as waiting on a device (so the loader overlaps them)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.reads_wait = True
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("strategy", ["cake", "layerwise"])
+def test_the_restorer_computes_part_of_the_prefix_when_its_reads_are_slow(make_tiny, strategy):
+    """With costs that make reading a stored row slower than computing it, and reads that overlap the compute, the
+    restorer's split computes part of the prefix (rows for cake, layers for layerwise); the result stays exact
+    and the stats say what was loaded and computed."""
+    engine = make_tiny_engine(LayerwiseModel(make_tiny("llama")), WaitingReads(open_store("memory:256MB")),
+                              prefix_block_size=BLOCK, prefix_strategy=strategy)
+    try:
+        request = conversation(prefix_tokens=23)
+        engine.compile(request, ["prefix"])
+        engine._restore_rates["step", 0] = StepCosts(compute=1e-3, read=2e-3)
+        split = engine.split_prefix(request)
+        assert (split.computed_rows, split.computed_layers) != (0, 0) and split.strategy == strategy
+        out = engine.prefill(request, "prefix")
+        prefix = out.stats.prefix
+        assert prefix.restored_tokens == 20 and prefix.recomputed_tokens > 0 and prefix.loaded_tokens > 0
+        assert prefix.loaded_tokens + prefix.recomputed_tokens == 20
+        torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
+        assert engine._restore_rates["step", 0] != StepCosts(compute=1e-3, read=2e-3)  # it learnt from the run
     finally:
         engine.close()

@@ -132,16 +132,16 @@ def test_a_job_cancelled_in_the_queue_ends_and_the_running_one_goes_on(tiny_chat
         scheduler.stop()
 
 
-@pytest.mark.parametrize("phase", ["restoring", "prefilling"])
+@pytest.mark.parametrize("phase", ["planning", "prefilling"])
 def test_a_job_cancelled_while_its_prompt_is_computed_ends_without_a_token(tiny_chat_engine, scheduler, monkeypatch,
                                                                            phase):
-    """The cancel arrives while the engine thread restores the prompt's prefix or runs its fusion plan: the job
-    ends with JobCancelled before any token, frees its slot, and the next job is served."""
-    target, name = (tiny_chat_engine, "restore_prefix") if phase == "restoring" else (tiny_chat_engine.executor, "run")
+    """The cancel arrives while the engine thread splits the prompt's stored prefix or runs its fusion plan: the
+    job ends with JobCancelled before any token, frees its slot, and the next job is served."""
+    target, name = (tiny_chat_engine, "split_prefix") if phase == "planning" else (tiny_chat_engine.executor, "run")
     real = getattr(target, name)
     events = queue.Queue()
     job = job_for(tiny_chat_engine, "cancel me mid-prefill?", events)
-    job.method = "naive"  # a reuse method: its prompt's exact prefix is restored before its plan runs
+    job.method = "naive"  # a reuse method: its prompt's exact prefix is split before its plan runs
 
     def cancel_during(*args, **kwargs):
         job.cancel()
