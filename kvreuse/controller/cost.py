@@ -35,17 +35,23 @@ class LayerWork:
 def layer_work(plan: FusionPlan, num_layers: int) -> list[LayerWork]:
     """What each layer computes under `plan`; layers that compute the same rows share one LayerWork. Where
     CacheBlend narrows, which rows survive depends on the KV, so the survivors are taken evenly spread over the
-    rows that could be dropped."""
-    approximate = torch.zeros(plan.num_rows, dtype=torch.bool)
-    for span in plan.reused:
-        approximate[span.start : span.start + span.length] = span.approximate
-    approximate[-1] = False
+    rows that could be dropped. Rows of a prefix restored layer-wise stop computing where their stored layers
+    start."""
+    approximate = plan.approximate_mask
     selected = plan.compute_rows
     exact, narrowable = selected[~approximate[selected]], selected[approximate[selected]]
-    keeps = {n.layer: round(n.keep * plan.approximate_rows) for n in plan.narrowing}
+    keeps = {n.layer: n.kept_rows(plan.approximate_rows) for n in plan.narrowing}
+    leaving: dict[int, list[torch.Tensor]] = {}
+    for span in plan.reused:
+        if span.from_layer:
+            leaving.setdefault(span.from_layer, []).append(span.rows)
     work = LayerWork(selected, selected.numel())
     layers = []
     for layer in range(num_layers):
+        if layer in leaving:
+            gone = torch.cat(leaving[layer])
+            exact = exact[~torch.isin(exact, gone)]
+            work = LayerWork(work.rows[~torch.isin(work.rows, gone)], work.rows.numel())
         if layer in keeps and keeps[layer] < narrowable.numel():
             before = work.rows.numel()
             narrowable = narrowable[torch.linspace(0, narrowable.numel() - 1, keeps[layer]).long()]
@@ -65,28 +71,36 @@ def predict(plan: FusionPlan, span_tiers: list[str], profile: MachineProfile) ->
         raise ValueError(f"span_tiers: no profile of tier {unknown[0]!r} (profiled: {', '.join(profile.tiers)})")
     compute = profile.compute
     bytes_per_row = profile.kv_bytes_per_token_layer
-    loading = [(profile.tiers[t], s.load.numel()) for s, t in zip(plan.reused, span_tiers) if s.load.numel()]
-    read = sum(tier.read_seconds(rows * bytes_per_row) for tier, rows in loading)  # the loader reads spans in turn
-    place = sum(rows for _, rows in loading) * compute.place_seconds
-    overlapped = any(tier.reads_wait for tier, _ in loading)  # else each layer reads inline, before computing
+    loading = [(profile.tiers[t], s.load.numel(), s.from_layer) for s, t in zip(plan.reused, span_tiers)
+               if s.load.numel()]
+
+    def read_and_place(layer: int) -> tuple[float, float]:
+        """Seconds reading the spans loaded on `layer` (the loader reads them in turn), and placing them."""
+        on = [(tier, rows) for tier, rows, first in loading if first <= layer]
+        return (sum(tier.read_seconds(rows * bytes_per_row) for tier, rows in on),
+                sum(rows for _, rows in on) * compute.place_seconds)
+
+    overlapped = any(tier.reads_wait for tier, _, _ in loading)  # else each layer reads inline, before computing
 
     clock = loader_free = 0.0  # when compute is free; when the loader may read the next layer
     compute_total = 0.0
     key_positions = torch.arange(plan.num_rows)
     seconds_of: dict[int, float] = {}  # layers computing the same rows cost the same
+    total_load = 0.0
     for layer, work in enumerate(layer_work(plan, profile.num_layers)):
         window = profile.windows[layer] if profile.windows else None
         key = (id(work), window)
         if key not in seconds_of:
             seconds_of[key] = _layer_compute(work, attention_calls(work.rows, key_positions, window), compute)
+        read, place = read_and_place(layer)
         if overlapped:
             start = max(clock, loader_free + read)
             loader_free = start + place  # the next read starts once this layer's stored rows are placed
         else:
-            start = clock + read if loading else clock
+            start = clock + read
         clock = start + place + seconds_of[key]
         compute_total += place + seconds_of[key]
-    total_load = read * profile.num_layers if loading else 0.0
+        total_load += read
     return Prediction(compute.request_seconds + clock, compute_total, total_load)
 
 

@@ -425,6 +425,7 @@ class ReuseEngine:
 
     def close(self) -> None:
         self.write_back.close()
+        self.executor.close()
         if self._batch_restorer is not None:
             self._batch_restorer.close()
         self.store.close()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import Protocol
 
@@ -90,11 +91,12 @@ class LayerLoader:
     slows both (kvreuse.store.base, `reads_wait`). At most `lookahead` layers of stored KV are alive at a time.
     """
 
-    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int, threaded: bool = True,
-                 lookahead: int = 1):
+    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int,
+                 thread: ThreadPoolExecutor | None = None, lookahead: int = 1):
+        """thread: where the loader reads ahead (the executor's own I/O thread); None: inline."""
         self.store, self.num_layers = store, num_layers
         self.spans = [s for s in spans if s.load.numel()]
-        self.threaded = threaded and bool(self.spans)
+        self.threaded = thread is not None and bool(self.spans)
         self.read_seconds = 0.0
         self.read_seconds_by_key: dict[str, float] = {}
         self.wait_seconds = 0.0
@@ -107,7 +109,7 @@ class LayerLoader:
         self._may_read = threading.Semaphore(max(1, lookahead))
         self._closed = False
         if self.threaded:
-            threading.Thread(target=self._run, name="kv-loader", daemon=True).start()
+            thread.submit(self._run)
 
     def _read(self, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         start = time.perf_counter()
@@ -198,10 +200,7 @@ class PlanRows:
         for span in plan.reused:
             if span.from_layer:
                 self.leaving[span.from_layer].append(span.rows)
-        self.approximate = torch.zeros(plan.num_rows, dtype=torch.bool, device=device)
-        for span in plan.reused:
-            self.approximate[span.start : span.start + span.length] = span.approximate
-        self.approximate[-1] = False  # the last row always runs to the end
+        self.approximate = plan.approximate_mask.to(device)
         self.narrowing = {n.layer: n for n in plan.narrowing}
         self.selected = plan.compute_rows.to(device)
         self.hidden = model.embed(token_ids.to(device)[self.selected])
@@ -248,6 +247,17 @@ class PlanRows:
 class FusionExecutor:
     def __init__(self, model: LayerwiseModel, store: KVStore | None):
         self.model, self.store = model, store
+        self._io_thread: ThreadPoolExecutor | None = None  # the loaders' thread, as long-lived as the executor
+
+    def io_thread(self) -> ThreadPoolExecutor:
+        if self._io_thread is None:
+            self._io_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-loader")
+        return self._io_thread
+
+    def close(self) -> None:
+        if self._io_thread is not None:
+            self._io_thread.shutdown(wait=True)
+            self._io_thread = None
 
     @torch.inference_mode()
     def run(self, plan: FusionPlan, token_ids: torch.Tensor, extra_capacity: int = 0,
@@ -261,7 +271,8 @@ class FusionExecutor:
         cache = self._starting_cache(plan, restored, extra_capacity)
         # A prefix restored layer-wise is read from its first stored layer on while the layers below compute.
         lookahead = model.num_layers if any(s.from_layer for s in plan.reused) else 1
-        loader = LayerLoader(self.store, plan.reused, model.num_layers, threaded=overlap_loads, lookahead=lookahead)
+        loader = LayerLoader(self.store, plan.reused, model.num_layers,
+                             self.io_thread() if overlap_loads else None, lookahead)
         try:
             rows = PlanRows(model, plan, cache, token_ids, loader, observer)
             model.run_layers(range(model.num_layers), rows)
@@ -347,7 +358,7 @@ def most_deviating(narrowing: Narrowing, approximate_rows: int, cache: KVCache, 
     energy = float(row_energy.sum()) or 1.0
     order = torch.where(narrowable, deviation, torch.tensor(float("inf"))).argsort(descending=True)
     fixed, candidates = int((~narrowable).sum()), int(narrowable.sum())
-    budget = min(round(narrowing.keep * approximate_rows), candidates)
+    budget = min(narrowing.kept_rows(approximate_rows), candidates)
     # left[j]: the deviation on the narrowable rows past the j most deviating ones
     ranked = deviation[order[fixed:]]
     left = torch.cat([ranked.flip(0).cumsum(0).flip(0), torch.zeros(1)]) / energy  # summed from the tail: exact

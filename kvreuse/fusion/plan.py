@@ -109,6 +109,10 @@ class Narrowing:
     # layer: a row the question ignores matters less however far it strays.
     query_aware: bool = False
 
+    def kept_rows(self, approximate_rows: int) -> int:
+        """The approximate rows the `keep` share stands for."""
+        return round(self.keep * approximate_rows)
+
 
 @dataclass
 class FusionPlan:
@@ -142,6 +146,16 @@ class FusionPlan:
         """Prompt rows whose stored KV is read for `layer` (None: any layer), span by span."""
         rows = [s.rows for s in self.reused if s.load.numel() and (layer is None or s.from_layer <= layer)]
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+    @property
+    def approximate_mask(self) -> torch.Tensor:
+        """[num_rows] bool: rows of reused chunks that narrowing may stop recomputing (never the last row, which
+        runs to the end: its hidden state gives the first token)."""
+        mask = torch.zeros(self.num_rows, dtype=torch.bool)
+        for span in self.reused:
+            mask[span.start : span.start + span.length] = span.approximate
+        mask[-1] = False
+        return mask
 
     @property
     def approximate_rows(self) -> int:

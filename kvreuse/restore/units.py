@@ -324,7 +324,8 @@ DEFAULT_COMPUTE_RUN = 32  # tokens' worth of work per compute span
 def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True, compute_run: int = DEFAULT_COMPUTE_RUN,
                 prior: Rates = Rates()) -> UnitLog:
     """Restore every position of `axis`: a compute thread from the front (spans of `compute_run` tokens' work),
-    an I/O thread from the back (stored blocks); returns once both are done.
+    an I/O thread from the back (stored blocks); returns once both are done. A single side runs on the caller's
+    thread.
 
     compute=False is load-only, load=False compute-only: the baselines run through the same code. Failed loads
     are recomputed on the caller's thread once every other position is in place. `prior`: the rates earlier
@@ -341,14 +342,18 @@ def two_pointer(axis: Axis, *, compute: bool = True, load: bool = True, compute_
         except BaseException as e:  # re-raised on the caller's thread
             errors.append(e)
 
-    sides = [(load, "io", pointers.claim_back, lambda s: log.load(axis, pointers, s)),
-             (compute, "compute", pointers.claim_front, lambda s: log.compute(axis, pointers, s))]
-    workers = [threading.Thread(target=worker, args=(claim, work), name=f"restore-{name}", daemon=True)
-               for enabled, name, claim, work in sides if enabled]
-    for thread in workers:
-        thread.start()
-    for thread in workers:
-        thread.join()
+    sides = [(name, claim, work) for enabled, name, claim, work in [
+        (load, "io", pointers.claim_back, lambda s: log.load(axis, pointers, s)),
+        (compute, "compute", pointers.claim_front, lambda s: log.compute(axis, pointers, s))] if enabled]
+    if len(sides) == 1:  # one side has nothing to overlap with: it runs on the caller's thread
+        worker(*sides[0][1:])
+    else:
+        workers = [threading.Thread(target=worker, args=(claim, work), name=f"restore-{name}", daemon=True)
+                   for name, claim, work in sides]
+        for thread in workers:
+            thread.start()
+        for thread in workers:
+            thread.join()
     if errors:
         raise errors[0]
     with torch.inference_mode():

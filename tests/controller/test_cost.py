@@ -7,6 +7,8 @@ import pytest
 from kvreuse.controller.cost import layer_work, predict
 from kvreuse.controller.profile import TierProfile
 from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.plan import Block, PlacedSegment, PrefixSplit
+from kvreuse.fusion.segments import Request, Segment, SegmentKind
 
 from .support import KV_BYTES, LAYERS, rag_plan, synthetic_profile
 
@@ -99,3 +101,20 @@ def test_cachetune_reads_only_the_rows_it_does_not_recompute():
     plan, tiers = rag_plan("cachetune:0.25", "slow")
     assert predict(plan, tiers, profile).load_seconds == pytest.approx(LAYERS * 0.010 * 0.75)
     assert parse_method("cachetune:0.25").needs_ranking
+
+
+def test_a_prefix_restored_layer_wise_is_priced_as_it_runs():
+    """A stored prefix split layer-wise computes every prefix row on the layers below the split and reads its
+    blocks only from there on; token-wise, it computes its first rows on every layer."""
+    request = Request([Segment(SegmentKind.PREFIX, [1] * 512), Segment(SegmentKind.FRESH, [3] * 20)])
+    blocks = [Block(i, f"block-{i}", slice(256 * i, 256 * (i + 1)), 0, 256) for i in range(2)]
+    profile = synthetic_profile(1e-5, tiers={"slow": TierProfile("slow", 512 * KV_BYTES / 0.002, 0.0)})
+    for split, computed, read_layers in [(PrefixSplit("layerwise", blocks, computed_layers=10), None, LAYERS - 10),
+                                         (PrefixSplit("cake", blocks, computed_rows=100), 100 + 20, LAYERS)]:
+        placed = [PlacedSegment(request.segments[0], split=split), PlacedSegment(request.segments[1])]
+        plan = parse_method("prefix").plan(request, placed)
+        work = [w.rows.numel() for w in layer_work(plan, LAYERS)]
+        assert work == ([532] * 10 + [20] * (LAYERS - 10) if computed is None else [computed] * LAYERS)
+        prediction = predict(plan, ["slow"] * len(plan.reused), profile)
+        loaded_share = 1.0 if computed is None else (512 - 100) / 512
+        assert prediction.load_seconds == pytest.approx(read_layers * 0.002 * loaded_share)

@@ -275,23 +275,12 @@ def test_a_stored_prefix_and_stored_chunks_load_through_one_loader(engine, monke
     torch.testing.assert_close(out.logits, prefix_computed.logits, **TOLERANCE)
 
 
-class WaitingReads:
-    """A store whose reads the engine treats as waiting on a device (so the loader overlaps them)."""
-
-    def __init__(self, inner):
-        self.inner = inner
-        self.reads_wait = True
-
-    def __getattr__(self, name):
-        return getattr(self.inner, name)
-
-
 @pytest.mark.parametrize("strategy", ["cake", "layerwise"])
 def test_the_restorer_computes_part_of_the_prefix_when_its_reads_are_slow(make_tiny, strategy):
     """With costs that make reading a stored row slower than computing it, and reads that overlap the compute, the
     restorer's split computes part of the prefix (rows for cake, layers for layerwise); the result stays exact
     and the stats say what was loaded and computed."""
-    engine = make_tiny_engine(LayerwiseModel(make_tiny("llama")), WaitingReads(open_store("memory:256MB")),
+    engine = make_tiny_engine(LayerwiseModel(make_tiny("llama")), open_store("throttled:ssd:memory:64MB"),
                               prefix_block_size=BLOCK, prefix_strategy=strategy)
     try:
         request = conversation(prefix_tokens=23)

@@ -4,10 +4,11 @@ import threading
 import time
 
 import pytest
+import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-import torch
 
+from kvreuse.fusion.executor import LayerLoader
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request, SegmentKind
 from kvreuse.store.spec import open_store
@@ -91,6 +92,30 @@ def test_reading_inline_or_on_a_slow_loader_thread_does_not_change_results(slow_
         assert (inline.stats.loads_overlapped, threaded.stats.loads_overlapped) == (False, True)
         # the executor never holds more than one layer of stored KV beyond the request's own cache
         assert inline.stats.peak_stored_layers_held == threaded.stats.peak_stored_layers_held == 1
+
+
+def test_every_overlapped_run_reads_on_the_executor_s_one_loader_thread(tiny_model, make_engine, rag_request,
+                                                                        monkeypatch):
+    """The engine owns its threads: successive runs' loaders read on the executor's one I/O thread, which ends
+    with the engine."""
+    readers = set()
+    read_layer = LayerLoader._read_layer
+
+    def recording(loader, layer):
+        readers.add(threading.current_thread())
+        return read_layer(loader, layer)
+
+    monkeypatch.setattr(LayerLoader, "_read_layer", recording)
+    engine = make_engine(tiny_model, open_store("throttled:ssd:memory:64MB"))
+    request = rag_request()
+    engine.compile(request)
+    for _ in range(3):
+        assert engine.prefill(request, "naive").stats.fusion.loads_overlapped
+    (reader,) = readers
+    assert reader is not threading.main_thread() and reader.name.startswith("kv-loader")
+    engine.close()
+    reader.join(timeout=10)
+    assert not reader.is_alive()
 
 
 def test_only_reads_that_wait_on_a_device_get_a_loader_thread(tiny_model, make_engine, rag_request):

@@ -3,6 +3,8 @@ next-token logits (fp32, within 1e-4), on tiny random-weight models of every fam
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -148,3 +150,16 @@ def test_only_two_pointer_restorations_teach_the_rates(tiny_model):
         assert restorer._rates == {}
     restorer.restore(ids, "cake")  # which sides finish a span on so short a prefix is up to the threads
     assert restorer._rates[("TokenAxis", 0)] != Rates()
+
+
+@pytest.mark.parametrize("strategy", ["load", "compute"])
+def test_a_restoration_with_one_side_runs_on_the_caller_s_thread(tiny_model, monkeypatch, strategy):
+    """Load-only and compute-only have nothing to overlap: no thread is started for them (the engine's prefix
+    write-back is a load-only restoration, run between the scheduler's steps on its thread)."""
+    restorer = PrefixRestorer(tiny_model, open_store("memory:64MB"), SPACE, block_size=BLOCK)
+    ids = ids_of(40, seed=3)
+    restorer.store_prefix(ids)
+    started = []
+    monkeypatch.setattr(threading.Thread, "start", lambda thread: started.append(thread.name))
+    assert_matches_full(tiny_model, restorer.restore(ids, strategy), ids)
+    assert started == []
