@@ -10,8 +10,9 @@ import contextlib
 import logging
 import threading
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from dataclasses import asdict, dataclass
-from typing import Any, Callable, ContextManager, Iterator, Sequence, TypeVar
+from typing import Any, Callable, ContextManager, Hashable, Iterator, Sequence, TypeVar
 
 import torch
 
@@ -74,6 +75,9 @@ class KVStore(ABC):
 
     def close(self) -> None:  # noqa: B027 - most tiers hold nothing to release
         pass
+
+
+HEADER_CACHE_ENTRIES = 256  # parsed headers a blob tier keeps: a few requests' chunks and prefix blocks
 
 
 @dataclass
@@ -149,6 +153,10 @@ class BlobTier(Tier):
         """quantize: keep entries in the lossy int8 form (about half the bytes of bf16); reads say so."""
         super().__init__(f"{name} (int8)" if quantize else name, **expect)
         self.quantize = quantize
+        # Parsed headers of recently read entries, by key, with the identity of the bytes they were parsed from:
+        # a plan reads each entry once per layer, and parsing the header was most of a one-layer read.
+        self._headers: OrderedDict[str, tuple[Hashable, EntryReader]] = OrderedDict()
+        self._headers_lock = threading.Lock()
 
     @abstractmethod
     def _open(self, key: str) -> ContextManager[ByteSource | None]:
@@ -174,25 +182,48 @@ class BlobTier(Tier):
             with self._open(key) as source:
                 if source is None:
                     return None
-                reader = EntryReader(source, key)
+                reader = self._reader(key, source)
                 if not self.accepts(key, reader.info["model_fingerprint"], reader.info["dtype"]):
                     return None
                 return fn(reader)
         except EntryDamaged as e:
             self.fault("damaged", key, e)
+            self._forget_header(key)
             self._drop_damaged(key)
         except self.backend_errors as e:
             self.fault("unavailable", key, e)
         return None
 
+    def _reader(self, key: str, source: ByteSource) -> EntryReader:
+        """The entry's parsed header over `source`: the cached one if it was parsed from these same bytes."""
+        if source.identity is None:
+            return EntryReader(source, key)
+        with self._headers_lock:
+            cached = self._headers.get(key)
+            if cached is not None and cached[0] == source.identity:
+                self._headers.move_to_end(key)
+                return cached[1].rebound(source)
+        reader = EntryReader(source, key)
+        with self._headers_lock:
+            self._headers[key] = (source.identity, reader.rebound(None))
+            self._headers.move_to_end(key)
+            while len(self._headers) > HEADER_CACHE_ENTRIES:
+                self._headers.popitem(last=False)
+        return reader
+
+    def _forget_header(self, key: str) -> None:
+        with self._headers_lock:
+            self._headers.pop(key, None)
+
     def _read(self, key: str, fn: Callable[[EntryReader], T]) -> T | None:
         """_load for a request: counted as a hit or a miss, and a hit refreshes the key's replacement rank."""
-        result = self._load(key, fn)
-        if result is None:
+        loaded = self._load(key, lambda reader: (fn(reader), reader.source))
+        if loaded is None:
             self.count("misses")
             return None
+        result, source = loaded
         self.count("hits")
-        self.count("bytes_read", nbytes_of(result))
+        self.count("bytes_read", source.fetched)  # what the backend handed over: whole row groups, the header
         self._hit(key)
         return result
 
@@ -242,6 +273,7 @@ class BlobTier(Tier):
         return True
 
     def delete(self, key: str) -> bool:
+        self._forget_header(key)
         return self._unless_unavailable(key, self._remove)
 
 

@@ -4,6 +4,9 @@ Tensors: `k.{layer}` and `v.{layer}`, each [num_tokens, num_kv_heads, head_dim],
 `boundary`. A layer range is then a set of whole tensors, and a token subset a set of byte runs inside them.
 Checksums (XXH3-64) cover every `row_group` consecutive token rows of every K/V tensor, so a partial read
 verifies exactly what it read; the metadata carries its own checksum, so a flipped byte anywhere is caught.
+An entry with CacheTune's ranking keeps its rows in rank order, least important first (`row_order`): the rows
+CacheTune loads (all but its top r) are then one run at the front of each tensor, so a sparse read reads
+about the share of the bytes it keeps, not every row group; reads hand rows back in token order.
 XXH3, not BLAKE3 as for keys: a checksum guards against damage, not an adversary, and XXH3 checks 12 GB/s on
 this machine against BLAKE3's 2.7, which had made checksums 40% of a warm disk read.
 Optional int8 form (lossy, opt-in per tier): `k.{layer}` holds int8 values and `k.{layer}.scale` one float32
@@ -15,12 +18,13 @@ which is how disk (pread) and Redis (GETRANGE) serve partial reads without readi
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Hashable, Sequence
 
 import numpy as np
 import torch
@@ -29,8 +33,12 @@ from safetensors.torch import save as safetensors_save
 
 from kvreuse.store.entry import DTYPES, EntryMeta, KVEntry, check_layers, check_rows, take_rows
 
-FORMAT = "kvreuse-kv/1"
-DEFAULT_ROW_GROUP = 64
+FORMAT = "kvreuse-kv/2"  # /2 adds `row_order`; /1 entries (token order) still read
+READABLE_FORMATS = ("kvreuse-kv/1", FORMAT)
+# Small enough that the run of rows a sparse read keeps wastes little of a group at its end (CacheTune's 85% of
+# a 160-token chunk: 144 of 160 rows read, where 64-row groups read all 160); large enough that the checksums
+# stay a small part of the header (about 20 bytes per group per layer).
+DEFAULT_ROW_GROUP = 16
 MAX_HEADER_BYTES = 64 << 20
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8}
 INT8 = "int8"
@@ -47,6 +55,10 @@ class ByteSource(ABC):
     sees a few large requests rather than one per tensor, and checks that nothing came back short."""
 
     size: int
+    fetched: int = 0  # bytes asked of the backend so far: what a read really cost, headers included
+    # What changes whenever the stored bytes do (a file's inode and times, a Redis entry's version), so that a
+    # parsed header can be reused for the same bytes; None: not known, parse every time.
+    identity: Hashable | None = None
 
     @abstractmethod
     def _fetch(self, spans: list[Range]) -> list[bytes | memoryview]: ...
@@ -56,6 +68,7 @@ class ByteSource(ABC):
         if any(off + n > self.size for off, n in ranges):
             raise EntryDamaged(f"read past the end of a {self.size}-byte entry (truncated?)")
         spans, where = _merge(ranges)
+        self.fetched += sum(n for _, n in spans)
         fetched = [memoryview(data) for data in self._fetch(spans)]
         for (off, n), data in zip(spans, fetched, strict=True):
             if len(data) != n:
@@ -138,7 +151,9 @@ def dequantize_int8(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) ->
 def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP, *, quantize: bool = False) -> bytes:
     m = entry.meta
     tensors: dict[str, torch.Tensor] = {}
+    order = None if m.ranking is None else m.ranking.float().argsort(stable=True)  # least important first
     for kv, t in (("k", entry.k), ("v", entry.v)):
+        t = t if order is None else t[:, order]
         for layer in range(m.num_layers):
             if quantize:
                 tensors[f"{kv}.{layer}"], tensors[f"{kv}.{layer}.scale"] = quantize_int8(t[layer])
@@ -167,6 +182,7 @@ def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP, *, quantize: bool
         "compile_mode": m.compile_mode,
         "boundary_layers": list(m.boundary_layers),
         "row_group": row_group,
+        "row_order": None if order is None else order.tolist(),
         "checksums": checksums,
     }
     text = json.dumps(info, sort_keys=True)
@@ -200,7 +216,7 @@ class EntryReader:
             raise EntryDamaged(f"header length {n} does not fit an entry of {self.source.size} bytes")
         header = json.loads(bytes(self.source.read_ranges([(8, n)])[0]))
         meta = header.pop("__metadata__")
-        if meta.get("format") != FORMAT:
+        if meta.get("format") not in READABLE_FORMATS:
             raise EntryDamaged(f"not a {FORMAT} entry")
         if _checksum(meta["entry"].encode()) != meta["entry_checksum"]:
             raise EntryDamaged("metadata checksum mismatch")
@@ -214,6 +230,20 @@ class EntryReader:
             for name, t in header.items()
         }
         self._validate_layout()
+        # original row -> stored row; None: stored in token order
+        order = info.get("row_order")
+        self._position = None
+        if order is not None:
+            order = np.asarray(order, dtype=np.int64)
+            if order.shape != (info["num_tokens"],) or not np.array_equal(np.sort(order), np.arange(len(order))):
+                raise EntryDamaged("row_order is not a permutation of the entry's rows")
+            self._position = np.argsort(order)
+
+    def rebound(self, source: ByteSource | None) -> EntryReader:
+        """This parsed header over another open source of the same bytes (None: detached, for a cache)."""
+        reader = copy.copy(self)
+        reader.source = source
+        return reader
 
     @property
     def quantized(self) -> bool:
@@ -263,9 +293,9 @@ class EntryReader:
         g, T = self.info["row_group"], self.info["num_tokens"]
         num_groups = -(-T // g)
         if rows is None:
-            return _RowPlan([(0, num_groups)], T, None)
+            return _RowPlan([(0, num_groups)], T, None if self._position is None else torch.from_numpy(self._position))
         # numpy, not torch: small torch ops wait for a free core on a busy machine (6 ms for a searchsorted).
-        r = rows.numpy()
+        r = rows.numpy() if self._position is None else self._position[rows.numpy()]
         group_of = r // g
         runs = _contiguous_runs(np.unique(group_of).tolist())
         start_of = np.zeros(num_groups, dtype=np.int64)  # where each loaded group starts among loaded rows

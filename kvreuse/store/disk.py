@@ -33,7 +33,9 @@ STALE_TMP_SECONDS = 3600  # a temp file this old belongs to a writer that died
 class FileSource(ByteSource):
     def __init__(self, fd: int):
         self.fd = fd
-        self.size = os.fstat(fd).st_size
+        st = os.fstat(fd)
+        self.size = st.st_size
+        self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def _fetch(self, spans: list[Range]) -> list[bytes]:
         return [os.pread(self.fd, n, off) for off, n in spans]

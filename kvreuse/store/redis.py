@@ -50,6 +50,7 @@ def wrong_type_is_damage() -> Iterator[None]:
 class RedisSource(ByteSource):
     def __init__(self, client: redis.Redis, part_prefix: str, size: int, part_size: int):
         self.client, self.part_prefix, self.size, self.part_size = client, part_prefix, size, part_size
+        self.identity = (part_prefix, size, part_size)  # the prefix names the entry's version: new on every write
 
     def _fetch(self, spans: list[Range]) -> list[bytes]:
         """One pipelined round trip: a GETRANGE for each part a span touches, then the pieces joined.

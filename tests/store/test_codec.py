@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -25,13 +27,15 @@ def test_file_is_plain_safetensors(tmp_path, make_entry):
     path = tmp_path / "e.safetensors"
     path.write_bytes(encode(entry))
     with safe_open(path, framework="pt") as f:
-        assert f.metadata()["format"] == "kvreuse-kv/1"
-        assert torch.equal(f.get_tensor("k.2"), entry.k[2])
+        assert f.metadata()["format"] == "kvreuse-kv/2"
+        order = json.loads(f.metadata()["entry"])["row_order"]  # ranked: least important row first
+        assert torch.equal(f.get_tensor("k.2"), entry.k[2][order])
+        assert torch.equal(entry.meta.ranking[order], entry.meta.ranking.sort(stable=True).values)
         assert torch.equal(f.get_tensor("ranking"), entry.meta.ranking)
 
 
 def test_partial_reads_read_only_what_they_need(make_entry):
-    entry = make_entry(layers=8, tokens=256)  # 4 row groups of 64 per tensor
+    entry = make_entry(layers=8, tokens=256)  # 16 row groups of 16 per tensor
     data = encode(entry)
     tensor_bytes = entry.k[0].numel() * 4
 
@@ -43,9 +47,9 @@ def test_partial_reads_read_only_what_they_need(make_entry):
     header = bytes_for(lambda r: None)
     assert bytes_for(lambda r: r.read()) - header == 16 * tensor_bytes
     assert bytes_for(lambda r: r.read(range(2, 4))) - header == 4 * tensor_bytes
-    # Rows 5 and 70 lie in two of the four row groups: half of each of the 16 tensors.
-    assert bytes_for(lambda r: r.read(None, [70, 5])) - header == 16 * tensor_bytes // 2
-    assert bytes_for(lambda r: r.read(range(7, 8), [255])) - header == 2 * tensor_bytes // 4
+    # Rows 5 and 70 lie in two of the sixteen row groups: an eighth of each of the 16 tensors.
+    assert bytes_for(lambda r: r.read(None, [70, 5])) - header == 16 * tensor_bytes // 8
+    assert bytes_for(lambda r: r.read(range(7, 8), [255])) - header == 2 * tensor_bytes // 16
 
 
 def test_decode_checks_the_key(make_entry):

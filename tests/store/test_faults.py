@@ -62,13 +62,13 @@ def test_partial_reads_verify_what_they_read(blob_tier_maker, make_entry, tensor
     data = encode(entry)
     layout = EntryReader(BufferSource(data), entry.key).tensors[tensor]
     row_bytes = layout.nbytes // 100
-    rows, layers = [1, 64, 99], range(1, 4)
+    rows, layers = [1, 20, 40, 50, 64, 90, 99], range(1, 4)
     for row in range(0, 100, 7):
         flipped = bytearray(data)
         flipped[layout.start + row * row_bytes + 5] ^= 0x01
         tier._write(entry.key, bytes(flipped))
         kv = tier.get_rows(entry.key, rows, layers)
-        # Rows 1, 64 and 99 touch both 64-row checksum groups, so a flip in any row of a read layer is caught...
+        # These rows touch all seven 16-row checksum groups, so a flip in any row of a read layer is caught...
         assert kv is None, f"flip in row {row} of {tensor} went unnoticed"
         # ...while a read of a layer the flip is not in reads other bytes, and gets them exactly.
         tier._write(entry.key, bytes(flipped))
