@@ -107,27 +107,35 @@ class LayerLoader:
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(max(1, lookahead))
+        self._whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # span -> its layers, read at once
         self._closed = False
         if self.threaded:
             thread.submit(self._run)
 
-    def _read(self, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _read(self, index: int, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer` of span `index`: read now, or taken from its layers read at once (`read_whole`)."""
+        if span.read_whole and layer > span.from_layer:
+            k, v = self._whole[index]
+            return k[layer - span.from_layer], v[layer - span.from_layer]
+        layers = range(layer, self.num_layers if span.read_whole else layer + 1)
         start = time.perf_counter()
         if span.reads_whole_entry:
-            kv = self.store.get_layers(span.key, layer, layer + 1)
+            kv = self.store.get_layers(span.key, layers.start, layers.stop)
         else:
-            kv = self.store.get_rows(span.key, span.load, range(layer, layer + 1))
-        if kv is None or kv[0].shape[:2] != (1, span.load.numel()):  # missing, or not the entry planned on
+            kv = self.store.get_rows(span.key, span.load, layers)
+        if kv is None or kv[0].shape[:2] != (len(layers), span.load.numel()):  # missing, or not the planned entry
             raise StoredKVMissing(span.key)
         seconds = time.perf_counter() - start
         self.read_seconds_by_key[span.key] = self.read_seconds_by_key.get(span.key, 0.0) + seconds
+        if span.read_whole:
+            self._whole[index] = kv
         return kv[0][0], kv[1][0]
 
     def _read_layer(self, layer: int) -> None:
         """Read `layer` of every span loaded on it into its slot (or the error that stopped it); mark it ready."""
         start = time.perf_counter()
         try:
-            kv = [self._read(span, layer) for span in self.spans if span.from_layer <= layer]
+            kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.from_layer <= layer]
             self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
             self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
             del kv

@@ -63,6 +63,9 @@ class PrefixSplit:
     lost: frozenset[str] = frozenset()  # keys of blocks found unreadable during the request: computed
     computed_rows: int = 0
     computed_layers: int = 0
+    # Read each block's layers in one read instead of one read per layer: where every read pays a device's
+    # latency, 30 of them per block cost more than the overlap of layer by layer reads gains.
+    read_whole: bool = False
 
     @property
     def rows(self) -> int:
@@ -82,6 +85,7 @@ class ReusedSpan:
     approximate: bool  # a chunk at a new position (narrowing may recompute it), not an exact prefix
     from_layer: int = 0
     stored_tokens: int | None = None  # tokens the entry holds, when more than `length` (a clipped prefix block)
+    read_whole: bool = False  # read every layer from `from_layer` on at once, not one layer per read
 
     @property
     def rows(self) -> torch.Tensor:
@@ -214,7 +218,7 @@ def split_spans(split: PrefixSplit, segment: Segment) -> tuple[list[ReusedSpan],
         if first_loaded < block.length:
             spans.append(ReusedSpan(block.key, block.rows.start, block.length,
                                     torch.arange(first_loaded, block.length), False, split.computed_layers,
-                                    block.stored_tokens))
+                                    block.stored_tokens, split.read_whole))
     computed = torch.ones(len(segment.token_ids), dtype=torch.bool)
     for span in spans:
         if not span.from_layer:

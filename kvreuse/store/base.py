@@ -34,6 +34,7 @@ class KVStore(ABC):
     # True where a read mostly waits (network, a device) rather than runs on the CPU. Only such reads gain from
     # a loader thread beside the compute on a CPU host: a CPU-bound read there only contends with it.
     reads_wait = False
+    read_latency_seconds = 0.0  # what every read pays before its bytes (a device's seek, a network round trip)
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...

@@ -41,6 +41,7 @@ class ThrottledTier(KVStore):
         self.sleep_seconds = 0.0
         self.writes_are_cheap = inner.writes_are_cheap
         self.reads_wait = True  # the device model's latency and bandwidth are waits
+        self.read_latency_seconds = device.latency_ms / 1e3
 
     def _throttled(self, read: Callable[[], T], nbytes: Callable[[T], int]) -> T:
         start = time.perf_counter()

@@ -256,9 +256,9 @@ def test_a_stored_prefix_and_stored_chunks_load_through_one_loader(engine, monke
         loaders.append(self)
         real_init(self, *args, **kwargs)
 
-    def recording_read(self, span, layer):
+    def recording_read(self, index, span, layer):
         reads.append((layer, span.key))
-        return real_read(self, span, layer)
+        return real_read(self, index, span, layer)
 
     monkeypatch.setattr(LayerLoader, "__init__", counting_init)
     monkeypatch.setattr(LayerLoader, "_read", recording_read)
@@ -294,5 +294,30 @@ def test_the_restorer_computes_part_of_the_prefix_when_its_reads_are_slow(make_t
         assert prefix.loaded_tokens + prefix.recomputed_tokens == 20
         torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
         assert engine._restore_rates["step", 0] != StepCosts(compute=1e-3, read=2e-3)  # it learnt from the run
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("strategy, costs", [("cake", None), ("layerwise", StepCosts(compute=1e-3, read=2e-3))])
+def test_blocks_on_a_tier_whose_reads_pay_a_seek_are_read_whole(make_tiny, strategy, costs):
+    """Where every read pays a device's latency (the emulated HDD's 8 ms), each block is read once, all its layers
+    at once, instead of once per layer; layer-wise, from its first stored layer on. The result stays exact."""
+    engine = make_tiny_engine(LayerwiseModel(make_tiny("llama")), open_store("throttled:hdd:memory:64MB"),
+                              prefix_block_size=BLOCK, prefix_strategy=strategy)
+    try:
+        request = conversation(prefix_tokens=23)
+        engine.compile(request, ["prefix"])
+        if costs is not None:
+            engine._restore_rates["step", 0] = costs
+        split = engine.split_prefix(request)
+        assert split.read_whole and (strategy == "cake" or split.computed_layers > 0)
+        reads = []
+        get_layers = engine.store.get_layers
+        engine.store.get_layers = lambda key, start, stop: reads.append((key, start, stop)) or get_layers(key, start,
+                                                                                                           stop)
+        out = engine.prefill(request, "prefix")
+        layers = engine.model.num_layers
+        assert sorted(reads) == sorted((b.key, split.computed_layers, layers) for b in split.blocks)
+        torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
     finally:
         engine.close()
