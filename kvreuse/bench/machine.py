@@ -1,0 +1,77 @@
+"""What this machine can do for a model's prefill, measured here: the matmul rate on the model's own layer
+shapes and the memory bandwidth, and the floor they set for a prefill of n tokens. A benchmark divides this
+floor by what it measured (achieved / limit): how far an engine is from the cores, not from another engine.
+
+The floor is a lower bound: every FLOP of the prefill (projections, MLP, causal attention over every earlier
+token, the LM head for the last row) at the best rate the model's dense shapes reach here, or its weights read
+once from memory, whichever is longer. Sliding-window layers are counted as global, so their floor is lower
+than the work they do.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from kvreuse.model.runtime import LayerwiseModel
+
+BANDWIDTH_BYTES = 256 << 20  # large enough that no cache holds it
+
+
+@dataclass(frozen=True)
+class MachineLimit:
+    dtype: str
+    rows: int  # the row count the matmul rate was measured at
+    dense_flops_per_second: float  # the model's layer projections and MLP, all of them, at `rows` rows
+    bytes_per_second: float  # a large copy: bytes read plus bytes written, per second
+
+    def floor_seconds(self, flops: float, nbytes: float) -> float:
+        return max(flops / self.dense_flops_per_second, nbytes / self.bytes_per_second)
+
+
+def layer_linears(model: LayerwiseModel) -> list[nn.Linear]:
+    """The matmuls of one decoder layer (q, k, v, o, the MLP's), as the model defines them."""
+    return [m for m in model.layers[0].modules() if isinstance(m, nn.Linear)]
+
+
+def prefill_flops(model: LayerwiseModel, tokens: int) -> float:
+    """FLOPs of a full prefill of `tokens` tokens: 2 per multiply-add of every layer's projections and MLP, causal
+    attention (QK^T and AV over each row's earlier keys, every query head), and the LM head for the last row."""
+    dense = sum(m.in_features * m.out_features for m in layer_linears(model))
+    attention = 2 * 2 * model.num_q_heads * model.head_dim * tokens * (tokens + 1) / 2
+    head = model.hf_model.lm_head
+    return model.num_layers * (2 * tokens * dense + attention) + 2 * head.in_features * head.out_features
+
+
+def weight_bytes(model: LayerwiseModel) -> int:
+    return sum(p.numel() * p.element_size() for p in model.hf_model.parameters())
+
+
+@torch.inference_mode()
+def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> MachineLimit:
+    """The best of `repeats` timings of one layer's matmuls at `rows` rows, and of a large copy."""
+    linears = layer_linears(model)
+    flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
+    inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
+
+    def layer_matmuls() -> None:
+        for m in linears:
+            nn.functional.linear(inputs[m.in_features], m.weight)
+
+    source = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    target = torch.empty_like(source)
+    dense, copy = _best(layer_matmuls, repeats), _best(lambda: target.copy_(source), repeats)
+    return MachineLimit(str(model.dtype).removeprefix("torch."), rows, flops / dense, 2 * source.nbytes / copy)
+
+
+def _best(fn, repeats: int) -> float:
+    fn()  # warm-up
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best

@@ -1,0 +1,36 @@
+"""The machine's limit for a prefill: FLOPs counted from the model's own shapes, rates measured here."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.bench.machine import MachineLimit, layer_linears, measure, prefill_flops, weight_bytes
+from kvreuse.model.runtime import LayerwiseModel
+
+
+def test_prefill_flops_count_every_layer_s_matmuls_causal_attention_and_one_row_of_the_lm_head(make_tiny):
+    model = LayerwiseModel(make_tiny("llama"))
+    config = model.config
+    hidden, inner, heads, kv_heads = (config.hidden_size, config.intermediate_size, config.num_attention_heads,
+                                      config.num_key_value_heads)
+    head_dim = model.head_dim
+    per_token = (hidden * heads * head_dim * 2 + hidden * kv_heads * head_dim * 2  # q, o; k, v
+                 + 3 * hidden * inner)  # gate, up, down
+    assert sum(m.in_features * m.out_features for m in layer_linears(model)) == per_token
+    n = 10
+    attention = 2 * 2 * heads * head_dim * n * (n + 1) / 2
+    expected = model.num_layers * (2 * n * per_token + attention) + 2 * hidden * config.vocab_size
+    assert prefill_flops(model, n) == pytest.approx(expected)
+    assert prefill_flops(model, 2 * n) > 2 * prefill_flops(model, n) - 2 * hidden * config.vocab_size
+
+
+def test_the_floor_is_the_longer_of_compute_and_weight_reads(make_tiny):
+    limit = MachineLimit("float32", 64, dense_flops_per_second=1e9, bytes_per_second=1e8)
+    assert limit.floor_seconds(2e9, 1e7) == pytest.approx(2.0)
+    assert limit.floor_seconds(1e6, 1e9) == pytest.approx(10.0)
+    model = LayerwiseModel(make_tiny("llama"))
+    measured = measure(model, rows=32, repeats=2)
+    assert measured.dense_flops_per_second > 0 and measured.bytes_per_second > 0 and measured.rows == 32
+    assert weight_bytes(model) == sum(p.numel() * 4 for p in model.hf_model.parameters())
+    assert measured.dtype == str(torch.float32).removeprefix("torch.")
