@@ -31,6 +31,7 @@ import torch
 
 from kvreuse.controller.auto import AutoController, Choice
 from kvreuse.controller.placement import NewEntry, PlacementPolicy, choose_tier
+from kvreuse.controller.profile import MachineProfile, load_profile
 from kvreuse.engine.generate import Generation, decode
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.engine.stats import AutoChoiceStats, PrefillStats, PrefixRestoreStats
@@ -45,6 +46,7 @@ from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.restore.batch import BatchRestorer
 from kvreuse.restore.job import IOChannels
+from kvreuse.restore.restorer import StepCosts
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
@@ -97,6 +99,9 @@ class ReuseEngine:
         self.placement = placement
         self.write_back = WriteBack()
         self._batch_restorer: BatchRestorer | None = None
+        profile = controller.profile if controller else load_profile(self.fingerprint, self._dtype_name)
+        if profile is not None:
+            self._restore_rates |= step_costs_from(profile, self.store)
 
     @classmethod
     def load(cls, model: str | None = None, store: str = DEFAULT_STORE, dtype: str = "float32", **options
@@ -121,10 +126,13 @@ class ReuseEngine:
 
             tiers = getattr(self.store, "tiers", [self.store])
             labelled = {tier_label(self.store, i): tier for i, tier in enumerate(tiers)}
-            dtype = str(self.model.dtype).removeprefix("torch.")
-            profile = ensure_profile(self.model, self.fingerprint, dtype, labelled)
+            profile = ensure_profile(self.model, self.fingerprint, self._dtype_name, labelled)
             self._controller = AutoController(profile, load_table(self.fingerprint))
         return self._controller
+
+    @property
+    def _dtype_name(self) -> str:
+        return str(self.model.dtype).removeprefix("torch.")
 
     def build_request(self, chunks: list[str], question: str, system: str | None = None,
                       history: list[dict] | None = None, salt: str | None = None) -> Request:
@@ -429,6 +437,14 @@ class ReuseEngine:
         if self._batch_restorer is not None:
             self._batch_restorer.close()
         self.store.close()
+
+
+def step_costs_from(profile: MachineProfile, store: KVStore) -> dict[tuple[str, int], StepCosts]:
+    """The prefix restorer's starting costs per tier (before any plan has measured them), from the machine
+    profile the controller prices plans with: its recompute and read costs per token and layer."""
+    tiers = getattr(store, "tiers", [store])
+    return {("step", i): StepCosts(profile.compute.t_c, profile.t_i(label))
+            for i, label in ((i, tier_label(store, i)) for i in range(len(tiers))) if label in profile.tiers}
 
 
 def span_tiers_of(plan: FusionPlan, placed: list[PlacedSegment]) -> list[int]:

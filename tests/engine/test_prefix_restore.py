@@ -321,3 +321,28 @@ def test_blocks_on_a_tier_whose_reads_pay_a_seek_are_read_whole(make_tiny, strat
         torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
     finally:
         engine.close()
+
+
+def test_before_any_plan_the_split_is_priced_by_the_machine_profile(make_tiny):
+    """The restorer's costs start from the profile the controller prices plans with (one machine profile): a
+    profile whose SSD reads a row slower than the CPU computes it has cake compute part of the prefix at once."""
+    from kvreuse.controller.auto import AutoController
+    from kvreuse.controller.fidelity import FidelityTable
+    from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
+
+    model = LayerwiseModel(make_tiny("llama"))
+    compute = ComputeProfile([64, 2048], [64e-6, 2048e-6], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)  # 1 us per row and layer
+    kv_bytes = 1000
+    profile = MachineProfile("tiny-model", "float32", model.num_layers, kv_bytes, compute,
+                             {"ssd": TierProfile("ssd", kv_bytes / 3e-6, 0.0)})  # 3 us per row and layer
+    engine = make_tiny_engine(model, open_store("throttled:ssd:memory:64MB"), prefix_block_size=BLOCK,
+                              prefix_strategy="cake", controller=AutoController(profile, FidelityTable("tiny-model", {})))
+    try:
+        request = conversation(prefix_tokens=23)
+        engine.compile(request, ["prefix"])
+        split = engine.split_prefix(request)
+        assert 0 < split.computed_rows < 20
+        torch.testing.assert_close(engine.prefill(request, "prefix").logits, full_prefill(engine, request).logits,
+                                   **TOLERANCE)
+    finally:
+        engine.close()
