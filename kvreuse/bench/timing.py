@@ -15,6 +15,7 @@ from kvreuse.engine.stats import PrefillStats
 from kvreuse.fusion.executor import FusionStats
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request
+from kvreuse.store.base import metered
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
@@ -62,10 +63,12 @@ def read_all_seconds(engine: ReuseEngine, request: Request) -> tuple[float, int]
     """Time to read every stored entry of the request whole from the engine's tier, and their bytes: the
     tier's bandwidth as measured on this very request, the load side of the limit."""
     keys = [p.key for p in engine.lookup(request, parse_method("naive")) if p.hit]
-    start = time.perf_counter()
-    entries = [engine.store.get(k) for k in keys]
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(e.k.nbytes + e.v.nbytes for e in entries if e is not None)
+    with metered() as meter:  # the bytes the tier fetched, as a plan's bytes_loaded counts them
+        start = time.perf_counter()
+        for key in keys:
+            engine.store.get(key)
+        elapsed = time.perf_counter() - start
+    return elapsed, meter.bytes
 
 
 def limit_seconds(stats: FusionStats, read_all: tuple[float, int], full_seconds: float, prompt_rows: int) -> float:

@@ -24,7 +24,7 @@ import torch
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel, RowGroup
-from kvreuse.store.base import KVStore
+from kvreuse.store.base import KVStore, metered
 
 
 class StoredKVMissing(RuntimeError):
@@ -48,7 +48,7 @@ class FusionStats:
     computed_tokens_layer0: int
     recompute_share: float  # share of the reused chunk rows recomputed, averaged over layers
     computed_rows_mean: float  # all rows computed per layer (fresh ones included), averaged: the compute run
-    bytes_loaded: int
+    bytes_loaded: int  # what the store's backends fetched for the plan (whole row groups, headers), not rows asked
     peak_stored_layers_held: int
     load_seconds: float
     prefix_load_seconds: float  # of load_seconds, reading an exact prefix's stored blocks
@@ -135,8 +135,9 @@ class LayerLoader:
         """Read `layer` of every span loaded on it into its slot (or the error that stopped it); mark it ready."""
         start = time.perf_counter()
         try:
-            kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.from_layer <= layer]
-            self.bytes_read += sum(k.nbytes + v.nbytes for k, v in kv)
+            with metered() as meter:
+                kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.from_layer <= layer]
+            self.bytes_read += meter.bytes
             self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
             del kv
             with self._lock:

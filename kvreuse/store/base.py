@@ -78,6 +78,29 @@ class KVStore(ABC):
         pass
 
 
+class ReadMeter:
+    """Bytes the tiers' backends fetched for the reads made on one thread while it was on (`metered`)."""
+
+    def __init__(self) -> None:
+        self.bytes = 0
+
+
+_meters = threading.local()
+
+
+@contextlib.contextmanager
+def metered() -> Iterator[ReadMeter]:
+    """Measure what this thread's reads really fetch (whole row groups, headers), not the rows handed back."""
+    outer, meter = getattr(_meters, "current", None), ReadMeter()
+    _meters.current = meter
+    try:
+        yield meter
+    finally:
+        _meters.current = outer
+        if outer is not None:
+            outer.bytes += meter.bytes
+
+
 HEADER_CACHE_ENTRIES = 256  # parsed headers a blob tier keeps: a few requests' chunks and prefix blocks
 
 
@@ -109,6 +132,13 @@ class Tier(KVStore):
     def count(self, counter: str, n: int = 1) -> None:
         with self._stats_lock:
             setattr(self.counters, counter, getattr(self.counters, counter) + n)
+
+    def count_read(self, nbytes: int) -> None:
+        """A read fetched `nbytes` from this tier's backend: counted, and on the thread's meter if one is on."""
+        self.count("bytes_read", nbytes)
+        meter = getattr(_meters, "current", None)
+        if meter is not None:
+            meter.bytes += nbytes
 
     def fault(self, counter: str, key: str, why: object) -> None:
         log.warning("%s: %s on %s: %s", self.name, counter.replace("_", " "), key, why)
@@ -224,7 +254,7 @@ class BlobTier(Tier):
             return None
         result, source = loaded
         self.count("hits")
-        self.count("bytes_read", source.fetched)  # what the backend handed over: whole row groups, the header
+        self.count_read(source.fetched)  # what the backend handed over: whole row groups, the header
         self._hit(key)
         return result
 

@@ -37,7 +37,7 @@ class MemoryTier(Tier):
         return entry
 
     def _served(self, kv: KV) -> KV:
-        self.count("bytes_read", nbytes_of(kv))
+        self.count_read(nbytes_of(kv))
         return kv
 
     def contains(self, key: str) -> bool:

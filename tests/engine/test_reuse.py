@@ -272,3 +272,22 @@ def test_auto_s_candidates_share_one_store_probe_per_request(tiny_model, rag_req
     assert len(out.stats.auto.candidates) >= 3 and out.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
     chunk_keys = {p.key for p in engine.lookup(request, parse_method("naive")) if p.key}
     assert len(probes) == 1 and sorted(probes[0]) == sorted(chunk_keys)
+
+
+def test_a_plan_counts_the_bytes_its_reads_fetched(tiny_model, make_engine, rag_request, tmp_path):
+    """bytes_loaded is what the tier's backend fetched (headers, whole row groups), the tier's own count, and
+    CacheTune's sparse read at r = 0.5 fetches less than naive's whole reads (on these short chunks, whole 16-row
+    groups; tests/store/test_sparse_reads.py holds the share on 160- and 500-token chunks)."""
+    engine = make_engine(tiny_model, open_store(f"disk:{tmp_path}"))
+    try:
+        request = rag_request()
+        engine.compile(request, ["naive", "cachetune"])
+        fetched = {}
+        for method in ["naive", "cachetune:0.5"]:
+            before = engine.store.stats()["tiers"][0]["bytes_read"]
+            stats = engine.prefill(request, method).stats.fusion
+            fetched[method] = engine.store.stats()["tiers"][0]["bytes_read"] - before
+            assert stats.bytes_loaded == fetched[method], method
+        assert fetched["cachetune:0.5"] < fetched["naive"]
+    finally:
+        engine.close()
