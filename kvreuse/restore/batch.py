@@ -185,7 +185,7 @@ class BatchRestorer:
         blocks = restorer.blocks_to_restore(ids, max_tokens)
         if not blocks and max_tokens is not None:
             raise ValueError("nothing of this prompt's prefix is stored: there is no prefix to restore")
-        strategy = restorer.choose(strategy, blocks)
+        strategy = restorer.strategy_for(strategy, blocks)
         job = restorer.new_job(ids, blocks, cache_capacity)
         axis = STRATEGIES[strategy][0](job)
         request = Restoration(job, axis, strategy, Future(), restorer.compute_run, key_weight(restorer.model),

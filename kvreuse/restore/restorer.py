@@ -209,7 +209,7 @@ class PrefixRestorer:
         rows (cake) or layers (layerwise) are computed, the rest loaded by the plan's loader. Blocks in `lost`
         (found unreadable during this request) are computed."""
         blocks = self.blocks_to_restore(token_ids, max_tokens)
-        strategy = self.choose(strategy, blocks)
+        strategy = self.strategy_for(strategy, blocks)
         rows = blocks[-1].rows.stop if blocks else 0
         costs, overlapped = self.step_costs(blocks), self.reads_wait(blocks)
         lost = frozenset(lost) & {b.key for b in blocks}
@@ -253,7 +253,9 @@ class PrefixRestorer:
 
     # ---- restoration by two pointers ------------------------------------------------------------------
 
-    def choose(self, strategy: str, blocks: list[Block]) -> str:
+    def strategy_for(self, strategy: str, blocks: list[Block]) -> str:
+        """The strategy these blocks are restored with: `strategy` itself, or for auto, layerwise below the
+        profiled L_delta of the slowest tier among them and cake from it on (compute when nothing is stored)."""
         if strategy != "auto":
             if strategy not in STRATEGIES:
                 raise ValueError(f"unknown strategy {strategy!r}: expected auto, {', '.join(STRATEGIES)}"
@@ -281,7 +283,7 @@ class PrefixRestorer:
         started = time.perf_counter()
         ids = _as_ids(token_ids, self.model.device)
         blocks = self.blocks_to_restore(ids, max_tokens)
-        strategy = self.choose(strategy, blocks)
+        strategy = self.strategy_for(strategy, blocks)
         job = self.new_job(ids, blocks, cache_capacity)
         axis, log = self.run_strategy(strategy, job)
         return PrefixRestoration(job, restore_stats(strategy, job, axis, log, restore=time.perf_counter() - started))

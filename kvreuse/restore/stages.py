@@ -75,7 +75,7 @@ def restore_stage(restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Ten
     blocks = restorer.blocks_to_restore(ids)
     hidden_in = boundary_source(restorer.store, blocks, layers.start) if layers.start else None
     job = restorer.new_job(ids, blocks, cache_capacity, layers=layers, hidden_in=hidden_in)
-    strategy = restorer.choose(strategy, blocks)
+    strategy = restorer.strategy_for(strategy, blocks)
     axis, log = restorer.run_strategy(strategy, job)  # no communication: all stages at once
 
     rows = slice(job.prefix_length, len(ids))
