@@ -41,15 +41,12 @@ def layer_work(plan: FusionPlan, num_layers: int) -> list[LayerWork]:
     selected = plan.compute_rows
     exact, narrowable = selected[~approximate[selected]], selected[approximate[selected]]
     keeps = {n.layer: n.kept_rows(plan.approximate_rows) for n in plan.narrowing}
-    leaving: dict[int, list[torch.Tensor]] = {}
-    for span in plan.reused:
-        if span.from_layer:
-            leaving.setdefault(span.from_layer, []).append(span.rows)
+    leaving = plan.leaving_rows()
     work = LayerWork(selected, selected.numel())
     layers = []
     for layer in range(num_layers):
         if layer in leaving:
-            gone = torch.cat(leaving[layer])
+            gone = leaving[layer]
             exact = exact[~torch.isin(exact, gone)]
             work = LayerWork(work.rows[~torch.isin(work.rows, gone)], work.rows.numel())
         if layer in keeps and keeps[layer] < narrowable.numel():

@@ -205,10 +205,7 @@ class PlanRows:
         self.rotary = model.rotary(range(plan.num_rows))
         # Deferred RoPE: one rotation of the loaded rows' positions for every layer that loads the same rows.
         self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.leaving = {span.from_layer: [] for span in plan.reused if span.from_layer}
-        for span in plan.reused:
-            if span.from_layer:
-                self.leaving[span.from_layer].append(span.rows)
+        self.leaving = {layer: rows.to(device) for layer, rows in plan.leaving_rows().items()}
         self.approximate = plan.approximate_mask.to(device)
         self.narrowing = {n.layer: n for n in plan.narrowing}
         self.selected = plan.compute_rows.to(device)
@@ -232,7 +229,7 @@ class PlanRows:
             del stored
             self.loader.placed()
         if layer in self.leaving:  # from here on these rows' KV is loaded: their hidden state is not needed
-            staying = ~torch.isin(self.selected, torch.cat(self.leaving[layer]).to(self.selected.device))
+            staying = ~torch.isin(self.selected, self.leaving[layer])
             self.selected, self.hidden = self.selected[staying], self.hidden[staying]
         narrow = self._narrow if layer in self.narrowing else None
         return self.hidden, [RowGroup(self.cache, self.selected, self.selected, self.rotary[self.selected],

@@ -136,20 +136,24 @@ class FusionPlan:
             raise ValueError("narrowing compares recomputed KV with stored KV, so approximate spans load every row")
 
     @property
-    def loaded_rows(self) -> torch.Tensor:
-        """Prompt rows whose stored KV is read on the last layer, in the loader's order (span by span)."""
-        return self.loaded_rows_at(None)
-
-    @property
     def loaded_chunk_rows(self) -> torch.Tensor:
         """Rows of reused chunks whose stored KV is read."""
         rows = [s.rows for s in self.reused if s.approximate]
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
 
-    def loaded_rows_at(self, layer: int | None) -> torch.Tensor:
-        """Prompt rows whose stored KV is read for `layer` (None: any layer), span by span."""
-        rows = [s.rows for s in self.reused if s.load.numel() and (layer is None or s.from_layer <= layer)]
+    def loaded_rows_at(self, layer: int) -> torch.Tensor:
+        """Prompt rows whose stored KV is read for `layer`, in the loader's order (span by span)."""
+        rows = [s.rows for s in self.reused if s.load.numel() and s.from_layer <= layer]
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
+
+    def leaving_rows(self) -> dict[int, torch.Tensor]:
+        """layer -> the computed rows whose stored KV is loaded from that layer on (a prefix restored
+        layer-wise): they stop being computed there."""
+        rows: dict[int, list[torch.Tensor]] = {}
+        for span in self.reused:
+            if span.from_layer:
+                rows.setdefault(span.from_layer, []).append(span.rows)
+        return {layer: torch.cat(parts) for layer, parts in rows.items()}
 
     @property
     def approximate_mask(self) -> torch.Tensor:

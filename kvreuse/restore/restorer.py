@@ -225,19 +225,26 @@ class PrefixRestorer:
             return PrefixSplit(strategy, blocks, lost, computed_layers=layers, read_whole=whole)
         return PrefixSplit(strategy, blocks, lost, read_whole=whole)
 
+    def _tiers(self, blocks: list[Block]) -> list[KVStore]:
+        tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
+        return [tiers[b.tier] for b in blocks]
+
     def read_latency(self, blocks: list[Block]) -> float:
         """The largest latency a read of these blocks pays before its bytes."""
-        tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
-        return max((tiers[b.tier].read_latency_seconds for b in blocks), default=0.0)
+        return max((tier.read_latency_seconds for tier in self._tiers(blocks)), default=0.0)
 
     def reads_wait(self, blocks: list[Block]) -> bool:
         """Whether reading these blocks waits on a device or the network (so it overlaps the plan's compute)."""
-        tiers = self.store.tiers if isinstance(self.store, TieredStore) else [self.store]
-        return any(tiers[b.tier].reads_wait for b in blocks)
+        return any(tier.reads_wait for tier in self._tiers(blocks))
+
+    @staticmethod
+    def _step_key(blocks: list[Block]) -> tuple[str, int]:
+        """Where the costs of a split of these blocks are kept: by the slowest tier among them."""
+        return "step", max((b.tier for b in blocks), default=-1)
 
     def step_costs(self, blocks: list[Block]) -> StepCosts:
         """What earlier plans measured for stored prefix rows on the slowest of these blocks' tiers."""
-        return self._rates.get(("step", max((b.tier for b in blocks), default=-1)), StepCosts())
+        return self._rates.get(self._step_key(blocks), StepCosts())
 
     def learn(self, split: PrefixSplit, plan: FusionPlan, stats: FusionStats) -> None:
         """Fold what the plan that ran `split` measured into the costs the next splits are decided by: its
@@ -248,10 +255,8 @@ class PrefixRestorer:
         read = sum(int(s.load.numel()) * (layers - s.from_layer) for s in plan.reused if not s.approximate)
         measured = StepCosts(max(stats.prefill_seconds - inline_reads, 0.0) / computed if computed else None,
                              stats.prefix_load_seconds / read if read else None)
-        key = ("step", max((b.tier for b in split.blocks), default=-1))
+        key = self._step_key(split.blocks)
         self._rates[key] = self._rates.get(key, StepCosts()).merged(measured)
-
-    # ---- restoration by two pointers ------------------------------------------------------------------
 
     def strategy_for(self, strategy: str, blocks: list[Block]) -> str:
         """The strategy these blocks are restored with: `strategy` itself, or for auto, layerwise below the
@@ -267,6 +272,8 @@ class PrefixRestorer:
         threshold = l_delta.threshold(self.key_space.model_fingerprint, tier_label(self.store, tier))
         prefix = blocks[-1].rows.stop
         return "layerwise" if threshold is not None and prefix < threshold else "cake"
+
+    # ---- restoration by two pointers ------------------------------------------------------------------
 
     def new_job(self, token_ids: torch.Tensor, blocks: list[Block], cache_capacity: int | None = None, *,
                 layers: range | None = None, hidden_in: HiddenSource | None = None) -> PrefixJob:
