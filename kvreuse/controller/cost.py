@@ -16,7 +16,7 @@ import torch
 
 from kvreuse.controller.profile import ComputeProfile, MachineProfile
 from kvreuse.fusion.plan import FusionPlan
-from kvreuse.model.runtime import AttentionCall, attention_calls
+from kvreuse.model.attention import AttentionCall, attention_calls
 
 
 @dataclass(frozen=True)

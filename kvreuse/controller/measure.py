@@ -16,7 +16,8 @@ from typing import Callable
 import torch
 
 from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile, load_profile, save_profile
-from kvreuse.model.runtime import AttentionCall, LayerwiseModel, attention_calls
+from kvreuse.model.attention import AttentionCall, attention_calls
+from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.keys import KeySpace, chunk_key

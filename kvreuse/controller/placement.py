@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kvreuse.controller.profile import MachineProfile
-from kvreuse.model.runtime import attention_calls
+from kvreuse.model.attention import attention_calls
 
 MEMORY = 0  # index of the fastest tier
 

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from kvreuse.model.loader import cache_root
-from kvreuse.model.runtime import AttentionCall
+from kvreuse.model.attention import AttentionCall
 
 
 @dataclass(frozen=True)
@@ -48,7 +48,7 @@ class ComputeProfile:
         return seconds[i - 1] + slope * (rows - grid[i - 1])
 
     def attention(self, calls: list[AttentionCall]) -> float:
-        """One layer's attention, run as these kernel calls (kvreuse.model.runtime.attention_calls)."""
+        """One layer's attention, run as these kernel calls (kvreuse.model.attention.attention_calls)."""
         causal = self.causal_seconds_per_score
         return sum(c.scores * (causal if c.causal else self.score_seconds) + (c.hi - c.lo) * self.key_seconds
                    + self.call_seconds for c in calls)

@@ -9,8 +9,8 @@
 restoration are `LayerDriver`s of it, saying which rows enter each layer. `place` is the one way stored KV gets
 into a request's cache. Keys come out of `qkv` before RoPE (the stored form), so a chunk computed at offset 0 can
 be placed anywhere by rotating its keys to their new positions. The weights, norms, activations and rotary
-module are the loaded `transformers` model's own; every projection's product goes through `linear.py`, and
-`adapters.py` covers what differs between families.
+module are the loaded `transformers` model's own; every projection's product goes through `linear.py`,
+attention through `attention.py`, and `adapters.py` covers what differs between families.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kvreuse.model.adapters import adapter_for
+from kvreuse.model.attention import attend, attention_mask
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.linear import linear
 
@@ -120,81 +120,6 @@ class PrefillResult:
     values: torch.Tensor | None = None
 
 
-# Query groups for attention of scattered rows: enough groups to skip most masked-out keys, each big enough
-# for the attention kernel to run efficiently.
-MAX_QUERY_GROUPS = 8
-MIN_QUERIES_PER_GROUP = 16
-
-
-def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Boolean [n_q, n_k]: a query at position p sees keys at positions <= p (and > p - window, if any)."""
-    allowed = k_pos[None, :] <= q_pos[:, None]
-    if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
-    return allowed
-
-
-def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    # Same rows on both sides in increasing order: the mask is the lower triangle, which SDPA builds itself.
-    return q_pos.shape == k_pos.shape and bool(torch.equal(q_pos, k_pos)) and bool((q_pos.diff() > 0).all())
-
-
-def _keys_are_positions(k_pos: torch.Tensor) -> bool:
-    """Key row i holds position i (a prompt laid out in order), so a query's position is also its row."""
-    n = k_pos.numel()
-    return int(k_pos[0]) == 0 and int(k_pos[-1]) == n - 1 and bool((k_pos.diff() == 1).all())
-
-
-@dataclass(frozen=True)
-class AttentionCall:
-    """One attention kernel call: queries [first, end) over key rows [lo, hi)."""
-
-    first: int
-    end: int
-    lo: int
-    hi: int
-    causal: bool = False  # the kernel's own lower triangle: queries are the key rows (or padded to them)
-    padded: bool = False  # the queries are scattered into a block as long as the keys, at their rows
-    masked: bool = False  # an explicit mask by position
-
-    @property
-    def scores(self) -> int:
-        """Query-key scores the kernel computes (a causal kernel skips the upper triangle)."""
-        keys = self.hi - self.lo
-        rows = keys if self.padded else self.end - self.first
-        return rows * (keys + 1) // 2 if self.causal else rows * keys
-
-
-def attention_calls(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> list[AttentionCall]:
-    """How `attend` runs queries at `q_pos` over keys at `k_pos`: the cheapest exact kernel calls. The cost model
-    prices the same calls (kvreuse.controller.cost)."""
-    n, m = q_pos.numel(), k_pos.numel()
-    if window is None and _is_plain_causal(q_pos, k_pos):
-        return [AttentionCall(0, n, 0, m, causal=True)]
-    if window is None and bool(k_pos.max() <= q_pos.min()):  # every key visible to every query, e.g. decoding
-        return [AttentionCall(0, n, 0, m)]
-    if _keys_are_positions(k_pos) and bool((q_pos.diff() > 0).all()):
-        if window is None and 2 * n > m:
-            # Many queries over a prompt in order: SDPA's causal kernel skips the masked blocks, which a general
-            # mask cannot, so the queries are placed at their rows and taken back out afterwards.
-            return [AttentionCall(0, n, 0, m, causal=True, padded=True)]
-        return _query_groups(q_pos, window)
-    return [AttentionCall(0, n, 0, m, masked=True)]
-
-
-def _query_groups(q_pos: torch.Tensor, window: int | None) -> list[AttentionCall]:
-    """Few sorted queries scattered over a prompt in order: a masked kernel would score every query against
-    every key, twice the work causality needs on average. Groups of neighbouring queries attend only the key
-    rows they can see (rows are positions here), which cuts most of that waste."""
-    groups = max(1, min(MAX_QUERY_GROUPS, q_pos.numel() // MIN_QUERIES_PER_GROUP))
-    bounds = torch.linspace(0, q_pos.numel(), groups + 1).long().tolist()
-    calls = []
-    for first, end in zip(bounds, bounds[1:]):
-        lo = 0 if window is None else max(0, int(q_pos[first]) - window + 1)
-        calls.append(AttentionCall(first, end, lo, int(q_pos[end - 1]) + 1, masked=True))
-    return calls
-
-
 class LayerwiseModel:
     def __init__(self, hf_model: nn.Module):
         self.hf_model = hf_model.eval()
@@ -277,21 +202,9 @@ class LayerwiseModel:
         values: torch.Tensor,
         k_pos: torch.Tensor,
     ) -> torch.Tensor:
-        """Rotated queries [n, Hq, D] over rotated keys/values [m, Hkv, D], exact causal mask by global
+        """Rotated queries [n, Hq, D] of `layer` over rotated keys/values [m, Hkv, D], exact causal mask by
         position whatever the row order; returns [n, Hq * D]."""
-        window = self.windows[layer]
-        outputs = [self._run(layer, call, q, q_pos, keys, values, k_pos, window)
-                   for call in attention_calls(q_pos, k_pos, window)]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
-
-    def _run(self, layer, call: AttentionCall, q, q_pos, keys, values, k_pos, window) -> torch.Tensor:
-        if call.padded:
-            padded = q.new_zeros((keys.shape[0], *q.shape[1:]))
-            padded[q_pos] = q
-            return self._sdpa(layer, padded, keys, values, None, True)[q_pos]
-        queries = slice(call.first, call.end)
-        mask = attention_mask(q_pos[queries], k_pos[call.lo : call.hi], window) if call.masked else None
-        return self._sdpa(layer, q[queries], keys[call.lo : call.hi], values[call.lo : call.hi], mask, call.causal)
+        return attend(q, q_pos, keys, values, k_pos, self.windows[layer], self.layers[layer].self_attn.scaling)
 
     def attention_weights(
         self, layer: int, q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, k_pos: torch.Tensor
@@ -302,18 +215,6 @@ class LayerwiseModel:
         scores = torch.einsum("nhd,mhd->hnm", q.float(), grouped.float()) * self.layers[layer].self_attn.scaling
         allowed = attention_mask(q_pos, k_pos, self.windows[layer])
         return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
-
-    def _sdpa(self, layer, q, keys, values, mask, causal) -> torch.Tensor:
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1)[None],
-            keys.transpose(0, 1)[None],
-            values.transpose(0, 1)[None],
-            attn_mask=mask,
-            is_causal=causal,
-            scale=self.layers[layer].self_attn.scaling,
-            enable_gqa=True,
-        )
-        return out[0].transpose(0, 1).reshape(q.shape[0], -1)
 
     def place(self, cache: KVCache, layer: int, rows: slice | torch.Tensor, keys: torch.Tensor,
               values: torch.Tensor, rotary: Rotary) -> None:

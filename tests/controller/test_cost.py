@@ -78,7 +78,7 @@ def test_causal_calls_have_a_price_per_score_of_their_own():
 
 def test_the_attention_fit_tells_causal_from_masked_scores():
     from kvreuse.controller.measure import _fit_attention
-    from kvreuse.model.runtime import AttentionCall
+    from kvreuse.model.attention import AttentionCall
 
     def seconds(calls):  # 3 ns per masked score, 1 ns per causal one, 50 ns per key, 20 us per call
         return sum((1e-9 if c.causal else 3e-9) * c.scores + 50e-9 * (c.hi - c.lo) + 20e-6 for c in calls)

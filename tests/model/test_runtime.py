@@ -10,7 +10,8 @@ from kvreuse.model.check import (
     gate_prompt_ids,
     run_gate,
 )
-from kvreuse.model.runtime import LayerwiseModel, attention_mask
+from kvreuse.model.attention import attention_mask
+from kvreuse.model.runtime import LayerwiseModel
 
 
 @pytest.fixture(scope="module")
@@ -117,7 +118,10 @@ def test_few_sorted_query_rows_attend_in_groups_exactly(tiny_model):
         q = model.rope(layer, q, model.rotary(rows))
         out = model.attend(layer, q, rows, keys, values, positions)
         mask = attention_mask(rows, positions, model.windows[layer])
-        torch.testing.assert_close(out, model._sdpa(layer, q, keys, values, mask, False), atol=1e-5, rtol=0)
+        masked = torch.nn.functional.scaled_dot_product_attention(
+            q.transpose(0, 1)[None], keys.transpose(0, 1)[None], values.transpose(0, 1)[None], attn_mask=mask,
+            scale=model.layers[layer].self_attn.scaling, enable_gqa=True)[0].transpose(0, 1).flatten(1)
+        torch.testing.assert_close(out, masked, atol=1e-5, rtol=0)
         hidden = model.finish_layer(layer, hidden, out)
 
 

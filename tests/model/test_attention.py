@@ -1,0 +1,87 @@
+"""Both attention kernels against a dense fp64 reference, on every layout of queries and keys the engine
+produces (a prompt in order, scattered recomputed rows, decoding, a continuation, keys out of order, windows)."""
+
+import pytest
+import torch
+
+from kvreuse.model.attention import QUERY_BLOCK, _visible_keys, attend, attention_mask, blocked_attention
+
+Q_HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 16, 0.25
+
+
+def reference(q, q_pos, keys, values, k_pos, window):
+    grouped_k = keys.double().repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
+    grouped_v = values.double().repeat_interleave(Q_HEADS // KV_HEADS, dim=1)
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), grouped_k) * SCALE
+    scores = scores.masked_fill(~attention_mask(q_pos, k_pos, window), float("-inf"))
+    return torch.einsum("hnm,mhd->nhd", scores.softmax(-1), grouped_v).reshape(len(q_pos), -1)
+
+
+def _layout(name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(query positions, key positions) of one layout; keys cover positions [0, 300)."""
+    g = torch.Generator().manual_seed(7)
+    keys = torch.arange(300)
+    layouts = {
+        "prompt": (keys, keys),
+        "few-scattered": (torch.randperm(299, generator=g)[:40].sort().values, keys),
+        "many-scattered": (torch.randperm(299, generator=g)[:200].sort().values, keys),
+        "unsorted-queries": (torch.randperm(300, generator=g)[:90], keys),
+        "decode": (torch.tensor([299]), keys),
+        "continuation": (torch.arange(230, 300), keys),
+        "keys-out-of-order": (torch.arange(100, 300), torch.randperm(300, generator=g)),
+    }
+    return layouts[name]
+
+
+LAYOUTS = ["prompt", "few-scattered", "many-scattered", "unsorted-queries", "decode", "continuation",
+           "keys-out-of-order"]
+
+
+def _inputs(q_pos, k_pos, dtype):
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(len(q_pos), Q_HEADS, HEAD_DIM, generator=g) * 2
+    keys = torch.randn(len(k_pos), KV_HEADS, HEAD_DIM, generator=g) * 2
+    values = torch.randn(len(k_pos), KV_HEADS, HEAD_DIM, generator=g)
+    return q.to(dtype), keys.to(dtype), values.to(dtype)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("kernel", ["fused", "blocked"])
+def test_kernels_equal_dense_attention_in_fp32(kernel, layout, window):
+    q_pos, k_pos = _layout(layout)
+    q, keys, values = _inputs(q_pos, k_pos, torch.float32)
+    run = attend if kernel == "fused" else blocked_attention
+    out = run(q, q_pos, keys, values, k_pos, window, SCALE)
+    torch.testing.assert_close(out.double(), reference(q, q_pos, keys, values, k_pos, window), atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_attends_blocked_within_bf16_rounding(layout):
+    q_pos, k_pos = _layout(layout)
+    q, keys, values = _inputs(q_pos, k_pos, torch.bfloat16)
+    out = attend(q, q_pos, keys, values, k_pos, 24, SCALE)
+    assert torch.equal(out, blocked_attention(q, q_pos, keys, values, k_pos, 24, SCALE))
+    # The scores come out of the bf16 product rounded to bf16 (relative 2^-9; these scores reach about 20), so
+    # single outputs move by a few hundredths; a key masked wrongly moves them by tenths.
+    error = (out.double() - reference(q, q_pos, keys, values, k_pos, 24)).abs()
+    assert error.max() < 0.06 and error.mean() < 5e-3, (error.max(), error.mean())
+
+
+def test_blocks_of_a_prompt_score_only_the_keys_up_to_their_last_query():
+    """Causality halves the work: each block of a prompt in order scores the keys up to its own last row, and
+    masks only its diagonal square. Under a window the keys before every query's window are skipped too, and
+    only the keys some of its queries cannot see are masked."""
+    n = 5 * QUERY_BLOCK
+    positions = torch.arange(n)
+    firsts = range(0, n, QUERY_BLOCK)
+    spans = _visible_keys(positions, positions, None)
+    assert [(b.lo, b.hi, b.mask_lo, b.mask_hi) for b in spans] == [
+        (0, first + QUERY_BLOCK, first + 1, first + QUERY_BLOCK) for first in firsts]
+    decode = _visible_keys(torch.tensor([n]), torch.arange(n + 1), None)
+    assert [(b.first, b.end, b.lo, b.hi, b.mask_hi - b.mask_lo) for b in decode] == [(0, 1, 0, n + 1, 0)]
+    window = 2 * QUERY_BLOCK
+    windowed = _visible_keys(positions, positions, window)
+    assert [(b.lo, b.hi) for b in windowed] == [(max(0, first - window + 1), first + QUERY_BLOCK) for first in firsts]
+    assert [(b.mask_lo, b.mask_hi) for b in windowed[3:]] == [(first - window + 1, first + QUERY_BLOCK)
+                                                             for first in firsts[3:]]
