@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
+from kvreuse.model.linear import linear, onednn_available
 from kvreuse.model.runtime import LayerwiseModel
 
 BANDWIDTH_BYTES = 256 << 20  # large enough that no cache holds it
@@ -27,6 +29,7 @@ class MachineLimit:
     rows: int  # the row count the matmul rate was measured at
     dense_flops_per_second: float  # the model's layer projections and MLP, all of them, at `rows` rows
     bytes_per_second: float  # a large copy: bytes read plus bytes written, per second
+    route: str  # the faster of torch's own product and oneDNN on packed weights (kvreuse.model.linear)
 
     def floor_seconds(self, flops: float, nbytes: float) -> float:
         return max(flops / self.dense_flops_per_second, nbytes / self.bytes_per_second)
@@ -52,19 +55,25 @@ def weight_bytes(model: LayerwiseModel) -> int:
 
 @torch.inference_mode()
 def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> MachineLimit:
-    """The best of `repeats` timings of one layer's matmuls at `rows` rows, and of a large copy."""
+    """The best of `repeats` timings of one layer's matmuls at `rows` rows, by each route this machine's torch
+    offers (its own product, MKL for fp32; oneDNN on packed weights), and of a large copy."""
     linears = layer_linears(model)
     flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
+    routes = {"torch": lambda x, m: nn.functional.linear(x, m.weight, m.bias)}
+    if onednn_available():
+        routes["onednn-packed"] = linear
 
-    def layer_matmuls() -> None:
-        for m in linears:
-            nn.functional.linear(inputs[m.in_features], m.weight)
+    def layer_matmuls(product) -> Callable[[], None]:
+        return lambda: [product(inputs[m.in_features], m) for m in linears]
 
+    seconds = {name: _best(layer_matmuls(product), repeats) for name, product in routes.items()}
+    route = min(seconds, key=seconds.get)
     source = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
     target = torch.empty_like(source)
-    dense, copy = _best(layer_matmuls, repeats), _best(lambda: target.copy_(source), repeats)
-    return MachineLimit(str(model.dtype).removeprefix("torch."), rows, flops / dense, 2 * source.nbytes / copy)
+    copy = _best(lambda: target.copy_(source), repeats)
+    return MachineLimit(str(model.dtype).removeprefix("torch."), rows, flops / seconds[route], 2 * source.nbytes / copy,
+                        route)
 
 
 def _best(fn, repeats: int) -> float:

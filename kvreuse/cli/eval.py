@@ -14,7 +14,8 @@ def add_commands(subparsers) -> None:
     ev = subparsers.add_parser("eval", help="compare reuse methods with full prefill on a benchmark JSONL file")
     add = ev.add_argument
     add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file (QA, SAMSum, Multi-News)")
-    add("--methods", default=DEFAULT_METHODS, metavar="LIST", help="comma-separated; full always runs, first")
+    add("--methods", default=DEFAULT_METHODS, metavar="LIST",
+        help="comma-separated; full always runs, first, in float32; METHOD@bfloat16 runs METHOD in bf16 against it")
     add("--model", default=None, metavar="DIR", help="HF directory or .gguf file (default: embedded SmolLM2)")
     add("--limit", type=positive_int, default=None, metavar="N", help="the first N examples only")
     add("--chunking", default="passage", metavar="passage|fixed:N", help="one chunk per passage, or N-token pieces")
@@ -28,7 +29,7 @@ def add_commands(subparsers) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from kvreuse.eval.datasets import Chunking, load_dataset
     from kvreuse.eval.report import markdown_table, write_report
-    from kvreuse.eval.runner import ResultCache, RunSettings, aggregate, parse_methods, run
+    from kvreuse.eval.runner import ResultCache, RunSettings, aggregate, parse_methods, run, split_dtype
 
     # Everything the user typed is checked before the model loads, so a typo fails in a second, not a minute.
     methods = parse_methods(args.methods)
@@ -39,6 +40,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
     store = args.store or DEFAULT_STORE
     engine = ReuseEngine.load(model=args.model, store=store)
+    dtypes = sorted({dtype for m in methods if (dtype := split_dtype(m)[1]) is not None})
+    engines = {dtype: ReuseEngine.load(model=args.model, store=store, dtype=dtype) for dtype in dtypes}
     try:
         if chunking.size is not None:  # cutting into N-token pieces needs the model's tokenizer
             dataset = load_dataset(args.dataset, chunking, engine.tokenizer, args.limit)
@@ -50,9 +53,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
             store=store,
         )
         cache = ResultCache(args.out / "examples.jsonl")
-        results = run(engine, dataset, methods, settings, cache, progress=not args.no_progress)
+        results = run(engine, dataset, methods, settings, cache, progress=not args.no_progress, engines=engines)
     finally:
-        engine.close()
+        for opened in [engine, *engines.values()]:
+            opened.close()
     summaries = aggregate(results, methods)
     paths = write_report(args.out, settings, dataset.task, summaries, results)
     print(markdown_table(summaries, dataset.task), end="")

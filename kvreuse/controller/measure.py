@@ -15,7 +15,14 @@ from typing import Callable
 
 import torch
 
-from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile, load_profile, save_profile
+from kvreuse.controller.profile import (
+    RUNTIME_REVISION,
+    ComputeProfile,
+    MachineProfile,
+    TierProfile,
+    load_profile,
+    save_profile,
+)
 from kvreuse.model.attention import AttentionCall, attention_calls
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.store.base import KVStore
@@ -166,6 +173,7 @@ def measure_profile(model: LayerwiseModel, model_fingerprint: str, dtype: str, t
         tiers={label: measure_tier(tier, label, model, model_fingerprint) for label, tier in tiers.items()},
         windows=list(model.windows),
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        runtime_revision=RUNTIME_REVISION,
     )
 
 

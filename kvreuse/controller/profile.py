@@ -97,6 +97,7 @@ class MachineProfile:
     windows: list[int | None] = field(default_factory=list)  # sliding window of each layer (None: global)
     tuned_ratios: dict[str, float] = field(default_factory=dict)  # "method@tier" -> ratio, from calibration
     measured_at: str = ""
+    runtime_revision: int = 0  # RUNTIME_REVISION when it was measured
 
     def t_i(self, tier: str) -> float:
         """Read cost per token per layer on `tier`, bandwidth only (latency is per read)."""
@@ -114,6 +115,11 @@ class MachineProfile:
             raise ValueError(f"not a kvreuse machine profile: {e}") from None
 
 
+# The compute kernels' revision: a profile measured under an earlier one prices compute the runtime no longer
+# runs (2: projections in oneDNN, bf16 attention blocked), so it reads as missing and is measured again.
+RUNTIME_REVISION = 2
+
+
 def profile_path(model: str, dtype: str) -> Path:
     return cache_root() / "controller" / f"{model}-{dtype}.json"
 
@@ -129,9 +135,11 @@ def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
 
 
 def load_profile(model: str, dtype: str, path: Path | None = None) -> MachineProfile | None:
-    """The saved profile of this model and dtype, or None if it was never measured (or the file is unreadable)."""
+    """The saved profile of this model and dtype, or None if it was never measured, the file is unreadable or
+    it was measured under another runtime revision."""
     path = path or profile_path(model, dtype)
     try:
-        return MachineProfile.from_json(json.loads(path.read_text()))
+        profile = MachineProfile.from_json(json.loads(path.read_text()))
     except (FileNotFoundError, json.JSONDecodeError, ValueError):
         return None
+    return profile if profile.runtime_revision == RUNTIME_REVISION else None

@@ -11,7 +11,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Mapping, Protocol
 
 import torch
 
@@ -42,15 +42,27 @@ class Engine(Protocol):
                                 ) -> torch.Tensor: ...
 
 
+def split_dtype(method: str) -> tuple[str, str | None]:
+    """'cacheblend:0.15@bfloat16' -> ('cacheblend:0.15', 'bfloat16'): the method run by an engine in that dtype,
+    against the run's reference (full, in the run's own dtype). Without a suffix: (method, None)."""
+    name, _, dtype = method.partition("@")
+    return name, dtype or None
+
+
 def parse_methods(spec: str) -> list[str]:
     """'naive,cacheblend:0.15' -> ['full', 'naive', 'cacheblend:0.15']: full is always there, and first.
     Each name is checked by the engine's own method parser, so a typo fails before any model loads."""
+    from kvreuse.model.loader import DTYPES
+
     methods = [m.strip() for m in spec.split(",")]
     for method in methods:
         if not method:
             raise MethodSpecError(f"--methods: empty entry in {spec!r}; expected e.g. full,naive,cacheblend:0.15")
+        name, dtype = split_dtype(method)
+        if method.endswith("@") or (dtype is not None and dtype not in DTYPES):
+            raise MethodSpecError(f"--methods: {method!r}: the dtype after '@' must be one of {', '.join(DTYPES)}")
         try:
-            parse_method(method)
+            parse_method(name)
         except ValueError as e:
             raise MethodSpecError(f"--methods: {e}") from None
     duplicates = sorted({m for m in methods if methods.count(m) > 1})
@@ -120,14 +132,37 @@ def _scalar_stats(stats: Any) -> dict:
 
 
 class ExampleRun:
-    """One example: its request, compiled once, and the reference (full prefill) every method is compared to."""
+    """One example: its request, compiled once, and the reference (full prefill) every method is compared to.
+    Methods with a dtype suffix run on the engine of that dtype (`engines`), on a request of its own."""
 
-    def __init__(self, engine: Engine, prompt: ChunkedPrompt, dataset: Dataset, max_tokens: int):
+    def __init__(self, engine: Engine, prompt: ChunkedPrompt, dataset: Dataset, max_tokens: int,
+                 engines: Mapping[str, Engine] | None = None):
         self.engine, self.prompt, self.dataset = engine, prompt, dataset
+        self.engines = dict(engines or {})
         self.sampling = SamplingParams(max_tokens=max_tokens)
         self.request = engine.build_request(chunks=prompt.chunks, question=prompt.question)
+        self.requests = {dtype: e.build_request(chunks=prompt.chunks, question=prompt.question)
+                         for dtype, e in self.engines.items()}
         self.reference_logits: torch.Tensor | None = None
         self.reference_output: str | None = None
+
+    def engine_for(self, method: str) -> tuple[Engine, Any, str]:
+        """The engine, request and plain method name `method` runs with."""
+        name, dtype = split_dtype(method)
+        if dtype is None:
+            return self.engine, self.request, name
+        if dtype not in self.engines:
+            raise MethodSpecError(f"--methods: {method!r} needs an engine in {dtype}, and none was loaded")
+        return self.engines[dtype], self.requests[dtype], name
+
+    def compile(self, methods: list[str]) -> None:
+        """Each engine compiles the chunks its methods need."""
+        by_engine: dict[int, tuple[Engine, Any, list[str]]] = {}
+        for method in methods:
+            engine, request, name = self.engine_for(method)
+            by_engine.setdefault(id(engine), (engine, request, []))[2].append(name)
+        for engine, request, names in by_engine.values():
+            engine.compile(request, methods=names)
 
     def _sampling(self) -> SamplingParams:
         """Only an output's first line is scored where the dataset says so: stop at the end of that line."""
@@ -141,18 +176,19 @@ class ExampleRun:
 
     def measure(self, method: str) -> MethodResult:
         """One prefill serves the generation and, from a copy of its cache, the gold answer's likelihood."""
-        answer_ids = self.engine.answer_ids(self.prompt.answers[0])
+        engine, request, name = self.engine_for(method)
+        answer_ids = engine.answer_ids(self.prompt.answers[0])
         started = time.perf_counter()
-        out = self.engine.prefill(self.request, method=method, extra_capacity=self.sampling.max_tokens)
+        out = engine.prefill(request, method=name, extra_capacity=self.sampling.max_tokens)
         gold_cache = out.cache.clone()
-        generation = self.engine.generate_after(out, self._sampling(), started, len(self.request))
+        generation = engine.generate_after(out, self._sampling(), started, len(request))
         if self.dataset.first_line and not generation.text.lstrip("\n"):
             # the model opened with a newline, where the first-line stop cut it: generate the whole budget
-            generation = self.engine.generate(self.request, method=method, sampling=self.sampling)
+            generation = engine.generate(request, method=name, sampling=self.sampling)
         output = first_line(generation.text) if self.dataset.first_line else generation.text.strip()
         if method == REFERENCE:
             self.reference_logits, self.reference_output = out.logits, output
-        logprobs = self.engine.teacher_forced_logprobs(out.logits, gold_cache, answer_ids)
+        logprobs = engine.teacher_forced_logprobs(out.logits, gold_cache, answer_ids)
         stats = _scalar_stats(out.stats)
         return MethodResult(
             example_id=self.prompt.id,
@@ -175,8 +211,10 @@ def run(
     settings: RunSettings,
     cache: ResultCache,
     progress: bool = True,
+    engines: Mapping[str, Engine] | None = None,
 ) -> list[MethodResult]:
-    """Evaluate `methods` (full first) on every prompt, skipping what `cache` holds already."""
+    """Evaluate `methods` (full first) on every prompt, skipping what `cache` holds already. `engines`: by dtype,
+    the engines that run methods named `method@dtype`."""
     assert methods[0] == REFERENCE, "full prefill must run first: it is every other method's reference"
     results: list[MethodResult] = []
     warmed = False
@@ -187,10 +225,12 @@ def run(
             bar.advance(len(methods) - len(todo), f"{prompt.id}: cached")
             if todo:
                 bar.advance(0, f"{prompt.id}: compile")
-                example = ExampleRun(engine, prompt, dataset, settings.max_tokens)
-                engine.compile(example.request, methods=todo)
-                if not warmed:  # the first prefill of a process pays one-off costs; keep them out of TTFT
-                    engine.prefill(example.request, method=REFERENCE)
+                example = ExampleRun(engine, prompt, dataset, settings.max_tokens, engines)
+                example.compile(todo)
+                if not warmed:  # the first prefill of every engine pays one-off costs; keep them out of TTFT
+                    for method in {REFERENCE, *(f"{REFERENCE}@{dtype}" for dtype in engines or {})}:
+                        warm, request, name = example.engine_for(method)
+                        warm.prefill(request, method=name)
                     warmed = True
                 if REFERENCE not in todo:  # otherwise measuring full, first in `todo`, sets the reference
                     example.use_cached_reference(cache.get(keys[REFERENCE]))

@@ -26,7 +26,7 @@ def test_prefill_flops_count_every_layer_s_matmuls_causal_attention_and_one_row_
 
 
 def test_the_floor_is_the_longer_of_compute_and_weight_reads(make_tiny):
-    limit = MachineLimit("float32", 64, dense_flops_per_second=1e9, bytes_per_second=1e8)
+    limit = MachineLimit("float32", 64, dense_flops_per_second=1e9, bytes_per_second=1e8, route="torch")
     assert limit.floor_seconds(2e9, 1e7) == pytest.approx(2.0)
     assert limit.floor_seconds(1e6, 1e9) == pytest.approx(10.0)
     model = LayerwiseModel(make_tiny("llama"))
@@ -34,3 +34,4 @@ def test_the_floor_is_the_longer_of_compute_and_weight_reads(make_tiny):
     assert measured.dense_flops_per_second > 0 and measured.bytes_per_second > 0 and measured.rows == 32
     assert weight_bytes(model) == sum(p.numel() * 4 for p in model.hf_model.parameters())
     assert measured.dtype == str(torch.float32).removeprefix("torch.")
+    assert measured.route in ("torch", "onednn-packed")

@@ -32,3 +32,16 @@ def test_eval_writes_every_method_and_resumes(tiny_model_dir, tmp_path, capsys):
     assert len(cached.splitlines()) == 3 * len(methods)
     assert main(argv) == 0  # a second run finds every result cached and computes nothing
     assert (out / "examples.jsonl").read_text() == cached
+
+
+def test_eval_runs_methods_in_bf16_against_fp32_full(tiny_model_dir, tmp_path, capsys):
+    out = tmp_path / "out"
+    argv = ["eval", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "2", "--model", str(tiny_model_dir),
+            "--methods", "full@bfloat16,cacheblend:0.15@bfloat16", "--out", str(out), "--max-tokens", "2",
+            "--no-progress"]
+    assert main(argv) == 0
+    summary = {m["method"]: m for m in json.loads((out / "results.json").read_text())["methods"]}
+    assert list(summary) == ["full", "full@bfloat16", "cacheblend:0.15@bfloat16"]
+    # bf16's own rounding is a (small) deviation from the fp32 reference; its full recomputes every row
+    assert 0 < summary["full@bfloat16"]["first_token_kl"] < 0.05
+    assert summary["cacheblend:0.15@bfloat16"]["recompute_share"] > 0

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
+from kvreuse.controller.profile import RUNTIME_REVISION, ComputeProfile, MachineProfile, TierProfile
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.plan import FusionPlan, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
@@ -26,7 +26,7 @@ def synthetic_profile(seconds_per_row: float, score_seconds: float = 0.0, place_
                              score_seconds=score_seconds, key_seconds=0.0, call_seconds=0.0,
                              place_seconds=place_seconds, request_seconds=0.0, qkv_share=0.0)
     return MachineProfile(model="synthetic", dtype="float32", num_layers=layers, kv_bytes_per_token_layer=KV_BYTES,
-                          compute=compute, tiers=tiers)
+                          compute=compute, tiers=tiers, runtime_revision=RUNTIME_REVISION)
 
 
 def rag_request() -> Request:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 
 from kvreuse.controller.fidelity import (Fidelity, FidelityTable, from_eval_results, load_table, save_table,
                                          user_table_path)
 from kvreuse.controller.measure import ensure_profile
-from kvreuse.controller.profile import MachineProfile, load_profile, save_profile
+from kvreuse.controller.profile import RUNTIME_REVISION, MachineProfile, load_profile, save_profile
 
 from .support import synthetic_profile
 
@@ -72,6 +73,8 @@ def test_a_profile_round_trips_and_a_damaged_one_reads_as_none(tmp_path):
     assert load_profile("synthetic", "float32", path) is None
     path.write_text('{"model": "synthetic"}')
     assert load_profile("synthetic", "float32", path) is None
+    save_profile(replace(profile, runtime_revision=RUNTIME_REVISION - 1), path)
+    assert load_profile("synthetic", "float32", path) is None  # measured under older kernels: measured again
     with pytest.raises(ValueError, match="machine profile"):
         MachineProfile.from_json({"model": "x"})
 

@@ -2,9 +2,18 @@ import pytest
 import torch
 
 from kvreuse.eval.datasets import ChunkedPrompt, Dataset
-from kvreuse.eval.runner import MethodResult, MethodSpecError, ResultCache, RunSettings, aggregate, parse_methods, run
+from kvreuse.eval.runner import (
+    MethodResult,
+    MethodSpecError,
+    ResultCache,
+    RunSettings,
+    aggregate,
+    parse_methods,
+    run,
+    split_dtype,
+)
 
-from .support import FakeEngine
+from .support import BEHAVIOUR, FakeEngine
 
 METHODS = ["full", "naive", "cacheblend:0.15"]
 SETTINGS = RunSettings(model="fake-model", dataset="toy", chunking="passage", max_tokens=8, store="memory")
@@ -29,6 +38,29 @@ def test_parse_methods_puts_full_first():
 def test_parse_methods_rejects_bad_lists(spec):
     with pytest.raises(MethodSpecError, match="--methods"):
         parse_methods(spec)
+
+
+def test_a_dtype_suffix_is_parsed_and_checked():
+    assert parse_methods("naive@bfloat16,full@bfloat16") == ["full", "naive@bfloat16", "full@bfloat16"]
+    assert split_dtype("cacheblend:0.15@bfloat16") == ("cacheblend:0.15", "bfloat16")
+    assert split_dtype("naive") == ("naive", None)
+    for spec in ("naive@int3", "naive@", "nave@bfloat16"):
+        with pytest.raises(MethodSpecError, match="--methods"):
+            parse_methods(spec)
+
+
+def test_methods_in_another_dtype_run_on_its_engine_against_the_run_s_full(tmp_path):
+    """full@bfloat16 is bf16's own deviation from the reference, which stays the main engine's full."""
+    main, bf16 = FakeEngine(), FakeEngine(text_override={"full": "Forbidden Ground"})
+    methods = ["full", "full@bfloat16", "naive@bfloat16"]
+    results = run(main, toy_dataset(1), methods, SETTINGS, ResultCache(tmp_path / "r.jsonl"), False,
+                  engines={"bfloat16": bf16})
+    full, full_bf16, naive_bf16 = results
+    assert [r.method for r in results] == methods
+    assert main.calls[("generate", "full")] == 1 and main.calls[("generate", "naive")] == 0
+    assert bf16.calls[("generate", "full")] == 1 and bf16.calls[("generate", "naive")] == 1
+    assert (full.agreement, full_bf16.agreement, full_bf16.output) == (1.0, 0.0, "Forbidden Ground")
+    assert naive_bf16.first_token_kl > 0 and naive_bf16.ttft == BEHAVIOUR["naive"][2]
 
 
 def test_run_measures_every_method_against_full(tmp_path):

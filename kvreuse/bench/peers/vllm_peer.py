@@ -11,10 +11,10 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable, Iterator, Mapping, Protocol, TypeVar
 
-from kvreuse.bench.workload import Workload
 from kvreuse.model.loader import cache_root
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
@@ -42,6 +42,24 @@ class VllmSettings:
         return self.venv / "bin" / "python"
 
 
+class PeerPrompt(Protocol):
+    """A prompt as the peer sees it: its token ids, and the requests that brought its chunks in (mode prefix)."""
+
+    @property
+    def prompt_ids(self) -> list[int]: ...
+
+    @property
+    def chunk_requests_ids(self) -> list[list[int]]: ...
+
+
+@dataclass(frozen=True)
+class PlainPrompt:
+    """A prompt with no chunks: what a full-prefill benchmark sends."""
+
+    prompt_ids: list[int]
+    chunk_requests_ids: list[list[int]] = field(default_factory=list)
+
+
 def unavailable_reason(settings: VllmSettings) -> str | None:
     """Why the vLLM peer cannot run here, or None when it can."""
     if not settings.python.is_file():
@@ -61,13 +79,62 @@ class VllmTimings:
     version: str
 
 
-def run_vllm(settings: VllmSettings, mode: str, workloads: dict[str, Workload], repeats: int) -> VllmTimings:
-    job = {
-        "model": str(settings.model_dir), "mode": mode, "repeats": repeats, "dtype": settings.dtype,
-        "max_model_len": settings.max_model_len, "kv_cache_bytes": settings.kv_cache_bytes,
+def run_vllm(settings: VllmSettings, mode: str, workloads: Mapping[str, PeerPrompt], repeats: int) -> VllmTimings:
+    """Prefill timings (mode full or prefix) of every workload."""
+    result = _run_job(settings, mode, {
         "workloads": [{"id": key, "prompt": w.prompt_ids, "chunk_requests": w.chunk_requests_ids}
-                      for key, w in workloads.items()],
-    }
+                      for key, w in workloads.items()]}, repeats)
+    return VllmTimings(
+        seconds={r["id"]: r["seconds"] for r in result["results"]},
+        cached_tokens={r["id"]: r["cached_tokens"] for r in result["results"]},
+        startup_seconds=result["startup_seconds"],
+        version=result["vllm_version"],
+    )
+
+
+@dataclass
+class VllmDecodeTimings:
+    step_seconds: dict[str, list[float]]  # batch id -> seconds of one decoding step of the whole batch
+    startup_seconds: float
+    version: str
+
+
+def run_vllm_decode(settings: VllmSettings, batches: Mapping[str, list[list[int]]], steps: int, repeats: int
+                    ) -> VllmDecodeTimings:
+    """Decoding-step timings of every batch of prompts (vllm_runner.py, mode decode)."""
+    result = _run_job(settings, "decode", {
+        "batches": [{"id": key, "prompts": prompts} for key, prompts in batches.items()], "steps": steps,
+        "workloads": []}, repeats)
+    return VllmDecodeTimings({r["id"]: r["step_seconds"] for r in result["results"]}, result["startup_seconds"],
+                             result["vllm_version"])
+
+
+T = TypeVar("T", VllmTimings, VllmDecodeTimings)
+
+
+def each_dtype(model_dir: Path, max_model_len: int, threads: int, venv: Path, dtypes: list[str], what: str,
+               job: Callable[[VllmSettings], T]) -> Iterator[tuple[str, T]]:
+    """`job` run once per dtype in the vLLM venv. A missing venv or a failing runner is printed and ends the
+    peer's figures, never the caller's."""
+    for dtype in dtypes:
+        settings = VllmSettings(venv, model_dir, max_model_len, threads=threads, dtype=dtype)
+        reason = unavailable_reason(settings)
+        if reason:
+            print(f"peer vllm skipped: {reason}")
+            return
+        print(f"peer vllm ({dtype}): {what} in {venv} ...")
+        try:
+            timings = job(settings)
+        except RuntimeError as e:
+            print(f"peer vllm failed: {e}")
+            return
+        print(f"vLLM {timings.version}, {dtype}: started in {timings.startup_seconds:.0f} s")
+        yield dtype, timings
+
+
+def _run_job(settings: VllmSettings, mode: str, work: dict, repeats: int) -> dict:
+    job = {"model": str(settings.model_dir), "mode": mode, "repeats": repeats, "dtype": settings.dtype,
+           "max_model_len": settings.max_model_len, "kv_cache_bytes": settings.kv_cache_bytes, **work}
     env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{settings.threads - 1}", OMP_NUM_THREADS=str(settings.threads))
     with tempfile.TemporaryDirectory(prefix="kvreuse-vllm-") as scratch:
         job_path, result_path = Path(scratch, "job.json"), Path(scratch, "result.json")
@@ -84,10 +151,4 @@ def run_vllm(settings: VllmSettings, mode: str, workloads: dict[str, Workload], 
         if done.returncode != 0:
             sys.stderr.write(log_path.read_text()[-4000:])
             raise RuntimeError(f"the vLLM runner ({mode}) exited with code {done.returncode}; its log's end is above")
-        result = json.loads(result_path.read_text())
-    return VllmTimings(
-        seconds={r["id"]: r["seconds"] for r in result["results"]},
-        cached_tokens={r["id"]: r["cached_tokens"] for r in result["results"]},
-        startup_seconds=result["startup_seconds"],
-        version=result["vllm_version"],
-    )
+        return json.loads(result_path.read_text())

@@ -2,14 +2,18 @@
 
     python vllm_runner.py JOB.json RESULT.json
 
-JOB: {"model": DIR, "mode": "full" | "prefix", "repeats": N, "max_model_len": N, "dtype": "float32", "kv_cache_bytes": N,
-      "workloads": [{"id": str, "prompt": [ids], "chunk_requests": [[ids], ...]}, ...]}
+JOB: {"model": DIR, "mode": "full" | "prefix" | "decode", "repeats": N, "max_model_len": N, "dtype": "float32",
+      "kv_cache_bytes": N, "workloads": [{"id": str, "prompt": [ids], "chunk_requests": [[ids], ...]}, ...],
+      "batches": [{"id": str, "prompts": [[ids], ...]}, ...], "steps": N}
 mode "full": prefix caching off, each prompt prefilled from scratch.
 mode "prefix": prefix caching on; before every timed prompt the cache is emptied and the chunk requests (each
 chunk behind the template head, as the requests that brought the chunks in) are run, so vLLM holds what it
 would hold in a RAG service that has seen every chunk before, and reuses whatever exact prefix it can.
 Each timed call is LLM.generate of one prompt with max_tokens=1: its wall time is the TTFT an offline caller
 sees. The first round of every prompt is a warm-up, not reported (as for the other engines).
+mode "decode" (prefix caching off): each batch of prompts is generated with max_tokens=1 and with max_tokens=steps
+(greedy, ignoring EOS), alternating; (the second - the first) / (steps - 1) is the time of one decoding step of the
+whole batch, its prefill cancelled out.
 """
 
 import json
@@ -36,6 +40,24 @@ def _time_workload(llm, workload, job, params):
     return {"id": workload["id"], "seconds": seconds[1:], "cached_tokens": cached[1:]}
 
 
+def _time_batch(llm, batch, job):
+    from vllm import SamplingParams
+
+    one = SamplingParams(max_tokens=1, temperature=0.0)
+    many = SamplingParams(max_tokens=job["steps"], temperature=0.0, ignore_eos=True)
+    step_seconds = []
+    for round_ in range(job["repeats"] + 1):
+        timed = {}
+        for name, params in (("one", one), ("many", many)):
+            start = time.perf_counter()
+            outputs = _generate(llm, batch["prompts"], params)
+            timed[name] = time.perf_counter() - start
+            assert all(len(o.outputs[0].token_ids) == params.max_tokens for o in outputs)
+        if round_:
+            step_seconds.append((timed["many"] - timed["one"]) / (job["steps"] - 1))
+    return {"id": batch["id"], "step_seconds": step_seconds}
+
+
 def main(job_path, result_path):
     import vllm
     from vllm import LLM, SamplingParams
@@ -50,13 +72,17 @@ def main(job_path, result_path):
         # one prefill step per prompt, as the other engines do it (no chunked prefill across steps)
         max_num_batched_tokens=job["max_model_len"],
         enable_prefix_caching=job["mode"] == "prefix",
+        max_num_seqs=max([len(b["prompts"]) for b in job.get("batches", [])] + [16]),
         # explicit, not a share of the machine's memory: the machine is shared and its free memory varies
         kv_cache_memory_bytes=job["kv_cache_bytes"],
         seed=0,
     )
     startup = time.perf_counter() - started
     params = SamplingParams(max_tokens=1, temperature=0.0)
-    results = [_time_workload(llm, w, job, params) for w in job["workloads"]]
+    if job["mode"] == "decode":
+        results = [_time_batch(llm, b, job) for b in job["batches"]]
+    else:
+        results = [_time_workload(llm, w, job, params) for w in job["workloads"]]
     with open(result_path, "w") as f:
         json.dump({"vllm_version": vllm.__version__, "mode": job["mode"], "startup_seconds": startup,
                    "results": results}, f)

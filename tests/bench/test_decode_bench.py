@@ -1,0 +1,43 @@
+"""`kvreuse bench decode` plumbing on a tiny random model, the vLLM peer skipped: every batch size and dtype is
+measured, and a step decodes every sequence of the batch."""
+
+import pytest
+import torch
+
+from kvreuse.bench.decode import _kvreuse_steps, prompts_of, run
+from kvreuse.cli import main
+
+
+def test_every_batch_and_dtype_is_measured(tiny_model_dir, tmp_path):
+    rows = run(str(tiny_model_dir), [1, 3], 24, 4, 1, ["float32", "bfloat16"], ["vllm"], tmp_path / "no-venv")
+    assert [(r.batch, r.dtype) for r in rows] == [(1, "float32"), (3, "float32"), (1, "bfloat16"), (3, "bfloat16")]
+    for row in rows:
+        assert set(row.step_seconds) == {"kvreuse"}
+        assert row.tokens_per_second("kvreuse") == pytest.approx(row.batch / row.step_seconds["kvreuse"])
+
+
+def test_each_timed_step_decodes_every_sequence_of_the_batch(tiny_model):
+    prompts = prompts_of(3, 20, 256)
+    assert len({tuple(p) for p in prompts}) == 3 and prompts == prompts_of(3, 20, 256)
+    calls = []
+    decode = tiny_model.decode_batch
+
+    def counted(tokens, caches):
+        calls.append((len(tokens), [c.length for c in caches]))
+        return decode(tokens, caches)
+
+    tiny_model.decode_batch = counted
+    try:
+        seconds = _kvreuse_steps(tiny_model, prompts, steps=5)
+    finally:
+        del tiny_model.decode_batch
+    assert len(seconds) == 5 and len(calls) == 5 + 3  # warm-up steps are not timed
+    assert [n for n, _ in calls] == [3] * 8
+    assert calls[-1][1] == [20 + 8 - 1] * 3  # every cache grew by one row per step
+
+
+def test_the_command_runs(tiny_model_dir, tmp_path, capsys):
+    assert main(["bench", "decode", "--model", str(tiny_model_dir), "--batches", "2", "--prompt-tokens", "16",
+                 "--steps", "3", "--repeats", "1", "--vllm-venv", str(tmp_path / "none")]) == 0
+    out = capsys.readouterr().out
+    assert "peer vllm skipped" in out and "kvreuse ms/step" in out

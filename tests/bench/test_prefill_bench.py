@@ -1,0 +1,34 @@
+"""`kvreuse bench prefill` plumbing: a tiny random model, two lengths, two dtypes, the vLLM peer skipped. Timings
+are never asserted; that every engine and dtype is measured and every ratio comes from the samples is."""
+
+import pytest
+
+from kvreuse.bench.prefill import prompt_ids, run
+from kvreuse.cli import main
+
+
+@pytest.fixture(scope="module")
+def rows(tiny_model_dir, tmp_path_factory):
+    venv = tmp_path_factory.mktemp("prefill") / "no-venv"
+    return run(str(tiny_model_dir), [48, 96], 1, ["float32", "bfloat16"], ["transformers", "vllm"], venv)
+
+
+def test_every_length_and_dtype_runs_kvreuse_and_transformers(rows):
+    assert [(r.tokens, r.dtype) for r in rows] == [(48, "float32"), (96, "float32"), (48, "bfloat16"),
+                                                   (96, "bfloat16")]
+    for row in rows:
+        assert set(row.seconds) == {"kvreuse", "transformers"}  # vLLM skipped: no venv
+        assert row.limit.dtype == row.dtype and row.limit.rows == row.tokens
+        assert row.achieved("kvreuse") == pytest.approx(row.floor / row.seconds["kvreuse"])
+
+
+def test_every_engine_gets_the_same_prompt_per_length():
+    assert prompt_ids(64, 500).tolist() == prompt_ids(64, 500).tolist()
+    assert prompt_ids(64, 500).tolist() != prompt_ids(65, 500)[:64].tolist()
+
+
+def test_the_command_says_why_the_vllm_peer_is_skipped(tiny_model_dir, tmp_path, capsys):
+    assert main(["bench", "prefill", "--model", str(tiny_model_dir), "--lengths", "32", "--repeats", "1",
+                 "--peers", "vllm", "--vllm-venv", str(tmp_path / "none")]) == 0
+    out = capsys.readouterr().out
+    assert "peer vllm skipped: no vLLM venv" in out and "float32" in out
