@@ -52,6 +52,7 @@ class TtftSettings:
     peers: list[str]
     redis_url: str | None = None  # None: start a private redis-server when the redis tier is asked for
     vllm_venv: Path = field(default_factory=default_venv)
+    dtype: str = "float32"  # kvreuse's, and the one vLLM is asked for
 
 
 @dataclass
@@ -82,7 +83,8 @@ def _engines(loaded: LoadedModel, settings: TtftSettings, stack: contextlib.Exit
             spec = settings.redis_url or stack.enter_context(LocalRedis()).url
         else:
             spec = tier_spec(tier, scratch)
-        engines[tier] = ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint, dtype="float32"))
+        store = open_store(spec, model_fingerprint=loaded.fingerprint, dtype=settings.dtype)
+        engines[tier] = ReuseEngine(loaded, store)
         stack.callback(engines[tier].close)
     return engines
 
@@ -124,7 +126,7 @@ def _measure_workload(engines: dict[str, ReuseEngine], loaded: LoadedModel, work
 def _measure_vllm(loaded: LoadedModel, workloads: dict[str, Workload], settings: TtftSettings,
                   cells: dict[CellKey, Cell]) -> dict:
     vllm = VllmSettings(settings.vllm_venv, loaded.path, loaded.runtime.config.max_position_embeddings,
-                        threads=torch.get_num_threads())
+                        threads=torch.get_num_threads(), dtype=settings.dtype)
     reason = unavailable_reason(vllm)
     if reason:
         print(f"peer vllm skipped: {reason}")
@@ -149,7 +151,7 @@ def _measure_vllm(loaded: LoadedModel, workloads: dict[str, Workload], settings:
 def measure(settings: TtftSettings) -> dict:
     """Run the grid; returns the raw measurements (cells) and what they were measured on."""
     started = time.perf_counter()
-    loaded = load_model(settings.model, "float32")
+    loaded = load_model(settings.model, settings.dtype)
     window = loaded.runtime.config.max_position_embeddings
     source = TextSource(settings.dataset)
     shapes = [Shape(tokens, chunks) for tokens in settings.lengths for chunks in settings.chunks]

@@ -96,6 +96,7 @@ def _header_lines(raw: dict, rows: list[dict]) -> list[tuple[str, str]]:
     vllm = raw["peers"].get("vllm", {})
     return [
         ("Model:", raw["model"]),
+        ("dtype (kvreuse and vLLM):", settings.get("dtype", "float32")),
         ("Prompt text:", raw["source"]),
         ("Prompts per shape x timed repeats:", f"{settings['prompts']} x {settings['repeats']} (after 1 warm-up)"),
         ("Variants timed:", str(len({(r['tier'], r['variant']) for r in rows}))),

