@@ -17,6 +17,8 @@ import torch.nn.functional as F
 # for the attention kernel to run efficiently.
 MAX_QUERY_GROUPS = 8
 MIN_QUERIES_PER_GROUP = 16
+# Grouping must cut the scores computed by at least this much, or one masked call runs instead.
+GROUPS_MUST_SAVE = 0.8
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -85,8 +87,10 @@ def _query_groups(q_pos: torch.Tensor, window: int | None) -> list[AttentionCall
     for first, end in zip(bounds, bounds[1:]):
         lo = 0 if window is None else max(0, int(q_pos[first]) - window + 1)
         calls.append(AttentionCall(first, end, lo, int(q_pos[end - 1]) + 1, masked=True))
-    return calls
-
+    one = AttentionCall(0, q_pos.numel(), calls[0].lo, calls[-1].hi, masked=True)
+    # Queries bunched at the end (a question after its context) see nearly every key from every group: there the
+    # split only adds calls (60 such queries over 2069 keys, fp32: 2.33 ms in 3 groups, 1.88 ms in one call).
+    return calls if sum(c.scores for c in calls) < GROUPS_MUST_SAVE * one.scores else [one]
 
 
 # Dtypes attended by `blocked_attention` instead of the fused kernel (see the module's docstring).

@@ -4,7 +4,15 @@ produces (a prompt in order, scattered recomputed rows, decoding, a continuation
 import pytest
 import torch
 
-from kvreuse.model.attention import QUERY_BLOCK, _visible_keys, attend, attention_mask, blocked_attention
+from kvreuse.model.attention import (
+    QUERY_BLOCK,
+    AttentionCall,
+    _visible_keys,
+    attend,
+    attention_calls,
+    attention_mask,
+    blocked_attention,
+)
 
 Q_HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 16, 0.25
 
@@ -85,3 +93,11 @@ def test_blocks_of_a_prompt_score_only_the_keys_up_to_their_last_query():
     assert [(b.lo, b.hi) for b in windowed] == [(max(0, first - window + 1), first + QUERY_BLOCK) for first in firsts]
     assert [(b.mask_lo, b.mask_hi) for b in windowed[3:]] == [(first - window + 1, first + QUERY_BLOCK)
                                                              for first in firsts[3:]]
+
+
+def test_scattered_queries_attend_in_groups_and_a_trailing_question_in_one_call():
+    keys = torch.arange(2000)
+    scattered = attention_calls(torch.arange(0, 1990, 25), keys, None)
+    assert len(scattered) > 1 and sum(c.scores for c in scattered) < 0.6 * 80 * 2000
+    question = attention_calls(torch.arange(1940, 2000), keys, None)
+    assert question == [AttentionCall(0, 60, 0, 2000, masked=True)]
