@@ -26,7 +26,7 @@ from torch import nn
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.attention import attend, attention_mask
 from kvreuse.model.kv_cache import KVCache
-from kvreuse.model.linear import linear
+from kvreuse.model.linear import linear, pack_weights
 
 
 @dataclass
@@ -144,6 +144,7 @@ class LayerwiseModel:
         rope_type = getattr(self.decoder.rotary_emb, "rope_type", "default")
         self._rotary_cacheable = "dynamic" not in rope_type and rope_type != "longrope"
         self._rotary_table: Rotary | None = None
+        pack_weights(hf_model)
 
     # ---- primitives -------------------------------------------------------------------------------------
 

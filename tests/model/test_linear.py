@@ -49,3 +49,15 @@ def test_non_contiguous_rows():
     layer = nn.Linear(16, 8)
     x = torch.randn(16, 10).T  # [10, 16], transposed view
     torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
+
+
+def test_the_runtime_packs_every_projection_when_it_loads(make_tiny):
+    """The first request must not pay for packing: the runtime packs the model's projections on construction."""
+    from kvreuse.model import linear as linear_module
+    from kvreuse.model.runtime import LayerwiseModel
+
+    hf_model = make_tiny("llama")
+    projections = [m for m in hf_model.modules() if isinstance(m, nn.Linear)]
+    assert not any(p in linear_module._packed for p in projections)
+    LayerwiseModel(hf_model)
+    assert all(p in linear_module._packed for p in projections)
