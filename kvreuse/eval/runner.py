@@ -157,12 +157,12 @@ class ExampleRun:
 
     def compile(self, methods: list[str]) -> None:
         """Each engine compiles the chunks its methods need."""
-        by_engine: dict[int, tuple[Engine, Any, list[str]]] = {}
+        by_dtype: dict[str | None, list[str]] = {}
         for method in methods:
-            engine, request, name = self.engine_for(method)
-            by_engine.setdefault(id(engine), (engine, request, []))[2].append(name)
-        for engine, request, names in by_engine.values():
-            engine.compile(request, methods=names)
+            by_dtype.setdefault(split_dtype(method)[1], []).append(method)
+        for dtype_methods in by_dtype.values():
+            engine, request, _ = self.engine_for(dtype_methods[0])
+            engine.compile(request, methods=[split_dtype(m)[0] for m in dtype_methods])
 
     def _sampling(self) -> SamplingParams:
         """Only an output's first line is scored where the dataset says so: stop at the end of that line."""

@@ -41,12 +41,14 @@ class FakeEngine:
     calls: Counter = field(default_factory=Counter)
     samplings: list = field(default_factory=list)  # the sampling parameters each generation was asked for
     text_override: dict = field(default_factory=dict)  # method -> generated text, replacing BEHAVIOUR's
+    compiled: list = field(default_factory=list)  # the method names each compile was asked for, in order
 
     def build_request(self, chunks, question, system=None):
         return (tuple(chunks), question)
 
     def compile(self, request, methods):
         self.calls["compile"] += 1
+        self.compiled += list(methods)
 
     def _output(self, method: str) -> Output:
         logits, text, ttft, share = BEHAVIOUR[method]

@@ -63,6 +63,13 @@ def test_methods_in_another_dtype_run_on_its_engine_against_the_run_s_full(tmp_p
     assert naive_bf16.first_token_kl > 0 and naive_bf16.ttft == BEHAVIOUR["naive"][2]
 
 
+def test_each_engine_compiles_only_its_own_methods_under_their_plain_names(tmp_path):
+    main, bf16 = FakeEngine(), FakeEngine()
+    run(main, toy_dataset(1), ["full", "naive", "cacheblend:0.15@bfloat16"], SETTINGS,
+        ResultCache(tmp_path / "r.jsonl"), False, engines={"bfloat16": bf16})
+    assert main.compiled == ["full", "naive"] and bf16.compiled == ["cacheblend:0.15"]
+
+
 def test_run_measures_every_method_against_full(tmp_path):
     results = run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)
     full, naive, blend = results
