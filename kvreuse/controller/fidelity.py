@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from kvreuse.model.loader import cache_root
+from kvreuse.model.identity import cache_root
 
 EXACT = "prefix"  # exact prefix restored, every chunk recomputed: full prefill's output, always available
 EXACT_METHODS = (EXACT, "full")

@@ -16,7 +16,7 @@ from bisect import bisect_left
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvreuse.model.loader import cache_root
+from kvreuse.model.identity import cache_root
 from kvreuse.model.attention import AttentionCall
 
 

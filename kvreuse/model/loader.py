@@ -7,7 +7,6 @@ load in well under a second.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import importlib.metadata
 import json
@@ -24,6 +23,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
+from kvreuse.model.identity import cache_root, file_digest, fingerprint, weights_identity  # noqa: E402
 from kvreuse.model.runtime import LayerwiseModel  # noqa: E402
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -46,10 +46,6 @@ class LoadedModel:
     # Identities the KV store keys on: cached KV is only valid for the same weights, dtype and tokenizer.
     fingerprint: str
     tokenizer_fingerprint: str
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("KVREUSE_CACHE_DIR", Path.home() / ".cache" / "kvreuse"))
 
 
 def embedded_gguf() -> Path:
@@ -78,14 +74,6 @@ def packaged_gguf(name: str) -> Path:
     return Path(module.assemble(target))
 
 
-def _file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 22):
-            h.update(block)
-    return h.hexdigest()
-
-
 def resolve_model_dir(model: str | None = None) -> Path:
     """Map a model argument to a local Hugging Face directory, converting a GGUF file on first use."""
     if model in (None, "", EMBEDDED_MODEL):
@@ -108,7 +96,7 @@ def resolve_model_dir(model: str | None = None) -> Path:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise `gguf` into a safetensors directory under the cache folder, once per distinct file."""
-    target = cache_root() / "models" / f"{gguf.stem}-{_file_digest(gguf)[:12]}"
+    target = cache_root() / "models" / f"{gguf.stem}-{file_digest(gguf)[:12]}"
     if (target / "config.json").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -133,25 +121,6 @@ def convert_gguf(gguf: Path) -> Path:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
-
-
-def _fingerprint(*parts: str) -> str:
-    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
-
-
-def _weights_identity(model_dir: Path) -> str:
-    """Digest of the weight files, cached beside them by (size, mtime) so it is computed once."""
-    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
-    stamp = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
-    cache = cache_root() / "fingerprints" / f"{_fingerprint(str(model_dir.resolve()))}.json"
-    if cache.is_file():
-        saved = json.loads(cache.read_text())
-        if saved.get("stamp") == stamp:
-            return saved["digest"]
-    digest = _fingerprint(*(_file_digest(f) for f in files))
-    cache.parent.mkdir(parents=True, exist_ok=True)
-    cache.write_text(json.dumps({"stamp": stamp, "digest": digest}))
-    return digest
 
 
 def _display_name(model: str | None) -> str:
@@ -183,6 +152,6 @@ def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
         tokenizer=tokenizer,
         name=_display_name(model),
         path=model_dir,
-        fingerprint=_fingerprint(config_json, dtype, _weights_identity(model_dir)),
-        tokenizer_fingerprint=_fingerprint(*(_file_digest(p) for p in tokenizer_files)),
+        fingerprint=fingerprint(config_json, dtype, weights_identity(model_dir)),
+        tokenizer_fingerprint=fingerprint(*(file_digest(p) for p in tokenizer_files)),
     )

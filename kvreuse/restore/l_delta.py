@@ -12,7 +12,7 @@ import os
 import tempfile
 from pathlib import Path
 
-from kvreuse.model.loader import cache_root
+from kvreuse.model.identity import cache_root
 
 
 def profile_path() -> Path:

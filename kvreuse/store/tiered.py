@@ -149,11 +149,15 @@ class TieredStore(KVStore):
         return -1, None
 
     def get(self, key: str) -> KVEntry | None:
+        return self.get_from_tier(key)[1]
+
+    def get_from_tier(self, key: str) -> tuple[int, KVEntry | None]:
+        """The entry and the index of the tier that delivered it ((-1, None) on a miss)."""
         i, entry = self._first_hit(lambda t: t.get(key))
         if i > 0:
             # The caller owns `entry` and may write into it; the upper tiers get their own copy.
             self._promote(entry.clone(), i)
-        return entry
+        return i, entry
 
     def _partial(self, key: str, read: Callable[[KVStore], KV | None]) -> KV | None:
         i, kv = self._first_hit(read)

@@ -1,0 +1,42 @@
+"""Identities of a model's files, and where kvreuse caches what it derives from them.
+
+Standard library only: the vLLM connector imports this inside vLLM's own environment, beside another transformers.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("KVREUSE_CACHE_DIR", Path.home() / ".cache" / "kvreuse"))
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 22):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(*parts: str) -> str:
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
+
+
+def weights_identity(model_dir: Path) -> str:
+    """Digest of the weight files, cached beside them by (size, mtime) so it is computed once."""
+    files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
+    stamp = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
+    cache = cache_root() / "fingerprints" / f"{fingerprint(str(model_dir.resolve()))}.json"
+    if cache.is_file():
+        saved = json.loads(cache.read_text())
+        if saved.get("stamp") == stamp:
+            return saved["digest"]
+    digest = fingerprint(*(file_digest(f) for f in files))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps({"stamp": stamp, "digest": digest}))
+    return digest
