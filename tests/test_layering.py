@@ -1,7 +1,7 @@
 """The package's layers import only downwards: every import, at module level or inside a function, walked as a
 syntax tree. The order (a layer may import its own and lower layers):
 
-    model, store  <  fusion, restore  <  controller  <  engine  <  eval, server  <  bench  <  cli
+    model, store  <  fusion, restore  <  controller  <  engine, integrations  <  eval, server  <  bench  <  cli
 
 `kvreuse/__init__.py` holds only the version and imports nothing.
 """
@@ -14,8 +14,8 @@ from pathlib import Path
 import kvreuse
 
 PACKAGE = Path(kvreuse.__file__).parent
-RANK = {"model": 0, "store": 0, "fusion": 1, "restore": 1, "controller": 2, "engine": 3, "eval": 4, "server": 4,
-        "bench": 5, "cli": 6}
+RANK = {"model": 0, "store": 0, "fusion": 1, "restore": 1, "controller": 2, "engine": 3, "integrations": 3,
+        "eval": 4, "server": 4, "bench": 5, "cli": 6}
 
 
 def _imported_layers(tree: ast.AST) -> set[str]:

@@ -11,13 +11,14 @@ import os
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Mapping, Protocol, TypeVar
 
-from kvreuse.model.loader import cache_root
+from kvreuse.model.identity import cache_root
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
+IMPORT_ROOT = Path(__file__).parents[3]  # the directory holding the kvreuse package
 SETUP_SCRIPT = "benchmarks/peers/setup_vllm.sh"
 MODES = {"vllm:full": "full", "vllm:prefix": "prefix"}
 
@@ -132,10 +133,49 @@ def each_dtype(model_dir: Path, max_model_len: int, threads: int, venv: Path, dt
         yield dtype, timings
 
 
+@dataclass
+class Round:
+    """Prompts generated greedily one at a time, after emptying vLLM's prefix cache if asked (and stopping a
+    Redis server, for fault tests)."""
+
+    prompts: list[list[int]]
+    max_tokens: int
+    reset_prefix_cache: bool = False
+    stop_redis: str | None = None
+
+
+@dataclass
+class Generated:
+    tokens: list[int]
+    cached_tokens: int  # prompt tokens vLLM did not compute: its prefix cache's and the connector's
+    seconds: float
+
+
+@dataclass
+class RoundsResult:
+    rounds: list[list[Generated]]
+    startup_seconds: float
+    log: str  # the engine's log, where the connector reports what it loaded
+
+
+def run_vllm_rounds(settings: VllmSettings, rounds: list[Round], connector: dict | None = None,
+                    enforce_eager: bool = False) -> RoundsResult:
+    """`rounds` through one vLLM engine with prefix caching on, with `connector` as its kv_transfer_config."""
+    work = {"rounds": [asdict(r) for r in rounds], "workloads": [], "enforce_eager": enforce_eager}
+    if connector is not None:
+        work["kv_transfer_config"] = connector
+    result = _run_job(settings, "rounds", work, repeats=0)
+    return RoundsResult([[Generated(o["tokens"], o["cached_tokens"], o["seconds"]) for o in outputs]
+                         for outputs in result["results"]], result["startup_seconds"], result["log"])
+
+
 def _run_job(settings: VllmSettings, mode: str, work: dict, repeats: int) -> dict:
     job = {"model": str(settings.model_dir), "mode": mode, "repeats": repeats, "dtype": settings.dtype,
            "max_model_len": settings.max_model_len, "kv_cache_bytes": settings.kv_cache_bytes, **work}
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{settings.threads - 1}", OMP_NUM_THREADS=str(settings.threads))
+    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{settings.threads - 1}", OMP_NUM_THREADS=str(settings.threads),
+               PYTHONUNBUFFERED="1",  # vLLM kills its engine process at shutdown: its log lines must be out by then
+               # kvreuse's connector is imported inside vLLM's processes, from this checkout
+               PYTHONPATH=os.pathsep.join(filter(None, [str(IMPORT_ROOT), os.environ.get("PYTHONPATH")])))
     with tempfile.TemporaryDirectory(prefix="kvreuse-vllm-") as scratch:
         job_path, result_path = Path(scratch, "job.json"), Path(scratch, "result.json")
         job_path.write_text(json.dumps(job))
@@ -151,4 +191,4 @@ def _run_job(settings: VllmSettings, mode: str, work: dict, repeats: int) -> dic
         if done.returncode != 0:
             sys.stderr.write(log_path.read_text()[-4000:])
             raise RuntimeError(f"the vLLM runner ({mode}) exited with code {done.returncode}; its log's end is above")
-        return json.loads(result_path.read_text())
+        return {**json.loads(result_path.read_text()), "log": log_path.read_text()}

@@ -11,6 +11,10 @@ chunk behind the template head, as the requests that brought the chunks in) are 
 would hold in a RAG service that has seen every chunk before, and reuses whatever exact prefix it can.
 Each timed call is LLM.generate of one prompt with max_tokens=1: its wall time is the TTFT an offline caller
 sees. The first round of every prompt is a warm-up, not reported (as for the other engines).
+mode "rounds" (prefix caching on): "rounds": [{"prompts": [[ids], ...], "max_tokens": N, "reset_prefix_cache": bool}]
+are generated greedily in order, each prompt alone; every output's tokens, cached prompt tokens and wall time are
+returned. With "kv_transfer_config" set, the engine runs with that KV connector (kvreuse's, for its tests and bench);
+a round with "stop_redis": URL first shuts that Redis server down (a replica's shared store failing under it).
 mode "decode" (prefix caching off): each batch of prompts is generated with max_tokens=1 and with max_tokens=steps
 (greedy, ignoring EOS), alternating; (the second - the first) / (steps - 1) is the time of one decoding step of the
 whole batch, its prefill cancelled out.
@@ -58,6 +62,31 @@ def _time_batch(llm, batch, job):
     return {"id": batch["id"], "step_seconds": step_seconds}
 
 
+def _run_rounds(llm, job):
+    from vllm import SamplingParams
+
+    results = []
+    for round_ in job["rounds"]:
+        if round_.get("stop_redis"):
+            import redis
+
+            try:
+                redis.Redis.from_url(round_["stop_redis"]).shutdown(nosave=True)
+            except redis.ConnectionError:  # the server closes the connection as it goes down
+                pass
+        if round_.get("reset_prefix_cache"):
+            llm.reset_prefix_cache()
+        params = SamplingParams(max_tokens=round_["max_tokens"], temperature=0.0)
+        outputs = []
+        for prompt in round_["prompts"]:
+            start = time.perf_counter()
+            output = _generate(llm, [prompt], params)[0]
+            outputs.append({"seconds": time.perf_counter() - start, "tokens": list(output.outputs[0].token_ids),
+                            "cached_tokens": output.num_cached_tokens or 0})
+        results.append(outputs)
+    return results
+
+
 def main(job_path, result_path):
     import vllm
     from vllm import LLM, SamplingParams
@@ -71,7 +100,9 @@ def main(job_path, result_path):
         max_model_len=job["max_model_len"],
         # one prefill step per prompt, as the other engines do it (no chunked prefill across steps)
         max_num_batched_tokens=job["max_model_len"],
-        enable_prefix_caching=job["mode"] == "prefix",
+        enable_prefix_caching=job["mode"] in ("prefix", "rounds"),
+        kv_transfer_config=job.get("kv_transfer_config"),
+        enforce_eager=job.get("enforce_eager", False),
         max_num_seqs=max([len(b["prompts"]) for b in job.get("batches", [])] + [16]),
         # explicit, not a share of the machine's memory: the machine is shared and its free memory varies
         kv_cache_memory_bytes=job["kv_cache_bytes"],
@@ -81,6 +112,8 @@ def main(job_path, result_path):
     params = SamplingParams(max_tokens=1, temperature=0.0)
     if job["mode"] == "decode":
         results = [_time_batch(llm, b, job) for b in job["batches"]]
+    elif job["mode"] == "rounds":
+        results = _run_rounds(llm, job)
     else:
         results = [_time_workload(llm, w, job, params) for w in job["workloads"]]
     with open(result_path, "w") as f:

