@@ -134,14 +134,26 @@ def each_dtype(model_dir: Path, max_model_len: int, threads: int, venv: Path, dt
 
 
 @dataclass
+class RoundPrompt:
+    ids: list[int]
+    salt: str | None = None  # vLLM's cache_salt
+    kv_transfer_params: dict | None = None  # for the connector (kvreuse_chunks, kvreuse_store_chunk)
+
+
+@dataclass
 class Round:
     """Prompts generated greedily one at a time, after emptying vLLM's prefix cache if asked (and stopping a
     Redis server, for fault tests)."""
 
-    prompts: list[list[int]]
+    prompts: list[RoundPrompt]
     max_tokens: int
     reset_prefix_cache: bool = False
     stop_redis: str | None = None
+    logprobs: bool = False  # return the first token's log-probabilities over the vocabulary
+
+    @classmethod
+    def of(cls, prompts: list[list[int]], max_tokens: int, **options) -> Round:
+        return cls([RoundPrompt(ids) for ids in prompts], max_tokens, **options)
 
 
 @dataclass
@@ -149,6 +161,7 @@ class Generated:
     tokens: list[int]
     cached_tokens: int  # prompt tokens vLLM did not compute: its prefix cache's and the connector's
     seconds: float
+    first_logprobs: list[float]  # over the vocabulary, when the round asked for them
 
 
 @dataclass
@@ -165,7 +178,7 @@ def run_vllm_rounds(settings: VllmSettings, rounds: list[Round], connector: dict
     if connector is not None:
         work["kv_transfer_config"] = connector
     result = _run_job(settings, "rounds", work, repeats=0)
-    return RoundsResult([[Generated(o["tokens"], o["cached_tokens"], o["seconds"]) for o in outputs]
+    return RoundsResult([[Generated(o["tokens"], o["cached_tokens"], o["seconds"], o["first_logprobs"]) for o in outputs]
                          for outputs in result["results"]], result["startup_seconds"], result["log"])
 
 

@@ -11,9 +11,10 @@ chunk behind the template head, as the requests that brought the chunks in) are 
 would hold in a RAG service that has seen every chunk before, and reuses whatever exact prefix it can.
 Each timed call is LLM.generate of one prompt with max_tokens=1: its wall time is the TTFT an offline caller
 sees. The first round of every prompt is a warm-up, not reported (as for the other engines).
-mode "rounds" (prefix caching on): "rounds": [{"prompts": [[ids], ...], "max_tokens": N, "reset_prefix_cache": bool}]
-are generated greedily in order, each prompt alone; every output's tokens, cached prompt tokens and wall time are
-returned. With "kv_transfer_config" set, the engine runs with that KV connector (kvreuse's, for its tests and bench);
+mode "rounds" (prefix caching on): "rounds": [{"prompts": [{"ids": [...], "salt": str, "kv_transfer_params": {}}, ...],
+"max_tokens": N, "reset_prefix_cache": bool, "logprobs": bool}] are generated greedily in order, each prompt alone;
+every output's tokens, cached prompt tokens, wall time and (with "logprobs") the first token's log-probabilities
+over the whole vocabulary are returned. With "kv_transfer_config" set, the engine runs with that KV connector (kvreuse's, for its tests and bench);
 a round with "stop_redis": URL first shuts that Redis server down (a replica's shared store failing under it).
 mode "decode" (prefix caching off): each batch of prompts is generated with max_tokens=1 and with max_tokens=steps
 (greedy, ignoring EOS), alternating; (the second - the first) / (steps - 1) is the time of one decoding step of the
@@ -64,6 +65,7 @@ def _time_batch(llm, batch, job):
 
 def _run_rounds(llm, job):
     from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
 
     results = []
     for round_ in job["rounds"]:
@@ -76,13 +78,22 @@ def _run_rounds(llm, job):
                 pass
         if round_.get("reset_prefix_cache"):
             llm.reset_prefix_cache()
-        params = SamplingParams(max_tokens=round_["max_tokens"], temperature=0.0)
         outputs = []
         for prompt in round_["prompts"]:
+            params = SamplingParams(max_tokens=round_["max_tokens"], temperature=0.0,
+                                    logprobs=-1 if round_.get("logprobs") else None,
+                                    extra_args={"kv_transfer_params": prompt["kv_transfer_params"]}
+                                    if prompt.get("kv_transfer_params") else None)
+            inputs = TokensPrompt(prompt_token_ids=prompt["ids"])
+            if prompt.get("salt"):
+                inputs["cache_salt"] = prompt["salt"]
             start = time.perf_counter()
-            output = _generate(llm, [prompt], params)[0]
-            outputs.append({"seconds": time.perf_counter() - start, "tokens": list(output.outputs[0].token_ids),
-                            "cached_tokens": output.num_cached_tokens or 0})
+            output = llm.generate([inputs], params, use_tqdm=False)[0]
+            seconds = time.perf_counter() - start
+            first = output.outputs[0].logprobs[0] if round_.get("logprobs") else {}
+            outputs.append({"seconds": seconds, "tokens": list(output.outputs[0].token_ids),
+                            "cached_tokens": output.num_cached_tokens or 0,
+                            "first_logprobs": [first[t].logprob for t in sorted(first)]})
         results.append(outputs)
     return results
 
@@ -103,6 +114,7 @@ def main(job_path, result_path):
         enable_prefix_caching=job["mode"] in ("prefix", "rounds"),
         kv_transfer_config=job.get("kv_transfer_config"),
         enforce_eager=job.get("enforce_eager", False),
+        max_logprobs=-1,  # rounds may ask for the first token's whole distribution (first-token KL)
         max_num_seqs=max([len(b["prompts"]) for b in job.get("batches", [])] + [16]),
         # explicit, not a share of the machine's memory: the machine is shared and its free memory varies
         kv_cache_memory_bytes=job["kv_cache_bytes"],

@@ -1,6 +1,6 @@
 """`KVReuseConnector`: vLLM's v1 KV connector backed by kvreuse's tiered store (memory, disk, Redis).
 
-What it does, per request:
+Exact prefixes, for every request:
 - scheduler side: keys the prompt's full blocks by content (kvreuse's chained prefix keys, under a key space
   naming the model, dtype, block size and the CPU kernel's block layout, and the request's cache salt), claims
   as matched the blocks the store holds beyond what vLLM's own prefix cache has, and plans which blocks to load
@@ -8,8 +8,19 @@ What it does, per request:
 - worker side: copies the claimed blocks from the store into vLLM's cache before the forward pass, and copies
   each layer's completed blocks out as the layer finishes, putting them in the store after the step.
 
-A block the store cannot deliver (gone, damaged, Redis down) is reported to vLLM, which recomputes it: the
-connector is a cache, so it runs vLLM with kv_load_failure_policy "recompute". It never fails a request.
+Chunks (naive reuse), for requests that ask through kv_transfer_params:
+- {"kvreuse_store_chunk": true}: the prompt's KV is stored as one chunk, token by token (keys at 0..n-1);
+- {"kvreuse_chunks": [[0, a], [a, b], ...]}: spans tiling the prompt from its start; from the first span on, as
+  long as each is stored, its tokens are claimed as matched and its stored rows written into the request's
+  slots, keys rotated to the span's place, so vLLM computes only what follows. Such requests need a cache_salt:
+  vLLM's own prefix cache then keeps their approximate blocks apart from exact ones.
+vLLM's API cannot express more than that: a connector only claims a prefix of the prompt as computed, and the
+model runner computes every token after it. Recomputing chosen rows inside a chunk (CacheBlend, CacheTune) needs
+the model runner to take a list of positions to compute with the rest loaded, which is what LMCache's blending
+patches into vLLM's model code.
+
+A block or chunk the store cannot deliver (gone, damaged, Redis down) is reported to vLLM, which recomputes it:
+the connector is a cache, so it runs vLLM with kv_load_failure_policy "recompute". It never fails a request.
 """
 
 from __future__ import annotations
@@ -32,15 +43,20 @@ from vllm.platforms import current_platform
 
 from kvreuse.integrations.vllm.pages import (
     BlockTransfer,
+    ChunkSpan,
     SaveTracker,
+    SlotLayout,
+    check_spans,
     claimable_blocks,
     entries_from_pages,
     fits,
     leading_present,
+    probe_layout,
+    rotate_keys,
     write_entry,
 )
 from kvreuse.model.identity import fingerprint, weights_identity
-from kvreuse.store import KeySpace, TieredStore, open_store, prefix_block_keys
+from kvreuse.store import EntryMeta, KeySpace, KVEntry, TieredStore, chunk_key, open_store, prefix_block_keys
 from kvreuse.store.entry import dtype_name
 from kvreuse.store.tiered import tier_label
 
@@ -55,15 +71,43 @@ if TYPE_CHECKING:
 log = logging.getLogger("vllm.kvreuse")  # under vLLM's logger: its handler and level apply
 
 
+CHUNKS = "kvreuse_chunks"  # kv_transfer_params: [[start, end], ...], the prompt's chunks, reused where stored
+STORE_CHUNK = "kvreuse_store_chunk"  # kv_transfer_params: true, store this prompt's KV as one chunk
+
+
+@dataclass
+class ChunkLoad:
+    """Prompt tokens [first, stop) of a request, written from stored chunks moved to their new positions."""
+
+    request_id: str
+    block_ids: list[int]
+    first: int
+    stop: int
+    spans: list[ChunkSpan]
+
+
+@dataclass
+class ChunkSave:
+    """A request's whole prompt, to be stored as one chunk once computed."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+    key: str
+
+
 @dataclass
 class KVReuseMetadata(KVConnectorMetadata):
-    """One step's work for the workers: blocks to load before the forward pass, blocks to save after it."""
+    """One step's work for the workers: what to load before the forward pass, what to save after it."""
 
     loads: list[BlockTransfer] = field(default_factory=list)
     saves: list[BlockTransfer] = field(default_factory=list)
+    chunk_loads: list[ChunkLoad] = field(default_factory=list)
+    chunk_saves: list[ChunkSave] = field(default_factory=list)
 
 
-COUNTERS = ("blocks_loaded", "blocks_failed", "blocks_saved", "save_errors", "bytes_loaded", "bytes_saved")
+COUNTERS = ("blocks_loaded", "blocks_failed", "blocks_saved", "save_errors", "bytes_loaded", "bytes_saved",
+            "chunk_tokens_loaded", "chunks_saved")
 
 
 @dataclass
@@ -138,12 +182,48 @@ def model_identity(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
     return f"{model.model}@{model.revision or 'main'}"
 
 
+def inverse_frequencies(vllm_config: VllmConfig) -> torch.Tensor:
+    """RoPE's angle per position for each channel pair, as the model's config defines it (transformers' rules)."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = vllm_config.model_config.hf_text_config
+    head_dim = vllm_config.model_config.get_head_size()
+    parameters = getattr(config, "rope_parameters", None) or {}
+    rope_type = parameters.get("rope_type", "default")
+    if rope_type == "default":
+        theta = parameters.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        return 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    return ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")[0].double()
+
+
+def chunk_reuse_refusal(vllm_config: VllmConfig) -> str | None:
+    """Why this model's stored chunks cannot be moved to new positions, or None."""
+    config = vllm_config.model_config.hf_text_config
+    if getattr(config, "layer_types", None) and len(set(config.layer_types)) > 1:
+        return "its layers differ in attention (sliding and full) and RoPE"
+    if getattr(config, "partial_rotary_factor", 1.0) != 1.0:
+        return "RoPE covers only part of each head"
+    return None
+
+
 def kernel_layout(vllm_config: VllmConfig) -> str:
     """The CPU attention kernel's ISA: it decides how a block's slots are laid out."""
     from vllm.v1.attention.backends.cpu_attn import _get_attn_isa
 
     model, cache = vllm_config.model_config, vllm_config.cache_config
     return _get_attn_isa(model.dtype, cache.block_size, model.get_head_size(), cache.cache_dtype)
+
+
+@dataclass
+class _Request:
+    """What the scheduler side knows of a request, from its first lookup until it finishes."""
+
+    num_prompt_tokens: int
+    keys: list[str]  # exact-prefix keys of its full prompt blocks ([] when its tokens do not name its KV)
+    spans: list[ChunkSpan] | None  # its chunks, when it asks for chunk reuse and may have it
+    chunk_key: str | None  # where its prompt is stored as a chunk, when it asks for that
+    block_ids: list[int] = field(default_factory=list)
+    plan: tuple[int, int] = (0, 0)  # prompt tokens [first, stop) the last lookup found loadable
 
 
 class KVReuseConnector(KVConnectorBase_V1):
@@ -159,13 +239,21 @@ class KVReuseConnector(KVConnectorBase_V1):
         spec = extra.get("store", "memory:2GB")
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
-        self.layout = f"vllm-cpu:{kernel_layout(vllm_config)}:{self.block_size}"
+        self.isa = kernel_layout(vllm_config)
+        self.layout = f"vllm-cpu:{self.isa}:{self.block_size}"
+        self.chunk_layout = f"vllm-cpu-chunk:{self.isa}"  # token rows, keys rotated for positions 0..n-1
         self.dtype = dtype_name(model.dtype)
         self.model_fingerprint = fingerprint("vllm", model_identity(vllm_config, extra), self.dtype)
         self.tokenizer_fingerprint = fingerprint(str(model.tokenizer), str(model.tokenizer_revision))
         self.store = shared_store(visible_tiers(spec, role), self.model_fingerprint, self.dtype)
+        self.chunk_refusal = chunk_reuse_refusal(vllm_config)
+        # Writes to disk and Redis are queued by default; with sync_writes a step ends once they landed, so a
+        # request arriving after it finds them (tests, benchmarks, a store being filled ahead of traffic).
+        self.sync_writes = bool(extra.get("sync_writes", False))
         self._stats = KVReuseStats()
         log.info("KVReuseConnector (%s): store %s, layout %s", role.name, self.store.name, self.layout)
+        if self.chunk_refusal:
+            log.warning("KVReuseConnector: chunk reuse is off for this model: %s", self.chunk_refusal)
         if role == KVConnectorRole.SCHEDULER:
             self._init_scheduler()
         else:
@@ -182,85 +270,140 @@ class KVReuseConnector(KVConnectorBase_V1):
             log.info("KVReuseConnector sets kv_load_failure_policy to 'recompute': a block the store cannot "
                      "deliver is recomputed, never a failed request")
             transfer.kv_load_failure_policy = "recompute"
-        self._keys: dict[str, list[str]] = {}
-        self._stored: dict[str, tuple[int, int]] = {}  # request -> (first block to load, blocks stored)
+        self._requests: dict[str, _Request] = {}
         self._loads: list[BlockTransfer] = []
+        self._chunk_loads: list[ChunkLoad] = []
         self._saves = SaveTracker(self.block_size)
 
-    def _request_keys(self, request: Request) -> list[str]:
-        keys = self._keys.get(request.request_id)
-        if keys is None:
+    def _space(self, request: Request, layout: str) -> KeySpace:
+        return KeySpace(self.model_fingerprint, self.tokenizer_fingerprint, request.cache_salt, layout)
+
+    def _request(self, request: Request) -> _Request:
+        state = self._requests.get(request.request_id)
+        if state is None:
             tokens = request.prompt_token_ids
-            if tokens is None or request.mm_features:  # embeddings or images: their tokens do not name the KV
-                keys = []
-            else:
-                space = KeySpace(self.model_fingerprint, self.tokenizer_fingerprint, request.cache_salt,
-                                 self.layout)
-                keys = prefix_block_keys(tokens, self.block_size, space=space)
-            self._keys[request.request_id] = keys
-        return keys
+            named = tokens is not None and not request.mm_features  # embeddings or images: tokens do not name KV
+            params = (request.kv_transfer_params or {}) if named else {}
+            state = _Request(
+                request.num_prompt_tokens,
+                prefix_block_keys(tokens, self.block_size, space=self._space(request, self.layout)) if named else [],
+                self._chunk_spans(request) if CHUNKS in params else None,
+                chunk_key(tokens, self._space(request, self.chunk_layout)) if params.get(STORE_CHUNK) else None)
+            self._requests[request.request_id] = state
+        return state
+
+    def _chunk_spans(self, request: Request) -> list[ChunkSpan] | None:
+        """The request's chunks with their store keys, or None (logged) when it cannot have chunk reuse."""
+        why = self.chunk_refusal
+        if why is None and request.cache_salt is None:
+            why = ("it has no cache_salt, so vLLM's own prefix cache would serve its approximate blocks to exact "
+                   "requests")
+        if why is None:
+            try:
+                spans = check_spans(request.kv_transfer_params[CHUNKS], request.num_prompt_tokens)
+            except ValueError as e:
+                why = str(e)
+        if why is not None:
+            log.warning("KVReuseConnector: request %s gets no chunk reuse: %s", request.request_id, why)
+            return None
+        space, tokens = self._space(request, self.chunk_layout), request.prompt_token_ids
+        return [ChunkSpan(start, end, chunk_key(tokens[start:end], space)) for start, end in spans]
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
-        keys = self._request_keys(request)
-        claimable = claimable_blocks(request.num_prompt_tokens, self.block_size)
-        stored = leading_present(keys[:claimable], self.store.contains)
-        local = num_computed_tokens // self.block_size
-        self._stored[request.request_id] = (local, stored)
-        return max(stored * self.block_size - num_computed_tokens, 0), False
+        state = self._request(request)
+        if state.spans is not None:
+            # Chunks are reused from the first as long as each is stored; vLLM computes the rest in context.
+            available = leading_present([span.key for span in state.spans], self.store.contains)
+            stop = min(state.spans[available - 1].end, state.num_prompt_tokens - 1) if available else 0
+        else:
+            claimable = claimable_blocks(state.num_prompt_tokens, self.block_size)
+            stop = leading_present(state.keys[:claimable], self.store.contains) * self.block_size
+        state.plan = (num_computed_tokens, stop)
+        return max(stop - num_computed_tokens, 0), False
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        keys = self._request_keys(request)
-        first, stored = self._stored.pop(request.request_id, (0, 0))
+        state = self._request(request)
+        first, stop = state.plan
         block_ids = blocks.get_block_ids()[0]
         if num_external_tokens > 0:
-            stop = first + num_external_tokens // self.block_size
-            self._loads.append(BlockTransfer(request.request_id, block_ids[first:stop], keys[first:stop]))
-        if len(keys) > stored:
-            self._saves.start(request.request_id, keys, stored)
+            stop = first + num_external_tokens
+            if state.spans is not None:
+                spans = [span for span in state.spans if span.start < stop and span.end > first]
+                self._chunk_loads.append(ChunkLoad(request.request_id, block_ids, first, stop, spans))
+            else:
+                load = slice(first // self.block_size, stop // self.block_size)
+                self._loads.append(BlockTransfer(request.request_id, block_ids[load], state.keys[load]))
+        if state.spans is None and len(state.keys) > stop // self.block_size:
+            self._saves.start(request.request_id, state.keys, stop // self.block_size)  # exact requests only
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = KVReuseMetadata(loads=self._loads)
-        self._loads = []
+        meta = KVReuseMetadata(loads=self._loads, chunk_loads=self._chunk_loads)
+        self._loads, self._chunk_loads = [], []
         scheduled = scheduler_output.num_scheduled_tokens
         for new in scheduler_output.scheduled_new_reqs:
-            self._saves.set_blocks(new.req_id, new.block_ids[0], append=False)
-            self._queue_save(meta, new.req_id, new.num_computed_tokens + scheduled[new.req_id])
+            self._queue_saves(meta, new.req_id, new.num_computed_tokens + scheduled[new.req_id], new.block_ids[0],
+                              append=False)
         cached = scheduler_output.scheduled_cached_reqs
         for i, request_id in enumerate(cached.req_ids):
-            if cached.new_block_ids[i] is not None:  # a resumed request gets all its blocks anew
-                self._saves.set_blocks(request_id, cached.new_block_ids[i][0],
-                                       append=request_id not in cached.resumed_req_ids)
-            self._queue_save(meta, request_id, cached.num_computed_tokens[i] + scheduled[request_id])
+            new_blocks = cached.new_block_ids[i]
+            self._queue_saves(meta, request_id, cached.num_computed_tokens[i] + scheduled[request_id],
+                              new_blocks[0] if new_blocks is not None else [],
+                              append=request_id not in cached.resumed_req_ids)  # a resumed request's are all new
         return meta
 
-    def _queue_save(self, meta: KVReuseMetadata, request_id: str, computed_tokens: int) -> None:
-        transfer = self._saves.to_save(request_id, computed_tokens)
+    def _queue_saves(self, meta: KVReuseMetadata, request_id: str, computed_tokens: int, block_ids: list[int],
+                     *, append: bool) -> None:
+        state = self._requests.get(request_id)
+        if state is None:
+            return
+        state.block_ids = state.block_ids + block_ids if append else list(block_ids)
+        transfer = self._saves.to_save(request_id, computed_tokens, state.block_ids)
         if transfer is not None:
             meta.saves.append(transfer)
+        if state.chunk_key is not None and computed_tokens >= state.num_prompt_tokens:
+            meta.chunk_saves.append(ChunkSave(request_id, state.block_ids, state.num_prompt_tokens, state.chunk_key))
+            state.chunk_key = None
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         self._saves.finish(request.request_id)
-        self._keys.pop(request.request_id, None)
-        self._stored.pop(request.request_id, None)
+        self._requests.pop(request.request_id, None)
         return False, None
 
     # -- worker side ------------------------------------------------------------------------------------
     def _init_worker(self) -> None:
         self._caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
-        self._pages: dict[int, list[torch.Tensor | None]] = {}  # save index in this step -> per-layer copies
+        self._pages: dict[int, list[torch.Tensor | None]] = {}  # block save index -> each layer's block copies
+        self._chunk_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}  # chunk save -> rows
         self._failed: set[int] = set()
+        self._slots: SlotLayout | None = None
+        self._inverse_frequencies = None if self.chunk_refusal else inverse_frequencies(self._vllm_config)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         names = sorted(kv_caches, key=extract_layer_index)
         self._caches = [kv_caches[name] for name in names]
         self._layer_of = {name: i for i, name in enumerate(names)}
+        if self.chunk_refusal is None:
+            _, heads, block_size, two_head_dim = self._caches[0].shape
+            try:
+                self._slots = probe_layout(self._write_slots, heads, block_size, two_head_dim // 2,
+                                           self._caches[0].dtype)
+            except ValueError as e:
+                log.warning("KVReuseConnector: chunk reuse is off: %s (ISA %s)", e, self.isa)
+
+    def _write_slots(self, k: torch.Tensor, v: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
+                     slots: torch.Tensor) -> None:
+        from vllm import _custom_ops as ops
+
+        ops.cpu_attn_reshape_and_cache(k, v, key_cache, value_cache, slots, self.isa)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVReuseMetadata)
         for transfer in meta.loads:
             self._load(transfer)
+        for load in meta.chunk_loads:
+            self._load_chunks(load)
 
     def _load(self, transfer: BlockTransfer) -> None:
         """Load the request's blocks in order; from the first that fails, report the rest as failed too, so
@@ -281,6 +424,32 @@ class KVReuseConnector(KVConnectorBase_V1):
         log.info("KVReuseConnector: request %s loaded %s", transfer.request_id,
                  ", ".join(f"{n} blocks from {label}" for label, n in tiers.items()))
 
+    def _load_chunks(self, load: ChunkLoad) -> None:
+        """Write each stored chunk's rows into the request's slots, keys rotated to the chunk's new place; from
+        the first chunk that cannot be had, report the blocks to vLLM, which computes them in context."""
+        for n, span in enumerate(load.spans):
+            start, stop = max(span.start, load.first), min(span.end, load.stop)
+            entry = self.store.get(span.key) if self._slots is not None else None
+            _, heads, _, two_head_dim = self._caches[0].shape
+            shape = (len(self._caches), span.end - span.start, heads, two_head_dim // 2)
+            if entry is None or tuple(entry.k.shape) != shape or entry.k.dtype != self._caches[0].dtype:
+                log.warning("KVReuseConnector: chunk %d of request %s unavailable; vLLM computes from there",
+                            n, load.request_id)
+                failed = load.block_ids[start // self.block_size: -(-load.stop // self.block_size)]
+                self._failed.update(failed)
+                self._stats.add(blocks_failed=len(failed))
+                return
+            positions = torch.arange(start, stop)
+            slots = torch.tensor(load.block_ids)[positions // self.block_size] * self.block_size \
+                + positions % self.block_size
+            rows = slice(start - span.start, stop - span.start)
+            for layer, cache in enumerate(self._caches):
+                k = rotate_keys(entry.k[layer, rows], span.start, self._inverse_frequencies)
+                self._slots.write(cache, slots, k, entry.v[layer, rows])
+            self._stats.add(chunk_tokens_loaded=stop - start)
+        log.info("KVReuseConnector: request %s reused %d stored chunks for prompt tokens %d-%d",
+                 load.request_id, len(load.spans), load.first, load.stop)
+
     def get_block_ids_with_load_errors(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
@@ -295,6 +464,10 @@ class KVReuseConnector(KVConnectorBase_V1):
         for index, transfer in enumerate(meta.saves):
             pages = self._pages.setdefault(index, [None] * len(self._caches))
             pages[layer] = kv_layer[torch.tensor(transfer.block_ids)]  # a copy: vLLM may reuse the blocks
+        if self._slots is not None:
+            for index, save in enumerate(meta.chunk_saves):
+                rows = self._chunk_rows.setdefault(index, [None] * len(self._caches))
+                rows[layer] = self._slots.read(kv_layer, save.block_ids, save.num_tokens)  # copies
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
@@ -302,17 +475,30 @@ class KVReuseConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVReuseMetadata)
         pages, self._pages = self._pages, {}
+        chunk_rows, self._chunk_rows = self._chunk_rows, {}
         for index, transfer in enumerate(meta.saves):
             layers = pages.get(index)
-            if layers is None or any(p is None for p in layers):
-                continue  # the step ran no attention (nothing was computed)
-            try:
-                for entry in entries_from_pages(transfer.keys, layers, self.model_fingerprint, self.layout):
-                    self.store.put(entry)
-                    self._stats.add(blocks_saved=1, bytes_saved=entry.nbytes)
-            except (OSError, ValueError, RuntimeError):
-                log.exception("KVReuseConnector: saving request %s's blocks failed", transfer.request_id)
-                self._stats.add(save_errors=1)
+            if layers is not None and all(p is not None for p in layers):  # else the step computed nothing
+                self._put(transfer.request_id, entries_from_pages(transfer.keys, layers, self.model_fingerprint,
+                                                                  self.layout), "blocks_saved")
+        for index, save in enumerate(meta.chunk_saves):
+            rows = chunk_rows.get(index)
+            if rows is not None and all(r is not None for r in rows):
+                k, v = (torch.stack([r[i] for r in rows]) for i in range(2))
+                meta_ = EntryMeta(self.model_fingerprint, self.dtype, len(rows), save.num_tokens,
+                                  compile_mode=self.chunk_layout)
+                self._put(save.request_id, [KVEntry(save.key, k, v, meta_)], "chunks_saved")
+        if self.sync_writes and (meta.saves or meta.chunk_saves):
+            self.store.flush()
+
+    def _put(self, request_id: str, entries: list[KVEntry], counter: str) -> None:
+        try:
+            for entry in entries:
+                self.store.put(entry)
+                self._stats.add(bytes_saved=entry.nbytes, **{counter: 1})
+        except (OSError, ValueError, RuntimeError):
+            log.exception("KVReuseConnector: saving request %s's KV failed", request_id)
+            self._stats.add(save_errors=1)
 
     def get_kv_connector_stats(self) -> KVReuseStats | None:
         if self._stats.is_empty():

@@ -9,10 +9,13 @@ import torch
 from kvreuse.integrations.vllm.pages import (
     SaveTracker,
     block_halves,
+    check_spans,
     claimable_blocks,
     entries_from_pages,
     fits,
     leading_present,
+    probe_layout,
+    rotate_keys,
     write_entry,
 )
 from kvreuse.store.memory import MemoryTier
@@ -108,24 +111,88 @@ def test_saves_follow_chunked_prefill_and_skip_what_the_store_held():
     tracker = SaveTracker(block_size=128)
     keys = ["k0", "k1", "k2", "k3"]
     tracker.start("r", keys, stored=1)
-    tracker.set_blocks("r", [10, 11], append=False)
-    assert tracker.to_save("r", computed_tokens=200) is None  # block 0 was stored; block 1 is not complete yet
-    first = tracker.to_save("r", computed_tokens=256)
+    assert tracker.to_save("r", 200, [10, 11]) is None  # block 0 was stored; block 1 is not complete yet
+    first = tracker.to_save("r", 256, [10, 11])
     assert (first.block_ids, first.keys) == ([11], ["k1"])
-    tracker.set_blocks("r", [12, 13], append=True)
-    second = tracker.to_save("r", computed_tokens=530)
+    second = tracker.to_save("r", 530, [10, 11, 12, 13])
     assert (second.block_ids, second.keys) == ([12, 13], ["k2", "k3"])
     assert len(tracker) == 0  # every full block was sent: the request is forgotten
-    assert tracker.to_save("r", computed_tokens=600) is None
+    assert tracker.to_save("r", 600, [10, 11, 12, 13]) is None
 
 
-def test_a_resumed_request_saves_into_its_new_blocks():
+def test_a_resumed_request_saves_into_its_new_blocks_and_a_finished_one_saves_nothing():
     tracker = SaveTracker(block_size=128)
     tracker.start("r", ["k0", "k1"], stored=0)
-    tracker.set_blocks("r", [1, 2], append=False)
-    assert tracker.to_save("r", computed_tokens=130).block_ids == [1]
-    tracker.set_blocks("r", [7, 8], append=False)  # preempted, then resumed with blocks anew
-    assert tracker.to_save("r", computed_tokens=300).block_ids == [8]
+    assert tracker.to_save("r", 130, [1, 2]).block_ids == [1]
+    assert tracker.to_save("r", 300, [7, 8]).block_ids == [8]  # preempted, then resumed with blocks anew
     tracker.start("s", ["k0"], stored=0)
     tracker.finish("s")
-    assert tracker.to_save("s", computed_tokens=128) is None
+    assert tracker.to_save("s", 128, [1]) is None
+
+
+def token_major_writer(k, v, key_cache, value_cache, slots):
+    """The obvious layout: [block, head, slot, channel]."""
+    block_size = key_cache.shape[2]
+    key_cache[slots // block_size, :, slots % block_size] = k
+    value_cache[slots // block_size, :, slots % block_size] = v
+
+
+def channel_major_writer(k, v, key_cache, value_cache, slots):
+    """Keys stored [channel, slot] inside each head's part of a block, values in slots reversed: orders a
+    kernel may choose, which the probe must find without being told."""
+    block_size, head_dim = key_cache.shape[2], key_cache.shape[3]
+    for row, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        key_cache[block].view(-1, head_dim, block_size)[:, :, offset] = k[row]
+        value_cache[block][:, block_size - 1 - offset] = v[row]
+
+
+@pytest.mark.parametrize("writer", [token_major_writer, channel_major_writer])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_single_tokens_go_where_the_kernel_puts_them_and_come_back(writer, dtype):
+    layout = probe_layout(writer, HEADS, BLOCK_SIZE, HEAD_DIM, dtype)
+    generator = torch.Generator().manual_seed(3)
+    slots = torch.tensor([3 * BLOCK_SIZE + 5, 3 * BLOCK_SIZE + 6, 1 * BLOCK_SIZE + 0, 1 * BLOCK_SIZE + 7])
+    k = torch.randn(len(slots), HEADS, HEAD_DIM, generator=generator).to(dtype)
+    v = torch.randn(len(slots), HEADS, HEAD_DIM, generator=generator).to(dtype)
+    expected = torch.randn(BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM, generator=generator).to(dtype)
+    ours = expected.clone()
+    writer(k, v, *block_halves(expected), slots)
+    layout.write(ours, slots, k, v)
+    assert torch.equal(ours, expected)
+    # a request whose blocks are [3, 1]: its tokens 5, 6, 8 and 15 are the rows written above
+    read_k, read_v = layout.read(ours, [3, 1], num_tokens=2 * BLOCK_SIZE)
+    assert torch.equal(read_k[[5, 6, 8, 15]], k) and torch.equal(read_v[[5, 6, 8, 15]], v)
+
+
+def test_a_writer_that_loses_tokens_is_refused():
+    def lossy(k, v, key_cache, value_cache, slots):
+        token_major_writer(k[:-1], v[:-1], key_cache, value_cache, slots[:-1])
+
+    with pytest.raises(ValueError, match="the cache writer"):
+        probe_layout(lossy, HEADS, BLOCK_SIZE, HEAD_DIM, torch.float32)
+
+
+def rope_at(x: torch.Tensor, positions: torch.Tensor, inverse_frequencies: torch.Tensor) -> torch.Tensor:
+    angles = positions.double()[:, None] * inverse_frequencies.double()[None, :]
+    cos, sin = torch.cat([angles.cos()] * 2, -1)[:, None], torch.cat([angles.sin()] * 2, -1)[:, None]
+    half = x.shape[-1] // 2
+    return (x.double() * cos + torch.cat([-x[..., half:], x[..., :half]], -1).double() * sin).to(x.dtype)
+
+
+def test_keys_rotated_by_p_are_the_keys_rope_puts_p_further():
+    inverse_frequencies = 1.0 / 10000 ** (torch.arange(0, HEAD_DIM * 4, 2, dtype=torch.float64) / (HEAD_DIM * 4))
+    raw = torch.randn(20, HEADS, HEAD_DIM * 4, dtype=torch.float64)
+    at_zero = rope_at(raw, torch.arange(20), inverse_frequencies)
+    moved = rotate_keys(at_zero, 37, inverse_frequencies)
+    assert torch.allclose(moved, rope_at(raw, torch.arange(37, 57), inverse_frequencies), atol=1e-12)
+
+
+@pytest.mark.parametrize(("spans", "message"), [
+    ([], "non-empty list"), ("0-5", "non-empty list"), ([[0, 5], [6, 9]], "must start at 5"),
+    ([[1, 5]], "must start at 0"), ([[0, 0]], "end after it"), ([[0, 50]], "within the prompt's 40 tokens"),
+    ([[0, 5, 7]], "is not a"), ([[0, 2.5]], "is not a")])
+def test_chunk_spans_that_do_not_tile_the_prompt_are_refused_by_name(spans, message):
+    with pytest.raises(ValueError, match=message):
+        check_spans(spans, num_prompt_tokens=40)
+    assert check_spans([[0, 5], [5, 40]], 40) == [(0, 5), (5, 40)]
