@@ -40,6 +40,7 @@ WARM_UP = Round.of([[100 + i for i in range(300)]], 1)  # an engine's first requ
 
 
 def connector(store: str) -> dict:
+    """KVReuseConnector on `store`, writes synchronous: what one round saves, the next round finds."""
     return {"kv_connector": "KVReuseConnector", "kv_connector_module_path": "kvreuse.integrations.vllm.connector",
             "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "sync_writes": True}}
 

