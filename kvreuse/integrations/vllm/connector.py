@@ -5,8 +5,8 @@ Exact prefixes, for every request:
   naming the model, dtype, block size and the CPU kernel's block layout, and the request's cache salt), claims
   as matched the blocks the store holds beyond what vLLM's own prefix cache has, and plans which blocks to load
   into which of vLLM's blocks and which freshly computed blocks to save;
-- worker side: copies the claimed blocks from the store into vLLM's cache before the forward pass, and copies
-  each layer's completed blocks out as the layer finishes, putting them in the store after the step.
+- worker side: copies the claimed blocks from the store into vLLM's cache before the forward pass, and the
+  blocks the step completed out of it after the step, into the store.
 
 Chunks (naive reuse), for requests that ask through kv_transfer_params:
 - {"kvreuse_store_chunk": true}: the prompt's KV is stored as one chunk, token by token (keys at 0..n-1);
@@ -365,8 +365,6 @@ class KVReuseConnector(KVConnectorBase_V1):
     def _init_worker(self) -> None:
         self._caches: list[torch.Tensor] = []
         self._layer_of: dict[str, int] = {}
-        self._pages: dict[int, list[torch.Tensor | None]] = {}  # block save index -> each layer's block copies
-        self._chunk_rows: dict[int, list[tuple[torch.Tensor, torch.Tensor] | None]] = {}  # chunk save -> rows
         self._failed: set[int] = set()
         self._slots: SlotLayout | None = None
         self._inverse_frequencies = None if self.chunk_refusal else inverse_frequencies(self._vllm_config)
@@ -460,42 +458,32 @@ class KVReuseConnector(KVConnectorBase_V1):
         return  # blocks are loaded whole before the forward pass: on a CPU the copy competes with compute anyway
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        meta = self._get_connector_metadata()
-        assert isinstance(meta, KVReuseMetadata)
-        layer = self._layer_of[layer_name]
-        for index, transfer in enumerate(meta.saves):
-            pages = self._pages.setdefault(index, [None] * len(self._caches))
-            pages[layer] = kv_layer[torch.tensor(transfer.block_ids)]  # a copy: vLLM may reuse the blocks
-        if self._slots is not None:
-            for index, save in enumerate(meta.chunk_saves):
-                rows = self._chunk_rows.setdefault(index, [None] * len(self._caches))
-                rows[layer] = self._slots.read(kv_layer, save.block_ids, save.num_tokens)  # copies
+        return  # blocks are read whole in wait_for_save, once every layer of the step has written them
 
     def wait_for_save(self) -> None:
         if not self.has_connector_metadata():
             return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVReuseMetadata)
-        pages, self._pages = self._pages, {}
-        chunk_rows, self._chunk_rows = self._chunk_rows, {}
-        for index, transfer in enumerate(meta.saves):
-            layers = pages.get(index)
-            if layers is not None and all(p is not None for p in layers):  # else the step computed nothing
-                self._put(transfer.request_id, entries_from_pages(transfer.keys, layers, self.model_fingerprint,
-                                                                  self.layout), "blocks_saved")
-        for index, save in enumerate(meta.chunk_saves):
-            rows = chunk_rows.get(index)
-            if rows is not None and all(r is not None for r in rows):
-                k, v = (torch.stack([r[i] for r in rows]) for i in range(2))
-                meta_ = EntryMeta(self.model_fingerprint, self.dtype, len(rows), save.num_tokens,
-                                  compile_mode=self.chunk_layout)
-                self._put(save.request_id, [KVEntry(save.key, k, v, meta_)], "chunks_saved")
+        for transfer in meta.saves:
+            self._put(transfer.request_id, "blocks_saved", lambda t=transfer: entries_from_pages(
+                t.keys, [cache[torch.tensor(t.block_ids)] for cache in self._caches], self.model_fingerprint,
+                self.layout))
+        if self._slots is not None:
+            for save in meta.chunk_saves:
+                self._put(save.request_id, "chunks_saved", lambda c=save: [self._chunk_entry(c)])
         if self.sync_writes and (meta.saves or meta.chunk_saves):
             self.store.flush()
 
-    def _put(self, request_id: str, entries: list[KVEntry], counter: str) -> None:
+    def _chunk_entry(self, save: ChunkSave) -> KVEntry:
+        rows = [self._slots.read(cache, save.block_ids, save.num_tokens) for cache in self._caches]
+        k, v = (torch.stack([layer[i] for layer in rows]) for i in range(2))
+        return KVEntry(save.key, k, v, EntryMeta(self.model_fingerprint, self.dtype, len(rows), save.num_tokens,
+                                                 compile_mode=self.chunk_layout))
+
+    def _put(self, request_id: str, counter: str, entries: Callable[[], list[KVEntry]]) -> None:
         try:
-            for entry in entries:
+            for entry in entries():
                 self.store.put(entry)
                 self._stats.add(bytes_saved=entry.nbytes, **{counter: 1})
         except Exception:  # a cache: a save that fails is a later miss, never a failed request

@@ -97,8 +97,8 @@ class BlockTransfer:
 class SaveTracker:
     """Which of a request's full prompt blocks each step completes that the store does not hold yet.
 
-    A block is saved in the step that computes its last token, layer by layer as the step runs; blocks the
-    store already held when the request arrived are never sent again."""
+    A block is saved at the end of the step that computes its last token; blocks the store already held when the
+    request arrived are never sent again."""
 
     def __init__(self, block_size: int):
         self.block_size = block_size
