@@ -51,8 +51,9 @@ class KVStore(ABC):
         """K and V of token `rows` (in the order given), for `layers` (default all)."""
 
     @abstractmethod
-    def put(self, entry: KVEntry) -> bool:
-        """Store `entry`; True if it is stored (now or already), False if the write was skipped."""
+    def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:
+        """Store `entry`; True if it is stored (now or already), False if the write was skipped. `handed_over`:
+        the caller will never write the entry's tensors again, so a tier that keeps tensors may keep these."""
 
     @abstractmethod
     def delete(self, key: str) -> bool: ...
@@ -288,7 +289,7 @@ class BlobTier(Tier):
         # A look-up, not a read: neither a hit nor a use that protects the entry from eviction.
         return self._load(key, lambda r: r.meta(with_extras=with_extras))
 
-    def put(self, entry: KVEntry) -> bool:
+    def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:
         self.check_put(entry)
         if self.contains(entry.key):
             self.count("duplicates")

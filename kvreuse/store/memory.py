@@ -68,7 +68,7 @@ class MemoryTier(Tier):
         k, v = (take_rows(t[layers.start : layers.stop], idx) for t in (entry.k, entry.v))
         return self._served((k, v))
 
-    def put(self, entry: KVEntry) -> bool:
+    def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:
         self.check_put(entry)
         size = entry.nbytes
         if entry.key in self.entries:
@@ -77,7 +77,7 @@ class MemoryTier(Tier):
         if not self.policy.fits(size):
             self.fault("write_errors", entry.key, f"{size} bytes exceed the tier's capacity")
             return False
-        copy = entry.clone()  # outside the lock: readers need not wait for a copy
+        copy = entry if handed_over else entry.clone()  # outside the lock: readers need not wait for a copy
         with self.lock:
             if entry.key in self.entries:  # another writer won the race; same key, same content
                 self.count("duplicates")

@@ -84,17 +84,18 @@ class TieredStore(KVStore):
             self._bump("writeback_dropped")
 
     def _write(self, tier_index: int, entry: KVEntry) -> None:
+        """Put `entry`, which is the store's own: no tier copies it again."""
         tier = self.tiers[tier_index]
         if tier.writes_are_cheap:
-            tier.put(entry)
+            tier.put(entry, handed_over=True)
         else:
-            self._submit(("write", tier_index, entry.key), lambda: tier.put(entry))
+            self._submit(("write", tier_index, entry.key), lambda: tier.put(entry, handed_over=True))
 
     def _demote(self, entry: KVEntry, below: int) -> None:
         tier = self.tiers[below]
 
         def demote() -> None:
-            if not tier.contains(entry.key) and tier.put(entry):
+            if not tier.contains(entry.key) and tier.put(entry, handed_over=True):
                 self._bump("demotions")
 
         self._submit(("demote", below, entry.key), demote)
@@ -118,17 +119,18 @@ class TieredStore(KVStore):
         self._queue.join()
 
     # -- the store interface -----------------------------------------------------------------------------
-    def put(self, entry: KVEntry, tier: int = 0) -> bool:
+    def put(self, entry: KVEntry, tier: int = 0, *, handed_over: bool = False) -> bool:
         """Accept `entry` (True) into tier `tier` and every tier below it: a placement policy may keep a new
         entry out of the faster tiers, and a hit promotes it later. Cheap tiers are written now, the others
-        queued. Bad input raises here, not later in the writer thread."""
+        queued. Bad input raises here, not later in the writer thread. Unless `handed_over`, the store keeps a
+        copy of its own."""
         if self._closed:
             raise RuntimeError(f"store {self.name} is closed")
         if not 0 <= tier < len(self.tiers):
             raise ValueError(f"tier: {tier} is not a tier of {self.name} (0..{len(self.tiers) - 1})")
         for t in self.tiers:
             t.check_put(entry)
-        owned = entry.clone()  # the caller may reuse its tensors; async writes need a stable copy
+        owned = entry if handed_over else entry.clone()  # async writes and the memory tier need a stable copy
         for i in range(tier, len(self.tiers)):
             self._write(i, owned)
         return True

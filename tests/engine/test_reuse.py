@@ -34,9 +34,9 @@ class SlowStore:
         time.sleep(self.read_delay)
         return None if key in self.lost else self.inner.get_rows(key, rows, layers)
 
-    def put(self, entry):
+    def put(self, entry, *, handed_over=False):
         self.release.wait()
-        return self.inner.put(entry)
+        return self.inner.put(entry, handed_over=handed_over)
 
     def __getattr__(self, name):
         return getattr(self.inner, name)

@@ -22,9 +22,9 @@ class GatedTier(MemoryTier):
         super().__init__(None)
         self.gate = threading.Event()
 
-    def put(self, entry):
+    def put(self, entry, *, handed_over=False):
         self.gate.wait(timeout=10)
-        return super().put(entry)
+        return super().put(entry, handed_over=handed_over)
 
 
 @pytest.fixture
@@ -193,3 +193,15 @@ def test_a_probe_walks_the_tiers_once_and_asks_a_tier_only_for_keys_not_found_ab
     assert torch.equal(found[top.key].meta.ranking, top.meta.ranking)  # extras read where asked
     assert sorted(asked["memory"]) == sorted([top.key, below.key, both.key, nowhere])  # each key once
     assert sorted(asked["disk"]) == sorted([below.key, nowhere])  # only what the memory tier lacked
+
+
+def test_a_handed_over_entry_is_kept_as_is_and_any_other_as_a_copy(mem_disk, make_entry):
+    store, memory, disk = mem_disk
+    handed, lent = make_entry(key="handed"), make_entry(key="lent")
+    store.put(handed, handed_over=True)
+    store.put(lent)
+    store.flush()
+    assert memory.entries["handed"].k is handed.k  # no copy: its owner gave it up
+    assert memory.entries["lent"].k is not lent.k
+    lent.k.zero_()  # the lender's later writes reach no tier
+    assert store.get("lent").k.abs().sum() > 0 and disk.get("handed") is not None

@@ -48,7 +48,7 @@ from kvreuse.integrations.vllm.pages import (
     SlotLayout,
     check_spans,
     claimable_blocks,
-    entries_from_pages,
+    entries_from_blocks,
     fits,
     leading_present,
     probe_layout,
@@ -466,9 +466,8 @@ class KVReuseConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KVReuseMetadata)
         for transfer in meta.saves:
-            self._put(transfer.request_id, "blocks_saved", lambda t=transfer: entries_from_pages(
-                t.keys, [cache[torch.tensor(t.block_ids)] for cache in self._caches], self.model_fingerprint,
-                self.layout))
+            self._put(transfer.request_id, "blocks_saved", lambda t=transfer: entries_from_blocks(
+                t.keys, self._caches, t.block_ids, self.model_fingerprint, self.layout))
         if self._slots is not None:
             for save in meta.chunk_saves:
                 self._put(save.request_id, "chunks_saved", lambda c=save: [self._chunk_entry(c)])
@@ -484,7 +483,7 @@ class KVReuseConnector(KVConnectorBase_V1):
     def _put(self, request_id: str, counter: str, entries: Callable[[], list[KVEntry]]) -> None:
         try:
             for entry in entries():
-                self.store.put(entry)
+                self.store.put(entry, handed_over=True)  # built for the store alone: no copy of it
                 self._stats.add(bytes_saved=entry.nbytes, **{counter: 1})
         except Exception:  # a cache: a save that fails is a later miss, never a failed request
             log.exception("KVReuseConnector: saving request %s's KV failed", request_id)

@@ -32,19 +32,25 @@ def block_halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return pages[:, :, :block_size], pages[:, :, block_size:]
 
 
-def entries_from_pages(keys: Sequence[str], pages: Sequence[torch.Tensor], model_fingerprint: str,
-                       layout: str) -> list[KVEntry]:
-    """One entry per block from `pages`, each layer's copy of the blocks [len(keys), heads, block_size, 2 * d].
-    An entry's k and v are [layers, block_size, heads, head_dim], the store's shape; its rows are a block's
-    slots in the kernel's order, which `layout` names."""
-    halves = [block_halves(p) for p in pages]
-    k = torch.stack([key for key, _ in halves], dim=1).transpose(2, 3)  # [blocks, layers, block_size, heads, d]
-    v = torch.stack([value for _, value in halves], dim=1).transpose(2, 3)
-    if k.shape[0] != len(keys):
-        raise ValueError(f"{len(keys)} keys for {k.shape[0]} blocks")
-    num_layers, block_size = k.shape[1], k.shape[2]
-    meta = EntryMeta(model_fingerprint, dtype_name(k.dtype), num_layers, block_size, compile_mode=layout)
-    return [KVEntry(key, k[j].contiguous(), v[j].contiguous(), meta) for j, key in enumerate(keys)]
+def entries_from_blocks(keys: Sequence[str], caches: Sequence[torch.Tensor], block_ids: Sequence[int],
+                        model_fingerprint: str, layout: str) -> list[KVEntry]:
+    """One entry per block of `block_ids`, copied once out of every layer's cache. An entry's k and v are
+    [layers, block_size, heads, head_dim], the store's shape; its rows are the block's slots in the kernel's
+    order, which `layout` names."""
+    if len(keys) != len(block_ids):
+        raise ValueError(f"{len(keys)} keys for {len(block_ids)} blocks")
+    halves = [block_halves(cache) for cache in caches]
+    _, heads, block_size, head_dim = halves[0][0].shape
+    shape, dtype = (len(caches), block_size, heads, head_dim), caches[0].dtype
+    entries = []
+    for key, block in zip(keys, block_ids):
+        k, v = torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)
+        for layer, (k_half, v_half) in enumerate(halves):
+            k[layer].copy_(k_half[block].transpose(0, 1))
+            v[layer].copy_(v_half[block].transpose(0, 1))
+        meta = EntryMeta(model_fingerprint, dtype_name(dtype), len(caches), block_size, compile_mode=layout)
+        entries.append(KVEntry(key, k, v, meta))
+    return entries
 
 
 def fits(entry: KVEntry, caches: Sequence[torch.Tensor]) -> bool:

@@ -11,7 +11,7 @@ from kvreuse.integrations.vllm.pages import (
     block_halves,
     check_spans,
     claimable_blocks,
-    entries_from_pages,
+    entries_from_blocks,
     fits,
     leading_present,
     probe_layout,
@@ -32,13 +32,9 @@ def caches(seed: int | None = 0) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
 
 
-def saved_pages(source: list[torch.Tensor], block_ids: list[int]) -> list[torch.Tensor]:
-    return [cache[torch.tensor(block_ids)] for cache in source]  # what save_kv_layer copies per layer
-
-
 def test_blocks_travel_byte_exact_into_other_blocks_and_leave_the_rest_alone():
     source, target = caches(0), caches(None)
-    entries = entries_from_pages(["a", "b"], saved_pages(source, [4, 1]), "model", "vllm-cpu:vec:8")
+    entries = entries_from_blocks(["a", "b"], source, [4, 1], "model", "vllm-cpu:vec:8")
     write_entry(target, 0, entries[0])
     write_entry(target, 3, entries[1])
     for layer in range(LAYERS):
@@ -54,7 +50,7 @@ def test_an_entry_holds_the_keys_half_as_k_and_the_values_half_as_v():
         keys, values = block_halves(cache)
         keys.fill_(layer + 1)
         values.fill_(-(layer + 1))
-    (entry,) = entries_from_pages(["a"], saved_pages(source, [2]), "model", "vllm-cpu:vec:8")
+    (entry,) = entries_from_blocks(["a"], source, [2], "model", "vllm-cpu:vec:8")
     assert entry.k.shape == (LAYERS, BLOCK_SIZE, HEADS, HEAD_DIM) == entry.v.shape
     for layer in range(LAYERS):
         assert (entry.k[layer] == layer + 1).all() and (entry.v[layer] == -(layer + 1)).all()
@@ -64,7 +60,7 @@ def test_an_entry_holds_the_keys_half_as_k_and_the_values_half_as_v():
 
 def test_an_entry_survives_the_store_and_still_fits():
     source = caches(1)
-    (entry,) = entries_from_pages(["k1"], saved_pages(source, [5]), "model", "vllm-cpu:vec:8")
+    (entry,) = entries_from_blocks(["k1"], source, [5], "model", "vllm-cpu:vec:8")
     tier = MemoryTier(10**8)
     tier.put(entry)
     target = caches(None)
@@ -76,7 +72,7 @@ def test_an_entry_survives_the_store_and_still_fits():
 
 @pytest.mark.parametrize("other", ["layers", "dtype", "block_size", "heads"])
 def test_an_entry_of_another_shape_or_dtype_does_not_fit(other):
-    (entry,) = entries_from_pages(["a"], saved_pages(caches(0), [0]), "model", "vllm-cpu:vec:8")
+    (entry,) = entries_from_blocks(["a"], caches(0), [0], "model", "vllm-cpu:vec:8")
     shape = (BLOCKS, HEADS, BLOCK_SIZE, 2 * HEAD_DIM)
     layers, dtype = LAYERS, torch.float32
     if other == "layers":
