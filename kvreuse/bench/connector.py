@@ -31,6 +31,7 @@ from kvreuse.bench.peers.vllm_peer import (
     unavailable_reason,
 )
 from kvreuse.bench.workload import Shape, TextSource, Workload, build_workload
+from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.segments import SegmentKind
 from kvreuse.model.loader import load_model
 from kvreuse.store.redis_server import LocalRedis
@@ -95,11 +96,6 @@ def _cached(result: RoundsResult, rounds: range) -> float:
     return statistics.mean(g.cached_tokens for r in rounds for g in result.rounds[r])
 
 
-def first_token_kl(full: list[float], reused: list[float]) -> float:
-    p, q = torch.tensor(full, dtype=torch.float64), torch.tensor(reused, dtype=torch.float64)
-    return float((p.exp() * (p - q)).sum())
-
-
 def run(dataset: str | None, num_prompts: int, tokens: int, chunks: int, repeats: int, venv: Path) -> dict:
     loaded = load_model(None, "float32")
     window = loaded.runtime.config.max_position_embeddings
@@ -142,7 +138,7 @@ def run(dataset: str | None, num_prompts: int, tokens: int, chunks: int, repeats
         "(c) connector, passages in a new order, naive chunk reuse": (
             _seconds(first, chunk_rounds), _cached(first, chunk_rounds)),
     }
-    kl = [first_token_kl(full.first_logprobs, reused.first_logprobs)
+    kl = [first_token_kl(torch.tensor(full.first_logprobs), torch.tensor(reused.first_logprobs))
           for full, reused in zip(alone.rounds[-1], first.rounds[-1])]
     report = {"prompts": num_prompts, "prompt_tokens": statistics.mean(map(len, plain)), "chunks": chunks,
               "repeats": repeats, "dataset": source.name, "kl_naive_chunk_reuse": kl,

@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from kvreuse.bench.connector import SALT, RagPrompt, connector, first_token_kl
+from kvreuse.bench.connector import SALT, RagPrompt, connector
 from kvreuse.bench.peers.vllm_peer import (
     Round,
     RoundPrompt,
@@ -28,6 +28,7 @@ from kvreuse.bench.peers.vllm_peer import (
     unavailable_reason,
 )
 from kvreuse.eval.datasets import read_jsonl
+from kvreuse.eval.metrics import first_token_kl
 from kvreuse.model.loader import resolve_model_dir
 from kvreuse.store.redis_server import LocalRedis
 
@@ -191,11 +192,11 @@ def test_passages_in_a_new_order_are_reused_from_their_stored_chunks(engines, ch
     assert f"reused {len(chunked.spans())} stored chunks" in first.log
     # naive reuse: each passage computed alone, so not exact, but close (0.16 measured; keys not moved to the
     # passages' new places give 0.97)
-    assert 0 < first_token_kl(full.first_logprobs, reused.first_logprobs) < 0.4
+    assert 0 < first_token_kl(torch.tensor(full.first_logprobs), torch.tensor(reused.first_logprobs)) < 0.4
 
 
 def test_a_chunk_reused_at_the_place_it_was_stored_is_exact(engines, chunked):
     reused, full = engines["first"].rounds[3][1], engines["alone"].rounds[1][1]
     assert reused.cached_tokens == len(chunked.head)
     assert reused.tokens == full.tokens
-    assert first_token_kl(full.first_logprobs, reused.first_logprobs) < 1e-6
+    assert first_token_kl(torch.tensor(full.first_logprobs), torch.tensor(reused.first_logprobs)) < 1e-6
