@@ -37,9 +37,9 @@ def layer_work(plan: FusionPlan, num_layers: int) -> list[LayerWork]:
     CacheBlend narrows, which rows survive depends on the KV, so the survivors are taken evenly spread over the
     rows that could be dropped. Rows of a prefix restored layer-wise stop computing where their stored layers
     start."""
-    approximate = plan.approximate_mask
+    narrowable_mask = plan.narrowable_mask
     selected = plan.compute_rows
-    exact, narrowable = selected[~approximate[selected]], selected[approximate[selected]]
+    exact, narrowable = selected[~narrowable_mask[selected]], selected[narrowable_mask[selected]]
     keeps = {n.layer: n.kept_rows(plan.approximate_rows) for n in plan.narrowing}
     leaving = plan.leaving_rows()
     work = LayerWork(selected, selected.numel())

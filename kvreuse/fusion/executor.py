@@ -207,6 +207,7 @@ class PlanRows:
         self._loaded: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.leaving = {layer: rows.to(device) for layer, rows in plan.leaving_rows().items()}
         self.approximate = plan.approximate_mask.to(device)
+        self.narrowable = plan.narrowable_mask.to(device)
         self.narrowing = {n.layer: n for n in plan.narrowing}
         self.selected = plan.compute_rows.to(device)
         self.hidden = model.embed(token_ids.to(device)[self.selected])
@@ -240,7 +241,7 @@ class PlanRows:
         weights = (question_attention(self.model, layer, q, self.selected, k, approximate)
                    if narrowing.query_aware else None)
         keep, check = most_deviating(narrowing, self.plan.approximate_rows, self.cache, self.selected, k, v,
-                                     approximate[self.selected], weights)
+                                     self.narrowable[self.selected], weights)
         self.checks.append(check)
         self.selected = self.selected[keep]
         return keep

@@ -5,7 +5,8 @@
     naive           reuse every stored chunk as is; compute fresh tokens only
     cacheblend:r    layer 0 in full, then keep recomputing the r share of chunk tokens whose KV deviates most
                     (gradual filtering: a little more than r at the first check layer, r from the second on)
-    legolink:k      recompute the first k tokens of every chunk (their attention sinks), but a leading one
+    legolink:k      recompute the first k tokens of every chunk (their attention sinks), but a leading one;
+                    legolink:k:recent=n also recomputes the chunk rows among the last n before the question
     legolink0       chunks compiled behind dummy tokens, so they carry no sink; compute fresh tokens only
     cachetune:r     recompute, from layer 0 on, the r share of each chunk's tokens ranked highest offline by
                     its low-pass frequency score; transfer only the other rows (sparse transfer)
@@ -14,6 +15,8 @@
                     request by how strongly its chunks interact, up to every token (full prefill's output)
     guarded-query:d guarded, with each token's deviation weighted by the attention the question pays it at the
                     check layer (default 2e-3)
+                    guarded:d:sinks=k:recent=n also recomputes, whatever their deviation, the first k tokens of
+                    every moved chunk and the chunk rows among the last n before the question
     auto[:floor]    the fastest of the above whose expected fidelity meets the floor (kvreuse.controller.auto):
                     auto:0.1 or auto:kl=0.1 bounds the first-token KL (default 0.15), auto:agreement=0.6 the
                     agreement with full prefill's output
@@ -68,17 +71,42 @@ def _chunk_hits(placed: list[PlacedSegment]) -> list[tuple[int, PlacedSegment]]:
     return [(i, p) for i, p in enumerate(placed) if p.reusable and p.segment.kind == SegmentKind.CHUNK]
 
 
+def sink_rows(placed: list[PlacedSegment], sink_tokens: int) -> dict[int, torch.Tensor]:
+    """The first `sink_tokens` of every chunk that moved: compiled alone, a chunk's first tokens are its own
+    attention sink, which the prompt it is placed in does not have. A chunk starting the prompt sits where it was
+    compiled: its sink is the real one."""
+    return {i: torch.arange(min(sink_tokens, len(p.segment.token_ids)))
+            for i, p in _chunk_hits(placed) if p.segment.start > 0 and sink_tokens}
+
+
+def recent_rows(placed: list[PlacedSegment], recent_tokens: int) -> dict[int, torch.Tensor]:
+    """The stored chunks' rows among the last `recent_tokens` rows before the question (the end of the last
+    chunk). The question attends most to what is nearest it, and a few-shot prompt's answer copies the format
+    of its last examples: on SAMSum, recomputing its last chunk alone halved first-token KL."""
+    hits = _chunk_hits(placed)
+    chunk_ends = [p.segment.start + len(p.segment.token_ids) for p in placed if p.segment.kind == SegmentKind.CHUNK]
+    if not hits or not recent_tokens:
+        return {}
+    first = max(chunk_ends) - recent_tokens
+    rows = {i: torch.arange(max(0, first - p.segment.start), len(p.segment.token_ids)) for i, p in hits}
+    return {i: r for i, r in rows.items() if r.numel()}
+
+
+def _union(*selections: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+    merged: dict[int, torch.Tensor] = {}
+    for selection in selections:
+        for i, rows in selection.items():
+            merged[i] = torch.cat([merged[i], rows]).unique() if i in merged else rows
+    return merged
+
+
 @dataclass(frozen=True)
 class LegoLink(Method):
     sink_tokens: int = 16
+    recent_tokens: int = 0
 
     def recompute(self, placed: list[PlacedSegment]) -> dict[int, torch.Tensor]:
-        # A chunk starting the prompt sits where it was compiled: its sink is the real one.
-        return {
-            i: torch.arange(min(self.sink_tokens, len(p.segment.token_ids)))
-            for i, p in _chunk_hits(placed)
-            if p.segment.start > 0
-        }
+        return _union(sink_rows(placed, self.sink_tokens), recent_rows(placed, self.recent_tokens))
 
 
 def _top_share(scores: torch.Tensor, ratio: float) -> torch.Tensor:
@@ -124,11 +152,15 @@ class Guarded(Method):
     max_residual: float = 5e-4
     check_layer: int = 1
     query_aware: bool = False
+    sink_tokens: int = 0  # pinned: recomputed whatever their deviation (see sink_rows and recent_rows)
+    recent_tokens: int = 0
 
     def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
         every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
         check = Narrowing(self.check_layer, 0.0, self.max_residual, self.query_aware)
-        return plan_from_rows(self.name, request, placed, every_chunk_row, narrowing=[check], load_recomputed=True)
+        pinned = _union(sink_rows(placed, self.sink_tokens), recent_rows(placed, self.recent_tokens))
+        return plan_from_rows(self.name, request, placed, every_chunk_row, narrowing=[check], load_recomputed=True,
+                              pinned=pinned)
 
 
 DEFAULT_MAX_KL = 0.15
@@ -186,17 +218,41 @@ def _count(name: str, text: str) -> int:
     return int(text)
 
 
+def _options(name: str, arg: str, allowed: tuple[str, ...]) -> tuple[str, dict[str, int]]:
+    """'16:recent=192' -> ('16', {'recent': 192}): the main parameter, then named token counts."""
+    main, *named = arg.split(":")
+    options = {}
+    for option in named:
+        key, found, value = option.partition("=")
+        if not found or key not in allowed:
+            raise ValueError(f"method {name}: unknown option {option!r}; options: {', '.join(f'{a}=N' for a in allowed)}")
+        options[key] = _count(name, value)
+    return main, options
+
+
+def _legolink(spec: str, arg: str) -> LegoLink:
+    sinks, options = _options("legolink", arg, ("recent",))
+    return LegoLink(spec, sink_tokens=_count("legolink", sinks or "16"), recent_tokens=options.get("recent", 0))
+
+
+def _guarded(name: str, default: str, query_aware: bool = False):
+    def make(spec: str, arg: str) -> Guarded:
+        residual, options = _options(name, arg, ("sinks", "recent"))
+        return Guarded(spec, max_residual=_unit(name, residual or default, "residual"), query_aware=query_aware,
+                       sink_tokens=options.get("sinks", 0), recent_tokens=options.get("recent", 0))
+    return make
+
+
 METHODS = {
     "full": lambda spec, arg: Full(spec),
     "prefix": lambda spec, arg: PrefixOnly(spec),
     "naive": lambda spec, arg: Method(spec),
     "legolink0": lambda spec, arg: Method(spec, compile_mode(LEGOLINK0_DUMMY_TOKENS)),
-    "legolink": lambda spec, arg: LegoLink(spec, sink_tokens=_count("legolink", arg or "16")),
+    "legolink": _legolink,
     "cacheblend": lambda spec, arg: CacheBlend(spec, ratio=_unit("cacheblend", arg or "0.15")),
     "cachetune": lambda spec, arg: CacheTune(spec, ratio=_unit("cachetune", arg or "0.15")),
-    "guarded": lambda spec, arg: Guarded(spec, max_residual=_unit("guarded", arg or "5e-4", "residual")),
-    "guarded-query": lambda spec, arg: Guarded(spec, max_residual=_unit("guarded-query", arg or "2e-3", "residual"),
-                                               query_aware=True),
+    "guarded": _guarded("guarded", "5e-4"),
+    "guarded-query": _guarded("guarded-query", "2e-3", query_aware=True),
     "auto": _auto,
 }
 TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "guarded", "guarded-query", "auto"}

@@ -126,12 +126,16 @@ class FusionPlan:
     compute_rows: torch.Tensor  # rows computed from layer 0 on, sorted; always includes the last row
     narrowing: list[Narrowing] = field(default_factory=list)
     restored_rows: int = 0  # rows [0, restored_rows) hold exact KV before the plan runs (a restored prefix)
+    # Approximate rows computed on every layer whatever their deviation (a guard's sinks and recent rows)
+    pinned_rows: torch.Tensor = field(default_factory=lambda: torch.empty(0, dtype=torch.long))
 
     def __post_init__(self) -> None:
         if self.compute_rows.numel() == 0 or int(self.compute_rows[-1]) != self.num_rows - 1:
             raise ValueError("a plan must compute the last prompt row: its hidden state gives the first token")
         if self.restored_rows and int(self.compute_rows[0]) < self.restored_rows:
             raise ValueError("a plan must not compute restored rows: they hold exact KV already")
+        if not bool(torch.isin(self.pinned_rows, self.compute_rows).all()):
+            raise ValueError("a plan's pinned rows must be computed rows")
         if self.narrowing and any(s.load.numel() != s.length for s in self.reused if s.approximate):
             raise ValueError("narrowing compares recomputed KV with stored KV, so approximate spans load every row")
 
@@ -166,6 +170,13 @@ class FusionPlan:
         return mask
 
     @property
+    def narrowable_mask(self) -> torch.Tensor:
+        """[num_rows] bool: the approximate rows a narrowing may drop (the pinned ones stay)."""
+        mask = self.approximate_mask
+        mask[self.pinned_rows] = False
+        return mask
+
+    @property
     def approximate_rows(self) -> int:
         """Rows of reused chunks: what a recompute ratio is a share of."""
         return sum(s.length for s in self.reused if s.approximate)
@@ -179,10 +190,12 @@ def plan_from_rows(
     reuse: bool = True,
     narrowing: list[Narrowing] | None = None,
     load_recomputed: bool = False,
+    pinned: dict[int, torch.Tensor] | None = None,
 ) -> FusionPlan:
     """Build a plan: reusable hits are loaded (if `reuse`), except the rows `recompute[i]` (indices into
     segment i) which are computed from layer 0 on along with every segment that is not reused. With
-    `load_recomputed`, those rows' stored KV is read too (narrowing compares against it). An exact prefix's
+    `load_recomputed`, those rows' stored KV is read too (narrowing compares against it); `pinned[i]` (indices
+    into segment i) are recomputed rows no narrowing drops. An exact prefix's
     restored rows (if `reuse`) are neither loaded nor computed: they come with the starting cache."""
     recompute = recompute or {}
     reused, compute = [], []
@@ -208,7 +221,9 @@ def plan_from_rows(
         reused.append(ReusedSpan(p.key, p.segment.start, rows.numel(), rows[kept], approximate))
         compute.append(p.segment.start + chosen)
     compute_rows = torch.cat(compute).sort().values if compute else torch.empty(0, dtype=torch.long)
-    return FusionPlan(method, len(request), reused, compute_rows, narrowing or [], restored_rows)
+    pinned_rows = [placed[i].segment.start + rows for i, rows in (pinned or {}).items()]
+    pinned_rows = torch.cat(pinned_rows).unique() if pinned_rows else torch.empty(0, dtype=torch.long)
+    return FusionPlan(method, len(request), reused, compute_rows, narrowing or [], restored_rows, pinned_rows)
 
 
 def split_spans(split: PrefixSplit, segment: Segment) -> tuple[list[ReusedSpan], torch.Tensor]:
