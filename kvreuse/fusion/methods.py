@@ -88,8 +88,8 @@ def recent_rows(placed: list[PlacedSegment], recent_tokens: int) -> dict[int, to
     if not hits or not recent_tokens:
         return {}
     first = max(chunk_ends) - recent_tokens
-    rows = {i: torch.arange(max(0, first - p.segment.start), len(p.segment.token_ids)) for i, p in hits}
-    return {i: r for i, r in rows.items() if r.numel()}
+    return {i: torch.arange(max(0, first - p.segment.start), len(p.segment.token_ids))
+            for i, p in hits if p.segment.start + len(p.segment.token_ids) > first}
 
 
 def _union(*selections: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
