@@ -225,7 +225,8 @@ def _options(name: str, arg: str, allowed: tuple[str, ...]) -> tuple[str, dict[s
     for option in named:
         key, found, value = option.partition("=")
         if not found or key not in allowed:
-            raise ValueError(f"method {name}: unknown option {option!r}; options: {', '.join(f'{a}=N' for a in allowed)}")
+            known = ", ".join(f"{a}=N" for a in allowed)
+            raise ValueError(f"method {name}: unknown option {option!r}; options: {known}")
         options[key] = _count(name, value)
     return main, options
 
