@@ -239,7 +239,7 @@ def test_a_guard_never_drops_its_pinned_sinks_and_recent_rows(tiny_engine):
     seen: list[list[int]] = []
     tiny_engine.executor.run(plan, request.token_ids,
                              observer=lambda layer, q, rows, cache: seen.append(rows.tolist()))
-    assert seen[0] == list(range(49))  # the check layer compares every chunk row
+    assert seen[0] == list(range(49))  # layer 0 computes every row; the check at layer 1 narrows
     assert seen[1] == seen[-1] == [*range(5), 5, 6, 25, 26, *range(39, 49)]  # prefix, pinned, question
 
 
