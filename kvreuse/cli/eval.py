@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvreuse.cli.arguments import positive_int
+from kvreuse.cli.arguments import positive_float, positive_int
 
 DEFAULT_METHODS = "full,naive,prefix,cacheblend:0.15,cacheblend:0.05,legolink:2,legolink:16,legolink0,cachetune:0.15"
 
@@ -22,6 +22,8 @@ def add_commands(subparsers) -> None:
     add("--store", default=None, metavar="SPEC", help="KV store, e.g. memory:4GB or disk:PATH (default: the engine's)")
     add("--out", type=Path, default=Path("eval-results"), metavar="DIR", help="output directory and resume cache")
     add("--max-tokens", type=positive_int, default=None, metavar="N", help="default 32 QA, 128 SAMSum, 512 Multi-News")
+    add("--floor", type=positive_float, default=None, metavar="KL",
+        help="first-token KL an example may reach; the table gives the share above it (default: auto's, 0.15)")
     add("--no-progress", action="store_true", help="no progress bar")
     ev.set_defaults(func=cmd_eval)
 
@@ -30,6 +32,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     from kvreuse.eval.datasets import Chunking, load_dataset
     from kvreuse.eval.report import markdown_table, write_report
     from kvreuse.eval.runner import ResultCache, RunSettings, aggregate, parse_methods, run, split_dtype
+    from kvreuse.fusion.methods import DEFAULT_MAX_KL
 
     # Everything the user typed is checked before the model loads, so a typo fails in a second, not a minute.
     methods = parse_methods(args.methods)
@@ -57,8 +60,9 @@ def cmd_eval(args: argparse.Namespace) -> int:
     finally:
         for opened in [engine, *engines.values()]:
             opened.close()
-    summaries = aggregate(results, methods)
-    paths = write_report(args.out, settings, dataset.task, summaries, results)
-    print(markdown_table(summaries, dataset.task), end="")
+    floor = args.floor if args.floor is not None else DEFAULT_MAX_KL
+    summaries = aggregate(results, methods, floor)
+    paths = write_report(args.out, settings, dataset.task, summaries, results, floor)
+    print(markdown_table(summaries, dataset.task, floor), end="")
     print("wrote " + ", ".join(str(p) for p in paths))
     return 0

@@ -18,7 +18,7 @@ import torch
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.eval.datasets import ChunkedPrompt, Dataset
 from kvreuse.eval.metrics import agreement, first_line, first_token_kl, mean_log_likelihood, task_score
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import DEFAULT_MAX_KL, parse_method
 
 REFERENCE = "full"
 
@@ -283,15 +283,19 @@ class MethodSummary:
     ttft_median: float
     ttft_p90: float
     speedup: float  # full's median TTFT / this method's, over the same examples of the same run
+    speedup_mean: float  # the mean over examples of full's TTFT / this method's on the same example
+    above_floor: float  # share of examples whose first-token KL exceeds the floor (a per-request bound, not a mean)
 
 
 def _percentile(values: list[float], q: float) -> float:
     return float(torch.quantile(torch.tensor(values, dtype=torch.float64), q))
 
 
-def aggregate(results: list[MethodResult], methods: list[str]) -> list[MethodSummary]:
+def aggregate(results: list[MethodResult], methods: list[str], floor: float = DEFAULT_MAX_KL) -> list[MethodSummary]:
+    """Per method; `floor`: the first-token KL a request may reach (auto's default floor unless given)."""
     by_method = {m: [r for r in results if r.method == m] for m in methods}
     reference_median = statistics.median(r.ttft for r in by_method[REFERENCE])
+    reference_ttft = {r.example_id: r.ttft for r in by_method[REFERENCE]}
     summaries = []
     for method, rows in by_method.items():
         shares = [r.recompute_share for r in rows if r.recompute_share is not None]
@@ -309,6 +313,8 @@ def aggregate(results: list[MethodResult], methods: list[str]) -> list[MethodSum
                 ttft_median=statistics.median(ttfts),
                 ttft_p90=_percentile(ttfts, 0.9),
                 speedup=reference_median / statistics.median(ttfts),
+                speedup_mean=statistics.fmean(reference_ttft[r.example_id] / r.ttft for r in rows),
+                above_floor=sum(r.first_token_kl > floor for r in rows) / len(rows),
             )
         )
     return summaries

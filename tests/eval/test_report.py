@@ -7,8 +7,8 @@ from kvreuse.eval.runner import MethodSummary, RunSettings
 
 SETTINGS = RunSettings(model="fake-model", dataset="toy", chunking="passage", max_tokens=8, store="memory")
 SUMMARIES = [
-    MethodSummary("full", 2, 0.5, 1.0, -1.2, 0.0, 1.0, 0.4, 0.4, 0.45, 1.0),
-    MethodSummary("naive", 2, 0.25, 0.5, -2.0, 0.6, None, 0.1, 0.1, 0.12, 4.0),
+    MethodSummary("full", 2, 0.5, 1.0, -1.2, 0.0, 1.0, 0.4, 0.4, 0.45, 1.0, 1.0, 0.0),
+    MethodSummary("naive", 2, 0.25, 0.5, -2.0, 0.6, None, 0.1, 0.1, 0.12, 4.0, 4.5, 0.5),
 ]
 
 
@@ -16,8 +16,10 @@ def test_markdown_table_has_a_row_per_method():
     lines = markdown_table(SUMMARIES, "qa").splitlines()
     assert "| F1 |" in lines[0] and set(lines[1]) == {"|", "-"}
     assert lines[1].count("|") == lines[0].count("|")
-    assert lines[2] == "| full | 2 | 0.500 | 1.000 | 0.000 | -1.200 | 1.00 | 400.0 / 400.0 / 450.0 | 1.00x |"
-    assert lines[3].startswith("| naive | 2 | 0.250 | 0.500 | 0.600 | -2.000 | n/a | 100.0 / 100.0 / 120.0 | 4.00x")
+    assert "| KL > 0.15 |" in lines[0]
+    assert lines[2] == "| full | 2 | 0.500 | 1.000 | 0.000 | 0% | -1.200 | 1.00 | 400.0 / 400.0 / 450.0 | 1.00x, 1.00x |"
+    assert lines[3] == "| naive | 2 | 0.250 | 0.500 | 0.600 | 50% | -2.000 | n/a | 100.0 / 100.0 / 120.0 | 4.50x, 4.00x |"
+    assert "| KL > 0.1 |" in markdown_table(SUMMARIES, "qa", floor=0.1).splitlines()[0]
 
 
 def test_write_report_writes_json_markdown_and_a_plot(tmp_path):

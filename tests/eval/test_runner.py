@@ -154,6 +154,19 @@ def test_aggregate_ttft_statistics():
     assert naive.speedup == pytest.approx(1.0 / 0.3)
 
 
+def test_aggregate_counts_examples_above_the_floor_and_averages_per_example_speedups():
+    def result(example, method, ttft, kl):
+        return MethodResult(example, method, 0.0, 1.0, -1.0, kl, ttft, None, "", {})
+
+    results = [result("a", "full", 1.0, 0.0), result("b", "full", 3.0, 0.0),
+               result("a", "naive", 0.5, 0.2), result("b", "naive", 0.5, 0.1)]
+    naive = aggregate(results, ["full", "naive"])[1]
+    assert naive.above_floor == 0.5  # only a's 0.2 exceeds the default floor of 0.15
+    assert naive.speedup_mean == pytest.approx((2.0 + 6.0) / 2)  # each example against its own full prefill
+    assert naive.speedup == pytest.approx(2.0 / 0.5)  # the ratio of medians
+    assert aggregate(results, ["full", "naive"], floor=0.05)[1].above_floor == 1.0
+
+
 def test_progress_bar_names_the_example_and_method(tmp_path, capsys):
     run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(tmp_path / "r.jsonl"), progress=True)
     err = capsys.readouterr().err
