@@ -63,12 +63,15 @@ def _dense_seconds(model: LayerwiseModel, rows: int, repeats: int, qkv_only: boo
 
 def _query_layouts(context: int) -> list[torch.Tensor]:
     """Query positions as the executor sees them: a whole prompt; a few spread rows (CacheBlend's, the fresh
-    tail); clusters at chunk starts (LegoLink's); most rows (a cold request)."""
+    tail); clusters at chunk starts (LegoLink's) before the question; the same before a recency window; most rows
+    (a cold request)."""
     spread = [torch.linspace(0, context - 1, q).long().unique() for q in (24, 64, 256)]
     starts = torch.arange(0, context - 64, context // 10)
-    clusters = torch.cat([(starts[:, None] + torch.arange(16)).flatten(), torch.arange(context - 40, context)])
+    sinks = (starts[:, None] + torch.arange(16)).flatten()
+    clusters = torch.cat([sinks, torch.arange(context - 40, context)]).unique()
+    window = torch.cat([sinks, torch.arange(context - context // 4, context)]).unique()
     most = torch.randperm(context)[: context * 3 // 4].sort().values
-    return [torch.arange(context), *spread, clusters.unique(), most]
+    return [torch.arange(context), *spread, clusters, window, most]
 
 
 def _attention_samples(model: LayerwiseModel, repeats: int) -> list[tuple[list[AttentionCall], float]]:
@@ -88,8 +91,8 @@ def _attention_samples(model: LayerwiseModel, repeats: int) -> list[tuple[list[A
 def _fit_attention(samples: list[tuple[list[AttentionCall], float]]) -> tuple[float, float, float, float]:
     """Seconds per score of masked calls, per score of causal calls, per key row read and per call, by least
     squares (each kept non-negative)."""
-    features = torch.tensor([[sum(c.scores for c in calls if not c.causal), sum(c.scores for c in calls if c.causal),
-                              sum(c.hi - c.lo for c in calls), len(calls)]
+    features = torch.tensor([[sum(c.plain_scores for c in calls), sum(c.causal_scores for c in calls),
+                              sum(c.hi - c.lo for c in calls), sum(2 if c.diagonal else 1 for c in calls)]
                              for calls, _ in samples], dtype=torch.float64)
     seconds = torch.tensor([s for _, s in samples], dtype=torch.float64)
     scale = features.max(0).values.clamp_min(1)  # the columns differ by orders of magnitude (or are all 0)

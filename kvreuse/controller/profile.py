@@ -50,8 +50,8 @@ class ComputeProfile:
     def attention(self, calls: list[AttentionCall]) -> float:
         """One layer's attention, run as these kernel calls (kvreuse.model.attention.attention_calls)."""
         causal = self.causal_seconds_per_score
-        return sum(c.scores * (causal if c.causal else self.score_seconds) + (c.hi - c.lo) * self.key_seconds
-                   + self.call_seconds for c in calls)
+        return sum(c.causal_scores * causal + c.plain_scores * self.score_seconds + (c.hi - c.lo) * self.key_seconds
+                   + self.call_seconds * (2 if c.diagonal else 1) for c in calls)
 
     @property
     def causal_seconds_per_score(self) -> float:
@@ -116,8 +116,9 @@ class MachineProfile:
 
 
 # The compute kernels' revision: a profile measured under an earlier one prices compute the runtime no longer
-# runs (2: projections in oneDNN, bf16 attention blocked), so it reads as missing and is measured again.
-RUNTIME_REVISION = 2
+# runs (2: projections in oneDNN, bf16 attention blocked; 3: a final run of queries attends by diagonal calls),
+# so it reads as missing and is measured again.
+RUNTIME_REVISION = 3
 
 
 def profile_path(model: str, dtype: str) -> Path:

@@ -19,6 +19,9 @@ MAX_QUERY_GROUPS = 8
 MIN_QUERIES_PER_GROUP = 16
 # Grouping must cut the scores computed by at least this much, or one masked call runs instead.
 GROUPS_MUST_SAVE = 0.8
+# Queries that end the prompt in one run of rows (a question, a recency window, a continuation) attend in a call of
+# their own from this many rows on: see AttentionCall.diagonal.
+MIN_DIAGONAL_ROWS = 16
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -51,13 +54,33 @@ class AttentionCall:
     causal: bool = False  # the kernel's own lower triangle: queries are the key rows (or padded to them)
     padded: bool = False  # the queries are scattered into a block as long as the keys, at their rows
     masked: bool = False  # an explicit mask by position
+    # The queries are the last key rows, in order: they see every key before them and the run causally. Two
+    # kernel calls, unmasked over the keys before the run and causal over the run, merged by their log-sum-exp:
+    # a mask would cost the kernel its fast path and score the upper triangle too.
+    diagonal: bool = False
+
+    @property
+    def causal_scores(self) -> int:
+        """Scores computed by a causal kernel (which skips the upper triangle of its square)."""
+        keys = self.hi - self.lo
+        if self.causal:
+            rows = keys if self.padded else self.end - self.first
+            return rows * (keys + 1) // 2
+        rows = self.end - self.first
+        return rows * (rows + 1) // 2 if self.diagonal else 0
+
+    @property
+    def plain_scores(self) -> int:
+        """Scores computed by a kernel without a causal mask of its own (masked or not)."""
+        rows, keys = self.end - self.first, self.hi - self.lo
+        if self.causal:
+            return 0
+        return rows * (keys - rows) if self.diagonal else rows * keys
 
     @property
     def scores(self) -> int:
-        """Query-key scores the kernel computes (a causal kernel skips the upper triangle)."""
-        keys = self.hi - self.lo
-        rows = keys if self.padded else self.end - self.first
-        return rows * (keys + 1) // 2 if self.causal else rows * keys
+        """Query-key scores the kernel computes."""
+        return self.causal_scores + self.plain_scores
 
 
 def attention_calls(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> list[AttentionCall]:
@@ -69,12 +92,23 @@ def attention_calls(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None
     if window is None and bool(k_pos.max() <= q_pos.min()):  # every key visible to every query, e.g. decoding
         return [AttentionCall(0, n, 0, m)]
     if _keys_are_positions(k_pos) and bool((q_pos.diff() > 0).all()):
+        run = _final_run(q_pos) if window is None else 0
+        if run >= MIN_DIAGONAL_ROWS:
+            head = n - run
+            before = _query_groups(q_pos[:head], None) if head else []
+            return before + [AttentionCall(head, n, 0, int(q_pos[-1]) + 1, diagonal=True)]
         if window is None and 2 * n > m:
             # Many queries over a prompt in order: SDPA's causal kernel skips the masked blocks, which a general
             # mask cannot, so the queries are placed at their rows and taken back out afterwards.
             return [AttentionCall(0, n, 0, m, causal=True, padded=True)]
         return _query_groups(q_pos, window)
     return [AttentionCall(0, n, 0, m, masked=True)]
+
+
+def _final_run(q_pos: torch.Tensor) -> int:
+    """How many of the sorted queries end them in consecutive positions."""
+    gaps = (q_pos.diff() != 1).nonzero()
+    return q_pos.numel() - (int(gaps[-1]) + 1 if gaps.numel() else 0)
 
 
 def _query_groups(q_pos: torch.Tensor, window: int | None) -> list[AttentionCall]:
@@ -112,13 +146,35 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
 
 
 def _run_fused(call: AttentionCall, q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
+    if call.diagonal and q.device.type == "cpu":
+        return _diagonal(q[call.first : call.end], keys[call.lo : call.hi], values[call.lo : call.hi], scale)
     if call.padded:
         padded = q.new_zeros((keys.shape[0], *q.shape[1:]))
         padded[q_pos] = q
         return _sdpa(padded, keys, values, None, True, scale)[q_pos]
     queries = slice(call.first, call.end)
-    mask = attention_mask(q_pos[queries], k_pos[call.lo : call.hi], window) if call.masked else None
+    # a diagonal call on a device without the CPU kernel's log-sum-exp runs masked
+    masked = call.masked or call.diagonal
+    mask = attention_mask(q_pos[queries], k_pos[call.lo : call.hi], window) if masked else None
     return _sdpa(q[queries], keys[call.lo : call.hi], values[call.lo : call.hi], mask, call.causal, scale)
+
+
+def _diagonal(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """Queries [n, Hq, D] that are the last n of the keys [m, Hkv, D]: attention over the keys before them, and
+    causal attention over their own rows, as two calls of the CPU flash kernel whose outputs are merged by weight
+    (each part's share of the softmax's denominator, from its log-sum-exp)."""
+    n, split = q.shape[0], keys.shape[0] - q.shape[0]
+    if split == 0:
+        return _sdpa(q, keys, values, None, True, scale)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    heads = q.transpose(0, 1)[None]
+    before, before_lse = flash(heads, keys[:split].transpose(0, 1)[None], values[:split].transpose(0, 1)[None],
+                               scale=scale)[:2]
+    own, own_lse = flash(heads, keys[split:].transpose(0, 1)[None], values[split:].transpose(0, 1)[None],
+                         is_causal=True, scale=scale)[:2]
+    weight = torch.sigmoid(before_lse - own_lse)[..., None].to(own.dtype)  # share of the keys before the run
+    out = torch.lerp(own, before, weight)
+    return out[0].transpose(0, 1).reshape(n, -1)
 
 
 def _sdpa(q, keys, values, mask, causal, scale) -> torch.Tensor:

@@ -36,13 +36,15 @@ def _layout(name: str) -> tuple[torch.Tensor, torch.Tensor]:
         "unsorted-queries": (torch.randperm(300, generator=g)[:90], keys),
         "decode": (torch.tensor([299]), keys),
         "continuation": (torch.arange(230, 300), keys),
+        "scattered-then-run": (torch.cat([torch.randperm(200, generator=g)[:30].sort().values, torch.arange(240, 300)]),
+                               keys),
         "keys-out-of-order": (torch.arange(100, 300), torch.randperm(300, generator=g)),
     }
     return layouts[name]
 
 
 LAYOUTS = ["prompt", "few-scattered", "many-scattered", "unsorted-queries", "decode", "continuation",
-           "keys-out-of-order"]
+           "scattered-then-run", "keys-out-of-order"]
 
 
 def _inputs(q_pos, k_pos, dtype):
@@ -95,9 +97,17 @@ def test_blocks_of_a_prompt_score_only_the_keys_up_to_their_last_query():
                                                              for first in firsts[3:]]
 
 
-def test_scattered_queries_attend_in_groups_and_a_trailing_question_in_one_call():
+def test_scattered_queries_attend_in_groups_and_a_trailing_run_in_a_diagonal_call():
+    """Rows that end the prompt in one run (a question, a recency window) see every key before them and their own
+    rows causally: one diagonal call, which scores neither the masked upper triangle nor a mask. Scattered rows
+    before it attend in groups; under a window, or for a run too short to pay for its own call, nothing changes."""
     keys = torch.arange(2000)
     scattered = attention_calls(torch.arange(0, 1990, 25), keys, None)
     assert len(scattered) > 1 and sum(c.scores for c in scattered) < 0.6 * 80 * 2000
     question = attention_calls(torch.arange(1940, 2000), keys, None)
-    assert question == [AttentionCall(0, 60, 0, 2000, masked=True)]
+    assert question == [AttentionCall(0, 60, 0, 2000, diagonal=True)]
+    assert (question[0].plain_scores, question[0].causal_scores) == (60 * 1940, 60 * 61 // 2)
+    sinks_then_run = attention_calls(torch.cat([torch.arange(100, 104), torch.arange(1700, 2000)]), keys, None)
+    assert sinks_then_run == [AttentionCall(0, 4, 0, 104, masked=True), AttentionCall(4, 304, 0, 2000, diagonal=True)]
+    assert attention_calls(torch.arange(1990, 2000), keys, None) == [AttentionCall(0, 10, 0, 2000, masked=True)]
+    assert not any(c.diagonal for c in attention_calls(torch.arange(1940, 2000), keys, 512))
