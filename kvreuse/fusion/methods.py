@@ -16,7 +16,9 @@
     guarded-query:d guarded, with each token's deviation weighted by the attention the question pays it at the
                     check layer (default 2e-3)
                     guarded:d:sinks=k:recent=n also recomputes, whatever their deviation, the first k tokens of
-                    every moved chunk and the chunk rows among the last n before the question
+                    every moved chunk and the chunk rows among the last n before the question; :examples=n
+                    recomputes, when the chunks are solved examples the question ends like (few-shot), the sinks
+                    and the chunk rows among the last n before the question instead of the deviating rows
     auto[:floor]    the fastest of the above whose expected fidelity meets the floor (kvreuse.controller.auto):
                     auto:0.1 or auto:kl=0.1 bounds the first-token KL (default 0.15), auto:agreement=0.6 the
                     agreement with full prefill's output
@@ -92,6 +94,24 @@ def recent_rows(placed: list[PlacedSegment], recent_tokens: int) -> dict[int, to
             for i, p in hits if p.segment.start + len(p.segment.token_ids) > first}
 
 
+# The question's last tokens that, found in most chunks, mark them as solved examples (see `answers_like_examples`).
+CUE_TOKENS = 2
+
+
+def answers_like_examples(request: Request, placed: list[PlacedSegment]) -> bool:
+    """Whether the question ends the way at least half of the stored chunks do somewhere inside them: the chunks
+    are solved examples whose format the answer will continue ('Dialogue: ... Summary:' in every example of a
+    few-shot prompt and in the question), not passages to look facts up in. Then the answer copies the examples
+    nearest it, whose recomputed rows help, while the rows whose stored KV deviates most do not (on SAMSum they
+    move first-token KL further from full prefill than loading them as stored: docs/RESULTS.md)."""
+    cue = request.question_ending(CUE_TOKENS)
+    chunks = [p.segment.token_ids for _, p in _chunk_hits(placed)]
+    if len(cue) < CUE_TOKENS or len(chunks) < 2:
+        return False
+    holding = sum(any(ids[i : i + len(cue)] == cue for i in range(len(ids) - len(cue) + 1)) for ids in chunks)
+    return 2 * holding >= len(chunks)
+
+
 def _union(*selections: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
     merged: dict[int, torch.Tensor] = {}
     for selection in selections:
@@ -147,15 +167,21 @@ class CacheBlend(Method):
 @dataclass(frozen=True)
 class Guarded(Method):
     """CacheBlend's layer-0 recompute and deviation check at layer 1, with the kept rows chosen by the deviation
-    left on the dropped ones (Narrowing.max_residual) instead of a fixed ratio."""
+    left on the dropped ones (Narrowing.max_residual) instead of a fixed ratio. With `example_window`, a prompt
+    whose chunks are solved examples (`answers_like_examples`) recomputes the chunk rows among the last
+    `example_window` before the question instead of the deviating ones."""
 
     max_residual: float = 5e-4
     check_layer: int = 1
     query_aware: bool = False
     sink_tokens: int = 0  # pinned: recomputed whatever their deviation (see sink_rows and recent_rows)
     recent_tokens: int = 0
+    example_window: int = 0
 
     def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
+        if self.example_window and answers_like_examples(request, placed):
+            rows = _union(sink_rows(placed, self.sink_tokens), recent_rows(placed, self.example_window))
+            return plan_from_rows(self.name, request, placed, rows)
         every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
         check = Narrowing(self.check_layer, 0.0, self.max_residual, self.query_aware)
         pinned = _union(sink_rows(placed, self.sink_tokens), recent_rows(placed, self.recent_tokens))
@@ -238,9 +264,10 @@ def _legolink(spec: str, arg: str) -> LegoLink:
 
 def _guarded(name: str, default: str, query_aware: bool = False):
     def make(spec: str, arg: str) -> Guarded:
-        residual, options = _options(name, arg, ("sinks", "recent"))
+        residual, options = _options(name, arg, ("sinks", "recent", "examples"))
         return Guarded(spec, max_residual=_unit(name, residual or default, "residual"), query_aware=query_aware,
-                       sink_tokens=options.get("sinks", 0), recent_tokens=options.get("recent", 0))
+                       sink_tokens=options.get("sinks", 0), recent_tokens=options.get("recent", 0),
+                       example_window=options.get("examples", 0))
     return make
 
 

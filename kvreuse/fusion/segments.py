@@ -36,6 +36,9 @@ class Request:
     # The tenant (cache salt) whose store entries the request may read and write: every key it touches is
     # derived from it, so requests of different salts never share a chunk, a prefix block or a cache.
     salt: str | None = None
+    # Tokens at the end of the prompt that the chat template puts after the user's text (the assistant's header):
+    # what comes before them is where the user's question ends.
+    template_tail: int = 0
     token_ids: torch.Tensor = field(init=False)  # the whole prompt, [n]
 
     def __post_init__(self) -> None:
@@ -54,6 +57,11 @@ class Request:
 
     def of_kind(self, kind: SegmentKind) -> list[Segment]:
         return [s for s in self.segments if s.kind == kind]
+
+    def question_ending(self, tokens: int) -> list[int]:
+        """The last `tokens` tokens of the user's text: the cue the answer follows (e.g. 'Answer:')."""
+        end = len(self) - self.template_tail
+        return self.token_ids[max(0, end - tokens) : end].tolist()
 
 
 SENTINEL = "\x00KVREUSE_CONTENT\x00"
@@ -95,8 +103,12 @@ def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], questi
         head_ids = encode(head)
     segments = [Segment(SegmentKind.PREFIX, head_ids)]
     segments += [Segment(SegmentKind.CHUNK, list(ids)) for ids in chunks]
-    segments.append(Segment(SegmentKind.FRESH, encode(question + tail)))
-    return Request([s for s in segments if s.token_ids], salt)
+    fresh = encode(question + tail)
+    segments.append(Segment(SegmentKind.FRESH, fresh))
+    tail_ids = encode(tail) if tail else []
+    # The tail counts only where the question's tokens end cleanly before it (templates open it with a special token).
+    template_tail = len(tail_ids) if tail_ids and fresh[-len(tail_ids):] == tail_ids else 0
+    return Request([s for s in segments if s.token_ids], salt, template_tail)
 
 
 def build_request(

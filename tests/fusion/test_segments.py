@@ -24,3 +24,25 @@ def test_a_base_model_gets_bos_and_plain_paragraphs_instead_of_a_chat_template()
     assert request.segments[0].token_ids == [1, *tokenizer.encode("Be brief.\n\nHi\n\n")]
     assert request.segments[-1].token_ids == tokenizer.encode("Q?\nAnswer:")  # no template tail after it
     assert chat_request(tokenizer, [], [[10]], "Q").segments[0].token_ids == [1]
+
+
+class ChatTokenizer(BaseModelTokenizer):
+    """The byte tokenizer with a chat template whose assistant header starts with a special token (id 2)."""
+
+    chat_template = "<chat>"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        head, marker, tail = text.partition("<end>")
+        return super().encode(head) + ([2, *super().encode(tail)] if marker else [])
+
+    def apply_chat_template(self, messages, add_generation_prompt: bool, tokenize: bool) -> str:
+        return "".join(f"[{m['role']}] {m['content']}" for m in messages) + "<end>assistant:"
+
+
+def test_the_question_ending_stops_before_the_chat_templates_tail():
+    tokenizer = ChatTokenizer()
+    request = chat_request(tokenizer, [], [[10, 11]], "Q?\nAnswer:")
+    assert request.template_tail == len(tokenizer.encode("<end>assistant:"))
+    assert request.question_ending(3) == tokenizer.encode("er:")
+    plain = chat_request(BaseModelTokenizer(), [], [[10]], "Q?\nAnswer:")
+    assert (plain.template_tail, plain.question_ending(2)) == (0, BaseModelTokenizer().encode("r:"))

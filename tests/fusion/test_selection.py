@@ -12,7 +12,7 @@ from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.compile import compile_chunk, frequency_ranking
 from kvreuse.fusion.executor import most_deviating, question_attention
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import answers_like_examples, parse_method
 from kvreuse.fusion.plan import FusionPlan, Narrowing, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.model.kv_cache import KVCache
@@ -74,7 +74,8 @@ def test_the_recency_window_counts_from_the_last_chunk_even_when_it_missed():
 
 @pytest.mark.parametrize("spec, message", [("legolink:4:recent=x", "whole number"),
                                            ("legolink:4:sinks=2", "unknown option 'sinks=2'"),
-                                           ("guarded:1e-3:recent", "unknown option 'recent'")])
+                                           ("guarded:1e-3:recent", "unknown option 'recent'"),
+                                           ("guarded:1e-3:examples=-1", "whole number")])
 def test_bad_window_options_name_the_problem(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_method(spec)
@@ -241,6 +242,41 @@ def test_a_guard_never_drops_its_pinned_sinks_and_recent_rows(tiny_engine):
                              observer=lambda layer, q, rows, cache: seen.append(rows.tolist()))
     assert seen[0] == list(range(49))  # layer 0 computes every row; the check at layer 1 narrows
     assert seen[1] == seen[-1] == [*range(5), 5, 6, 25, 26, *range(39, 49)]  # prefix, pinned, question
+
+
+CUE = [7, 8]  # e.g. the tokens of '\nSummary:' that every solved example and the question share
+
+
+def few_shot(chunks_with_cue: int = 3, chunks: int = 3, tail: int = 0) -> Request:
+    """Prefix rows 0-4, chunks of 20 rows (the cue at rows 10-11 of the first `chunks_with_cue`), then a
+    question ending with the cue and `tail` template tokens after it."""
+    def chunk(i: int) -> Segment:
+        ids = random_ids(20, i + 1)
+        ids[10:12] = CUE if i < chunks_with_cue else [9, 9]
+        return Segment(SegmentKind.CHUNK, ids)
+    question = [*random_ids(6, 99), *CUE, *[3] * tail]
+    return Request([Segment(SegmentKind.PREFIX, random_ids(5, 0)), *(chunk(i) for i in range(chunks)),
+                    Segment(SegmentKind.FRESH, question)], template_tail=tail)
+
+
+def test_chunks_are_examples_when_most_of_them_hold_the_questions_ending():
+    assert answers_like_examples(few_shot(), all_hits(few_shot()))
+    assert answers_like_examples(few_shot(2, 4), all_hits(few_shot(2, 4)))  # half of them
+    assert not answers_like_examples(few_shot(1, 3), all_hits(few_shot(1, 3)))  # one passage says it by chance
+    tailed = few_shot(tail=4)  # the template's tail is not part of the question
+    assert answers_like_examples(tailed, all_hits(tailed))
+    assert not answers_like_examples(rag(), all_hits(rag()))
+
+
+def test_the_guard_recomputes_the_examples_nearest_a_few_shot_question_instead_of_deviating_rows():
+    request = few_shot()  # chunk rows 5-24, 25-44, 45-64, then the question
+    policy = parse_method("guarded:1e-3:sinks=2:examples=24")
+    plan = policy.plan(request, all_hits(request))
+    assert plan.narrowing == []  # no deviation check: the chosen rows run from layer 0 on, nothing else
+    assert computed_chunk_rows(request, plan) == {1: [0, 1], 2: [0, 1, 16, 17, 18, 19], 3: list(range(20))}
+    passages = rag()  # no shared ending: the deviation guard, its sinks pinned
+    plan = policy.plan(passages, all_hits(passages))
+    assert [n.max_residual for n in plan.narrowing] == [1e-3] and plan.pinned_rows.tolist() == [5, 6, 25, 26, 41, 42]
 
 
 def test_a_plan_must_compute_its_pinned_rows():
