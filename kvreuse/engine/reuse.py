@@ -196,13 +196,16 @@ class ReuseEngine:
         dummy_id = self.model.config.bos_token_id or 0
         entry = compile_chunk(self.model, segment.token_ids, key, self.fingerprint, dummies, dummy_id)
         if self.placement is not None and isinstance(self.store, TieredStore) and len(self.store.tiers) > 1:
-            self.store.put(entry, self._placed_tier(entry))
+            self.store.put(entry, self._placed_tier(entry, method))
         else:
             self.store.put(entry)
 
-    def _placed_tier(self, entry: KVEntry) -> int:
+    def _placed_tier(self, entry: KVEntry, method: Method) -> int:
+        # The share of the entry that `method`, which it is compiled for, recomputes beside its reads: a fixed
+        # ratio's, or none for a method that decides per request (a guard), so that a slow tier is chosen only
+        # where its reads surely hide.
         tiers = [(tier_label(self.store, i), self.store.free_bytes(i)) for i in range(len(self.store.tiers))]
-        ratio = getattr(parse_method(None), "ratio", 0.0)  # the default method's share of the entry recomputed
+        ratio = getattr(method, "ratio", 0.0)
         placement = choose_tier(self.controller.profile, tiers, NewEntry(entry.meta.num_tokens, ratio), self.placement)
         log.debug("placed %s on tier %d: %s", entry.key, placement.tier, placement.reason)
         return placement.tier

@@ -202,8 +202,8 @@ def test_cost_placement_keeps_new_chunks_out_of_memory_when_the_slow_tier_hides_
     engine = make_engine(tiny_model, store, controller=AutoController(profile, None), placement=PlacementPolicy())
     request = rag_request()
     try:
-        engine.compile(request)
-        keys = [p.key for p in engine.lookup(request, parse_method(None)) if p.hit]
+        engine.compile(request, ["cacheblend:0.15"])  # placed for CacheBlend's 15%, recomputed beside each read
+        keys = [p.key for p in engine.lookup(request, parse_method("cacheblend:0.15")) if p.hit]
         assert keys and all(store.locate(k) == 1 and not store.tiers[0].contains(k) for k in keys)
         placed = engine.prefill(request, "cacheblend:0.15")
         assert placed.stats.loaded_tokens_by_tier == {"hdd": placed.stats.fusion.loaded_tokens}
