@@ -17,7 +17,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--prompt", required=True, help="the question or instruction (fresh text)")
     gen.add_argument("--document", action="append", default=[], metavar="FILE",
                      help="a text file placed before the prompt as a reusable chunk (repeatable)")
-    gen.add_argument("--method", default=None, help="reuse method, e.g. cacheblend:0.15 (default), naive, full")
+    gen.add_argument("--method", default=None, help="reuse method, e.g. cacheblend:0.15, naive, full (default: the guarded one, see README)")
     gen.add_argument("--store", default="memory:4GB", help="store spec, e.g. disk:/var/cache/kvreuse")
     gen.add_argument("--warm", action="store_true", help="compile the documents into the store before timing")
     gen.add_argument("--max-tokens", type=int, default=128)

@@ -14,8 +14,8 @@ FLAGS = {
     "--api-key": (str, "require 'Authorization: Bearer KEY' on every path but /health and /metrics"),
     "--store": (str, "store spec, e.g. memory:4GB,disk:/var/cache/kvreuse,redis://host:6379 (default memory:4GB)"),
     "--prefix-block-size": (int, "tokens per stored block of a conversation's prefix; whole blocks are reused (256)"),
-    "--method": (str, "reuse method of requests that choose none (default cacheblend:0.15; auto: the fastest "
-                      "meeting a quality floor, e.g. auto:kl=0.1)"),
+    "--method": (str, "reuse method of requests that choose none (default guarded:3.5e-4:sinks=4:examples=448; "
+                      "auto: the fastest meeting a quality floor, e.g. auto:kl=0.1)"),
     "--placement": (str, "where new chunks are stored: every tier (all, default) or the slowest tier whose reads "
                          "hide behind recompute (cost)"),
     "--max-concurrency": (int, "sequences prefilled and decoded together (default 8)"),
