@@ -74,6 +74,7 @@ def test_fidelity_signal_guards_recompute_more_the_tighter_they_are(analyses):
         assert shares == sorted(shares), method
     assert summary["naive"]["mean_recompute_share"] == 0
     spearman = analyses["fidelity-signal"]["held_out_spearman"]
-    assert set(spearman) == {"deviation mass", "question-weighted mass"}
+    assert set(spearman) == {"deviation mass", "question-weighted mass", "output uncertainty"}
     example = analyses["fidelity-signal"]["examples"][0]["methods"]["cacheblend:0.15"]
     assert example["deviation_mass"] >= example["deviation_residual"] > 0
+    assert 0 <= example["uncertainty"] < 1

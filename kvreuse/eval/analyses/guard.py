@@ -1,7 +1,8 @@
-"""The per-request fidelity signal (issue 19): does the KV deviation CacheBlend measures at its first check
-layer predict how far a request's reuse strays from full prefill, and what does a residual guard (method
-`guarded:d`) buy at each bound? Examples alternate between a calibration and a held-out half; the signal's rank
-correlation with first-token KL is reported on the held-out half.
+"""The per-request fidelity signal (issue 19): do the KV deviation CacheBlend measures at its first check layer,
+or the uncertainty of the method's own first-token distribution, predict how far a request's reuse strays from
+full prefill, and what does a residual guard (method `guarded:d`) buy at each bound? Examples alternate between a
+calibration and a held-out half; each signal's rank correlation with first-token KL is reported on the held-out
+half.
 
 Timings are the fusion executor's alone (no attention observer), each method's against full prefill's on the
 same example in the same run.
@@ -19,14 +20,20 @@ from kvreuse.eval.analyses.deviation import spearman
 from kvreuse.eval.analyses.output import AnalysisSettings
 from kvreuse.eval.analyses.probe import ExampleProbe
 from kvreuse.eval.metrics import first_token_kl
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import DEFAULT_METHOD, parse_method
 
 FLOOR = 0.15  # the default first-token KL floor
 GUARDS = ("guarded:1e-3", "guarded:5e-4", "guarded:2.5e-4",
           "guarded-query:2e-3", "guarded-query:1e-3", "guarded-query:5e-4")
-BASELINES = ("naive", "cacheblend:0.15")
-# The per-request signals: each the first check's deviation mass of a method, plain or weighted by the question.
-SIGNALS = {"deviation mass": "cacheblend:0.15", "question-weighted mass": "guarded-query:2e-3"}
+BASELINES = ("naive", "cacheblend:0.15", DEFAULT_METHOD)
+# The per-request signals, each measured by the request itself: the first check's deviation mass (of CacheBlend's
+# check, plain or weighted by the question's attention), or how unsure the method's own first token is (1 - its top
+# probability: a shifted distribution moves KL little where one token takes nearly all of it).
+SIGNALS = {
+    "deviation mass": lambda runs, method: runs["cacheblend:0.15"]["deviation_mass"],
+    "question-weighted mass": lambda runs, method: runs["guarded-query:2e-3"]["deviation_mass"],
+    "output uncertainty": lambda runs, method: runs[method]["uncertainty"],
+}
 
 
 def _run(probe: ExampleProbe, method: str) -> tuple[dict, float]:
@@ -46,16 +53,17 @@ def fidelity_signal(probes: Iterable[ExampleProbe], settings: AnalysisSettings) 
             stats, seconds = _run(probe, method)
             runs[method] = {"kl": first_token_kl(full["logits"], stats["logits"]), "speedup": full_seconds / seconds,
                             "recompute_share": stats["recompute_share"], "deviation_mass": stats["deviation_mass"],
-                            "deviation_residual": stats["deviation_residual"]}
+                            "deviation_residual": stats["deviation_residual"],
+                            "uncertainty": 1 - float(stats["logits"].double().softmax(-1).max())}
         examples.append({"id": probe.prompt.id, "tokens": len(probe.request), "methods": runs})
     held_out = examples[1::2]
     return {
         "floor": FLOOR,
         "held_out_spearman": {
-            signal: {method: held_out_spearman([e["methods"][source]["deviation_mass"] for e in held_out],
+            signal: {method: held_out_spearman([value(e["methods"], method) for e in held_out],
                                                [e["methods"][method]["kl"] for e in held_out])
                      for method in BASELINES}
-            for signal, source in SIGNALS.items()},
+            for signal, value in SIGNALS.items()},
         "summary": {method: summarise([e["methods"][method] for e in examples]) for method in examples[0]["methods"]},
         "examples": examples,
     }
@@ -73,22 +81,25 @@ def held_out_spearman(signal: list[float], kl: list[float]) -> float | None:
 
 
 def draw_fidelity_signal(figure, numbers: dict) -> None:
-    left, right = figure.subplots(1, 2)
-    examples = numbers["examples"]
-    held_out = examples[1::2]
-    signal = "deviation mass"
-    for method, colour in (("naive", "tab:red"), ("cacheblend:0.15", "tab:blue")):
-        rho = numbers["held_out_spearman"][signal][method]
-        left.scatter([e["methods"][SIGNALS[signal]]["deviation_mass"] for e in held_out],
-                     [e["methods"][method]["kl"] for e in held_out], color=colour,
-                     label=f"{method} (held out, Spearman {rho:.2f})" if rho is not None else method)
-    left.axhline(numbers["floor"], color="grey", linestyle="--", label="floor")
-    left.set(xlabel="layer-1 KV deviation mass (relative to the stored KV's energy)",
-             ylabel="first-token KL vs full prefill", title="the request's own signal")
-    left.legend(fontsize=8)
+    figure.set_size_inches(16, 5)
+    left, middle, right = figure.subplots(1, 3)
+    _draw_signal(left, numbers, "deviation mass", "layer-1 KV deviation mass (relative to the stored KV's energy)")
+    _draw_signal(middle, numbers, "output uncertainty", "1 - the method's top first-token probability")
     summary = numbers["summary"]
     for method, row in summary.items():
         right.scatter(row["mean_speedup"], row["share_above_floor"])
         right.annotate(method, (row["mean_speedup"], row["share_above_floor"]), fontsize=8)
     right.set(xlabel="mean speedup over full prefill (executor time)", ylabel=f"share of examples with KL > {FLOOR}",
               title="speed vs the per-request bound")
+
+
+def _draw_signal(axis, numbers: dict, signal: str, label: str) -> None:
+    held_out = numbers["examples"][1::2]
+    for method, colour in zip(numbers["held_out_spearman"][signal], ("tab:red", "tab:blue", "tab:green")):
+        rho = numbers["held_out_spearman"][signal][method]
+        axis.scatter([SIGNALS[signal](e["methods"], method) for e in held_out],
+                     [e["methods"][method]["kl"] for e in held_out], color=colour,
+                     label=f"{method} (held out, Spearman {rho:.2f})" if rho is not None else method)
+    axis.axhline(numbers["floor"], color="grey", linestyle="--", label="floor")
+    axis.set(xlabel=label, ylabel="first-token KL vs full prefill", title=f"the request's own signal: {signal}")
+    axis.legend(fontsize=7)
