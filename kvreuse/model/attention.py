@@ -145,6 +145,22 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
+def attend_one_each(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                    k_pos: torch.Tensor, lengths: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """One query per sequence of a batch (decoding): q [B, Hq, D] at q_pos [B] over the first lengths[b] of each
+    sequence's keys and values [B, Hkv, L, D] at k_pos [B, L], exact by position; returns [B, Hq * D]. The query
+    heads that share a KV head are rows of one product, so each key is read once, not once per query head."""
+    batch, q_heads, head_dim = q.shape
+    kv_heads, rows = keys.shape[1], keys.shape[2]
+    visible = torch.arange(rows, device=q.device)[None, :] < lengths[:, None]
+    visible &= k_pos <= q_pos[:, None]
+    if window is not None:
+        visible &= k_pos > q_pos[:, None] - window
+    grouped = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
+    return out.reshape(batch, q_heads * head_dim)
+
+
 def _run_fused(call: AttentionCall, q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
     if call.diagonal and q.device.type == "cpu":
         return _diagonal(q[call.first : call.end], keys[call.lo : call.hi], values[call.lo : call.hi], scale)

@@ -2,14 +2,23 @@
 
 Rows are slots, not positions: fusion fills a prompt's rows out of order (stored rows, recomputed rows) and
 decoding appends. Positions travel with the rows so attention can build an exact causal mask whatever the order.
+A cache may live in a slot of a `KVPool` (sequences decoding together); its tensors are then views of the pool.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
+
+if TYPE_CHECKING:
+    from kvreuse.model.kv_pool import KVPool
 
 
 class KVCache:
+    pool: KVPool | None = None  # set by KVPool.adopt, with the cache's slot in it
+    slot: int = -1
+
     def __init__(
         self,
         num_layers: int,
@@ -54,6 +63,10 @@ class KVCache:
         return rows
 
     def _grow(self, capacity: int) -> None:
+        if self.pool is not None:  # every slot of the pool grows, and the pool rebinds this cache's views
+            self.pool.grow(capacity)
+            return
+
         def grown(old: torch.Tensor) -> torch.Tensor:
             new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype, device=old.device)
             new[: self.length] = old[: self.length]
@@ -64,7 +77,8 @@ class KVCache:
         self._positions = grown(self._positions)
 
     def clone(self) -> KVCache:
-        """An independent copy: two continuations of one prefill (a generation and a teacher-forced answer)."""
+        """An independent copy, outside any pool: two continuations of one prefill (a generation and a
+        teacher-forced answer)."""
         copy = KVCache.__new__(KVCache)
         copy.num_layers, copy.length, copy._shape = self.num_layers, self.length, self._shape
         copy._dtype, copy._device = self._dtype, self._device

@@ -26,6 +26,7 @@ from torch import nn
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.attention import attend, attention_mask
 from kvreuse.model.kv_cache import KVCache
+from kvreuse.model.kv_pool import KVPool
 from kvreuse.model.linear import linear, pack_weights
 
 
@@ -257,6 +258,12 @@ class LayerwiseModel:
                 group.capture(layer, hidden[part], k[part], v[part])
         rotary = groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups])
         q, k = self.rope(layer, q, rotary), self.rope(layer, k, rotary)
+        if (pool := _pool_decoding(groups)) is not None:
+            rows = torch.tensor([_single_row(g.rows) for g in groups], device=self.device)
+            positions = torch.cat([g.positions for g in groups])
+            out = pool.attend_one_each(layer, [g.cache for g in groups], rows, q, positions, k, v,
+                                       self.windows[layer], self.layers[layer].self_attn.scaling)
+            return self.finish_layer(layer, hidden, out)
         outputs, kept = [], []
         narrowing = any(g.narrow is not None for g in groups)
         for group, part in zip(groups, parts):
@@ -329,6 +336,23 @@ class LayerwiseModel:
         driver = Straight(self.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device)), groups)
         self.run_layers(range(self.num_layers), driver)
         return self.logits(driver.hidden)
+
+
+def _pool_decoding(groups: Sequence[RowGroup]) -> KVPool | None:
+    """The pool every group's cache lives in, when the groups are decoding rows that it can attend in one call:
+    several groups of one row each, with nothing per group to run between their KV write and their attention."""
+    pool = groups[0].cache.pool
+    if pool is None or len(groups) < 2:
+        return None
+    for group in groups:
+        if (group.cache.pool is not pool or len(group) != 1 or group.narrow is not None or group.observe is not None
+                or group.keys_until is not None):
+            return None
+    return pool
+
+
+def _single_row(rows: slice | torch.Tensor) -> int:
+    return rows.start if isinstance(rows, slice) else int(rows)
 
 
 def _parts(sizes: list[int]) -> list[slice]:

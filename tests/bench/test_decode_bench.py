@@ -12,28 +12,30 @@ def test_every_batch_and_dtype_is_measured(tiny_model_dir, tmp_path):
     rows = run(str(tiny_model_dir), [1, 3], 24, 4, 1, ["float32", "bfloat16"], ["vllm"], tmp_path / "no-venv")
     assert [(r.batch, r.dtype) for r in rows] == [(1, "float32"), (3, "float32"), (1, "bfloat16"), (3, "bfloat16")]
     for row in rows:
-        assert set(row.step_seconds) == {"kvreuse"}
+        assert set(row.step_seconds) == {"kvreuse", "own caches"}
         assert row.tokens_per_second("kvreuse") == pytest.approx(row.batch / row.step_seconds["kvreuse"])
 
 
-def test_each_timed_step_decodes_every_sequence_of_the_batch(tiny_model):
+@pytest.mark.parametrize("pooled", [True, False])
+def test_each_timed_step_decodes_every_sequence_of_the_batch(tiny_model, pooled):
     prompts = prompts_of(3, 20, 256)
     assert len({tuple(p) for p in prompts}) == 3 and prompts == prompts_of(3, 20, 256)
     calls = []
     decode = tiny_model.decode_batch
 
     def counted(tokens, caches):
-        calls.append((len(tokens), [c.length for c in caches]))
+        calls.append((len(tokens), [c.length for c in caches], {c.pool is not None for c in caches}))
         return decode(tokens, caches)
 
     tiny_model.decode_batch = counted
     try:
-        seconds = _kvreuse_steps(tiny_model, prompts, steps=5)
+        seconds = _kvreuse_steps(tiny_model, prompts, steps=5, pooled=pooled)
     finally:
         del tiny_model.decode_batch
     assert len(seconds) == 5 and len(calls) == 5 + 3  # warm-up steps are not timed
-    assert [n for n, _ in calls] == [3] * 8
+    assert [n for n, _, _ in calls] == [3] * 8
     assert calls[-1][1] == [20 + 8 - 1] * 3  # every cache grew by one row per step
+    assert all(in_pool == {pooled} for _, _, in_pool in calls)
 
 
 def test_the_command_runs(tiny_model_dir, tmp_path, capsys):

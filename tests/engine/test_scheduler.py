@@ -35,7 +35,10 @@ def scheduler(tiny_chat_engine):
     scheduler.stop()
 
 
-def test_concurrent_jobs_decode_together_as_they_would_alone(tiny_chat_engine, scheduler):
+def test_concurrent_jobs_decode_together_as_they_would_alone(tiny_chat_engine, scheduler, monkeypatch):
+    pooled_calls = []
+    attend = scheduler.pool.attend_one_each
+    monkeypatch.setattr(scheduler.pool, "attend_one_each", lambda *a: pooled_calls.append(len(a[1])) or attend(*a))
     questions = ["first question?", "a second, longer question about something?", "third?"]
     streams = [queue.Queue() for _ in questions]
     jobs = [job_for(tiny_chat_engine, q, s) for q, s in zip(questions, streams)]
@@ -48,6 +51,8 @@ def test_concurrent_jobs_decode_together_as_they_would_alone(tiny_chat_engine, s
         assert last.result.token_ids == alone.token_ids and text == last.result.text == alone.text
         assert last.result.finish_reason == "length" and 0 < last.result.ttft <= last.result.total_seconds
     assert max(scheduler.batch_sizes) == len(questions)
+    assert max(pooled_calls) == len(questions)  # one attention call per layer for the whole batch
+    assert scheduler.pool.members == []  # every finished sequence gave its slot back
 
 
 def test_a_full_queue_refuses_the_job(tiny_chat_engine):
@@ -70,6 +75,7 @@ def test_cancelled_and_timed_out_jobs_end_with_their_reason(tiny_chat_engine, sc
     assert isinstance(outcome(cancelled)[1].error, JobCancelled)
     assert isinstance(outcome(timed_out)[1].error, JobTimeout)
     assert scheduler.running == scheduler.waiting == 0
+    assert scheduler.pool.members == []
 
 
 def test_calls_run_on_the_engine_thread(scheduler):
@@ -91,6 +97,7 @@ def test_a_failing_step_fails_the_jobs_in_flight_and_the_engine_goes_on(tiny_cha
     scheduler.submit(job_for(tiny_chat_engine, "doomed?", events))
     scheduler.start()
     assert "device lost" in str(outcome(events)[1].error)
+    assert scheduler.call(lambda: scheduler.pool.members).result(timeout=10) == []
     scheduler.submit(job_for(tiny_chat_engine, "next?", events))
     assert outcome(events)[1].result.finish_reason == "length"
 

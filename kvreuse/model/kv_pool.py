@@ -1,0 +1,148 @@
+"""Memory shared by the KV caches of sequences that decode together, so that one kernel call per layer attends
+the new query of every sequence (`LayerwiseModel.step`) instead of one call per sequence.
+
+Per layer the pool holds keys and values head-major, [slots, kv_heads, capacity, head_dim]: a slot's keys of one
+head are contiguous rows, and the slots stack into the batch dimension of one attention call. A cache adopted
+into a slot is a `KVCache` whose per-layer tensors are views of that slot ([capacity, kv_heads, head_dim], the
+layout every other path reads and writes), so prefill, fusion and write-back use it unchanged.
+
+Decoding one token reads every row of every cache once: at 16 sequences of 512 tokens, per-sequence calls over
+separate caches took 54 ms per step of SmolLM2's 30 layers against 22 ms for one call per layer over a pool
+(AMD EPYC Zen 4, fp32, a microbenchmark with cold caches).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvreuse.model.attention import attend_one_each
+from kvreuse.model.kv_cache import KVCache
+
+# Capacity is allocated in steps of this many rows: a sequence a few tokens longer than the others does not
+# re-allocate the pool for each of them.
+CAPACITY_STEP = 256
+
+
+class KVPool:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int,
+                 max_bytes: int, device: torch.device | str = "cpu"):
+        """slots: sequences held at once; max_bytes: the most the pool's keys and values may take together (a
+        sequence that would need more decodes in a cache of its own)."""
+        if slots < 1 or max_bytes < 1:
+            raise ValueError(f"a KV pool needs slots >= 1 and max_bytes >= 1, got {slots} and {max_bytes}")
+        self.num_layers, self.slots, self.max_bytes = num_layers, slots, max_bytes
+        self._head_shape = (num_kv_heads, head_dim)
+        self.dtype, self.device = dtype, device
+        self.capacity = 0
+        self.keys: list[torch.Tensor] = []
+        self.values: list[torch.Tensor] = []
+        self.positions = torch.zeros((slots, 0), dtype=torch.long, device=device)
+        self._members: list[KVCache | None] = [None] * slots
+
+    @classmethod
+    def for_model(cls, model, slots: int, max_bytes: int) -> KVPool:
+        return cls(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, slots, max_bytes,
+                   model.device)
+
+    @property
+    def members(self) -> list[KVCache]:
+        return [cache for cache in self._members if cache is not None]
+
+    def bytes_for(self, capacity: int) -> int:
+        heads, dim = self._head_shape
+        return 2 * self.num_layers * self.slots * heads * capacity * dim * self.dtype.itemsize
+
+    def adopt(self, cache: KVCache, capacity: int) -> KVCache | None:
+        """A copy of `cache` in a free slot, with room for `capacity` rows; None when every slot is taken or the
+        pool would outgrow max_bytes. The caller keeps `cache` (it may still be read elsewhere)."""
+        slot = next((i for i, member in enumerate(self._members) if member is None), None)
+        capacity = max(capacity, cache.length)
+        if slot is None or not self._fits(capacity):
+            return None
+        self._reserve(capacity)
+        pooled = KVCache.__new__(KVCache)
+        pooled.num_layers, pooled._shape = self.num_layers, self._head_shape
+        pooled._dtype, pooled._device = self.dtype, self.device
+        pooled.pool, pooled.slot, pooled.length = self, slot, cache.length
+        self._members[slot] = pooled
+        self._bind(pooled)
+        for layer in range(self.num_layers):
+            keys, values = cache.layer(layer)
+            pooled.write(layer, slice(0, cache.length), keys, values)
+        pooled._positions[: cache.length] = cache.positions
+        return pooled
+
+    def release(self, cache: KVCache) -> None:
+        """Free `cache`'s slot; the cache is left empty, so that a stale reference reads nothing of the sequence
+        that takes the slot next."""
+        if cache.pool is not self or self._members[cache.slot] is not cache:
+            raise ValueError("release: the cache is not a member of this pool")
+        self._members[cache.slot] = None
+        empty = KVCache(self.num_layers, *self._head_shape, self.dtype, 0, self.device)
+        cache.__dict__.update(empty.__dict__)
+        cache.pool, cache.slot = None, -1
+
+    def attend_one_each(self, layer: int, caches: list[KVCache], rows: torch.Tensor, q: torch.Tensor,
+                        q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
+                        scale: float) -> torch.Tensor:
+        """One decoding row per member cache: write each row's KV (k, v [B, Hkv, D]) at its `rows` [B], then
+        attend its query (q [B, Hq, D] at q_pos [B]) over its cache, all in one call over the slots they span;
+        returns [B, Hq * D] in the caches' order. Slots in the span that are not decoding are scored and
+        dropped (adopt fills the lowest free slot, so such holes are few)."""
+        slots = torch.tensor([cache.slot for cache in caches], device=self.device)
+        self.keys[layer][slots, :, rows] = k
+        self.values[layer][slots, :, rows] = v
+        lo, hi = int(slots.min()), int(slots.max()) + 1
+        at = slots - lo
+        lengths = torch.zeros(hi - lo, dtype=torch.long, device=self.device)
+        lengths[at] = torch.tensor([cache.length for cache in caches], device=self.device)
+        queries = q.new_zeros((hi - lo, *q.shape[1:]))
+        queries[at] = q
+        positions = torch.zeros(hi - lo, dtype=torch.long, device=self.device)
+        positions[at] = q_pos
+        end = int(lengths.max())
+        out = attend_one_each(queries, positions, self.keys[layer][lo:hi, :, :end], self.values[layer][lo:hi, :, :end],
+                              self.positions[lo:hi, :end], lengths, window, scale)
+        return out[at]
+
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` rows in every slot (a member outgrew it while decoding), beyond max_bytes if it
+        must: a sequence already admitted is never dropped."""
+        self._reserve(capacity)
+
+    def _fits(self, capacity: int) -> bool:
+        return self.bytes_for(max(self._rounded(capacity), self.capacity)) <= self.max_bytes
+
+    @staticmethod
+    def _rounded(capacity: int) -> int:
+        return -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
+
+    def _reserve(self, capacity: int) -> None:
+        if capacity <= self.capacity:
+            return
+        capacity = self._rounded(capacity)
+        if self.bytes_for(2 * self.capacity) <= self.max_bytes:  # doubling: a growing batch re-allocates rarely
+            capacity = max(capacity, 2 * self.capacity)
+        heads, dim = self._head_shape
+        shape = (self.slots, heads, capacity, dim)
+        self.keys = [self._grown(self.keys[i] if self.keys else None, shape) for i in range(self.num_layers)]
+        self.values = [self._grown(self.values[i] if self.values else None, shape) for i in range(self.num_layers)]
+        positions = torch.zeros((self.slots, capacity), dtype=torch.long, device=self.device)
+        positions[:, : self.capacity] = self.positions
+        self.positions, self.capacity = positions, capacity
+        for member in self.members:
+            self._bind(member)
+
+    def _grown(self, old: torch.Tensor | None, shape: tuple[int, ...]) -> torch.Tensor:
+        # Zeros, not empty memory: attention masks rows past a cache's length, but a masked probability (0) times
+        # a NaN bit pattern of unwritten memory would still be NaN.
+        new = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        if old is not None:
+            new[:, :, : old.shape[2]] = old
+        return new
+
+    def _bind(self, cache: KVCache) -> None:
+        """Point the cache's per-layer tensors and positions at its slot."""
+        cache.keys = [k[cache.slot].transpose(0, 1) for k in self.keys]
+        cache.values = [v[cache.slot].transpose(0, 1) for v in self.values]
+        cache._positions = self.positions[cache.slot]

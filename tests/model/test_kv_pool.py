@@ -1,0 +1,119 @@
+"""The KV pool: caches adopted into its slots decode together in one attention call per layer, exactly as they
+decode alone; slots are freed, reused and grown without one sequence reading another's rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.model.attention import attend_one_each, attention_mask
+from kvreuse.model.kv_pool import CAPACITY_STEP, KVPool
+from tests.conftest import random_ids
+
+GIB = 1 << 30
+
+
+def pool_of(model, slots: int, max_bytes: int = GIB) -> KVPool:
+    return KVPool.for_model(model, slots, max_bytes)
+
+
+def assert_decodes_alike(model, alone, pooled, steps: int) -> None:
+    """Greedy steps of the unpooled caches one by one against the pooled ones as one batch."""
+    tokens = [int(t) for t in torch.randint(3, 200, (len(alone),), generator=torch.Generator().manual_seed(1))]
+    for _ in range(steps):
+        expected = torch.stack([model.decode(t, cache) for t, cache in zip(tokens, alone)])
+        together = model.decode_batch(tokens, pooled)
+        torch.testing.assert_close(together, expected, atol=1e-4, rtol=0)
+        tokens = expected.argmax(-1).tolist()
+    for a, b in zip(alone, pooled):
+        torch.testing.assert_close(b.positions, a.positions, atol=0, rtol=0)
+        for layer in range(model.num_layers):
+            torch.testing.assert_close(b.layer(layer)[0], a.layer(layer)[0], atol=1e-4, rtol=0)
+            torch.testing.assert_close(b.layer(layer)[1], a.layer(layer)[1], atol=1e-4, rtol=0)
+
+
+def test_pooled_caches_decode_as_they_do_alone(tiny_model):
+    # Lengths past the tiny models' sliding windows (24), so windowed layers mask by window in the pooled call.
+    prompts = [random_ids(n, seed=n) for n in (5, 40, 17)]
+    alone = [tiny_model.prefill(p).cache for p in prompts]
+    pool = pool_of(tiny_model, slots=4)
+    pooled = [pool.adopt(tiny_model.prefill(p).cache, capacity=len(p) + 8) for p in prompts]
+    assert [c.slot for c in pooled] == [0, 1, 2]
+    assert_decodes_alike(tiny_model, alone, pooled, steps=6)
+
+
+def test_a_slot_taken_again_hides_the_longer_sequence_it_held(tiny_model):
+    """The rows a released sequence wrote past the new one's length are still in the slot: only the length mask
+    keeps them out."""
+    pool = pool_of(tiny_model, slots=3)
+    first = [pool.adopt(tiny_model.prefill(random_ids(n, seed=n)).cache, capacity=64) for n in (30, 50, 12)]
+    pool.release(first[1])
+    assert first[1].length == 0 and first[1].pool is None  # a stale reference reads nothing
+    short = random_ids(9, seed=99)
+    alone = [tiny_model.prefill(random_ids(n, seed=n)).cache for n in (30, 12)] + [tiny_model.prefill(short).cache]
+    taken = pool.adopt(tiny_model.prefill(short).cache, capacity=20)
+    assert taken.slot == 1
+    assert_decodes_alike(tiny_model, alone, [first[0], first[2], taken], steps=3)
+
+
+def test_sequences_spread_over_slots_with_a_hole_between_them(tiny_model):
+    pool = pool_of(tiny_model, slots=4)
+    prompts = [random_ids(n, seed=n) for n in (11, 21, 31)]
+    pooled = [pool.adopt(tiny_model.prefill(p).cache, capacity=40) for p in prompts]
+    pool.release(pooled[1])
+    alone = [tiny_model.prefill(prompts[i]).cache for i in (2, 0)]
+    assert_decodes_alike(tiny_model, alone, [pooled[2], pooled[0]], steps=3)  # order of the batch not of slots
+
+
+def test_a_member_outgrowing_the_pool_grows_every_slot_in_place(tiny_model):
+    pool = pool_of(tiny_model, slots=2)
+    prompts = [random_ids(CAPACITY_STEP - 2, seed=3), random_ids(20, seed=4)]
+    pooled = [pool.adopt(tiny_model.prefill(p).cache, capacity=len(p)) for p in prompts]
+    assert pool.capacity == CAPACITY_STEP
+    alone = [tiny_model.prefill(p).cache for p in prompts]
+    assert_decodes_alike(tiny_model, alone, pooled, steps=4)
+    assert pool.capacity == 2 * CAPACITY_STEP and pooled[0].length == CAPACITY_STEP + 2
+
+
+def test_a_cache_the_pool_cannot_hold_is_refused(tiny_model):
+    one_step = KVPool.for_model(tiny_model, 2, 1).bytes_for(CAPACITY_STEP)
+    pool = pool_of(tiny_model, slots=2, max_bytes=one_step)
+    cache = tiny_model.prefill(random_ids(10, seed=5)).cache
+    assert pool.adopt(cache, capacity=CAPACITY_STEP + 1) is None  # over max_bytes
+    assert pool.adopt(cache, capacity=16) is not None and pool.adopt(cache, capacity=16) is not None
+    assert pool.adopt(cache, capacity=16) is None  # every slot taken
+    with pytest.raises(ValueError, match="not a member"):
+        pool.release(cache)
+
+
+def test_adopting_leaves_the_original_cache_as_it_was(tiny_model):
+    cache = tiny_model.prefill(random_ids(12, seed=6)).cache
+    keys = cache.layer(0)[0].clone()
+    pooled = pool_of(tiny_model, slots=1).adopt(cache, capacity=16)
+    tiny_model.decode(7, pooled)
+    assert cache.length == 12 and torch.equal(cache.layer(0)[0], keys)
+    assert pooled.length == 13
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [None, 5])
+def test_one_query_each_matches_a_dense_reference(dtype, window):
+    generator = torch.Generator().manual_seed(0)
+    batch, q_heads, kv_heads, dim, rows = 3, 6, 2, 8, 12
+    q = torch.randn(batch, q_heads, dim, generator=generator)
+    keys, values = (torch.randn(batch, kv_heads, rows, dim, generator=generator) for _ in range(2))
+    lengths = torch.tensor([12, 4, 9])
+    k_pos = torch.stack([torch.randperm(rows, generator=generator) for _ in range(batch)]) + 3
+    # each query at the median of its sequence's key positions: some keys later (hidden), some beyond the window
+    q_pos = torch.stack([k_pos[b, : int(n)].median() for b, n in enumerate(lengths)])
+    out = attend_one_each(q.to(dtype), q_pos, keys.to(dtype), values.to(dtype), k_pos, lengths, window, 0.3)
+    for b in range(batch):
+        n = int(lengths[b])
+        allowed = attention_mask(q_pos[b : b + 1], k_pos[b, :n], window)[0]
+        grouped_keys = keys[b, :, :n].repeat_interleave(q_heads // kv_heads, 0).double()
+        grouped_values = values[b, :, :n].repeat_interleave(q_heads // kv_heads, 0).double()
+        scores = torch.einsum("hd,hmd->hm", q[b].double(), grouped_keys) * 0.3
+        probs = scores.masked_fill(~allowed, float("-inf")).softmax(-1)
+        expected = torch.einsum("hm,hmd->hd", probs, grouped_values).reshape(-1)
+        tolerance = 1e-5 if dtype == torch.float32 else 3e-2
+        torch.testing.assert_close(out[b].double(), expected, atol=tolerance, rtol=0)
