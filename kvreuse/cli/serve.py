@@ -21,6 +21,8 @@ FLAGS = {
     "--max-concurrency": (int, "sequences prefilled and decoded together (default 8)"),
     "--max-prefill-batch": (int, "waiting requests prefilled per step, their stored prefixes restored together "
                                  "as CacheFlow restores a batch (default 4; 1: one at a time)"),
+    "--decode-pool": (str, "memory for the running sequences' KV, decoded together in one attention call per "
+                           "layer; a sequence that does not fit decodes from its own cache (default 4GB)"),
     "--batch-restore": (str, "restore waiting requests' stored prefixes together: on, off, or auto (default: only "
                              "when a tier's reads wait on a device or the network)"),
     "--max-queue": (int, "requests that may wait beyond those; more get 429 (default 256)"),

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from kvreuse.fusion.methods import DEFAULT_METHOD
+from kvreuse.store.spec import parse_size
 
 ENV_PREFIX = "KVREUSE_"
 
@@ -31,6 +32,7 @@ class ServerConfig:
     placement: str = "all"  # new chunks on every tier ("all"), or on the slowest whose reads hide ("cost")
     max_concurrency: int = 8  # sequences prefilled and decoded together
     max_prefill_batch: int = 4  # waiting requests prefilled per step, their stored prefixes restored together
+    decode_pool: str = "4GB"  # the running sequences' KV, decoded in one attention call per layer (KVPool)
     batch_restore: str = "auto"  # on, off, auto: together only when a tier's reads wait (ReuseEngine)
     max_queue: int = 256  # requests waiting beyond those; one more is refused with 429
     request_timeout: float = 600.0  # seconds from arrival (queueing included) until a request is abandoned
@@ -48,6 +50,7 @@ class ServerConfig:
             "placement": self.placement in ("all", "cost"),
             "max_concurrency": self.max_concurrency >= 1,
             "max_prefill_batch": self.max_prefill_batch >= 1,
+            "decode_pool": _is_size(self.decode_pool),
             "batch_restore": self.batch_restore in ("auto", "on", "off"),
             "max_queue": self.max_queue >= 0,
             "request_timeout": self.request_timeout > 0,
@@ -59,6 +62,14 @@ class ServerConfig:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise ValueError(f"{bad[0]}: invalid value {getattr(self, bad[0])!r}")
+
+
+def _is_size(text: str) -> bool:
+    try:
+        parse_size(text)
+    except ValueError:
+        return False
+    return True
 
 
 FIELDS = {f.name: f for f in dataclasses.fields(ServerConfig)}

@@ -38,6 +38,7 @@ from kvreuse.server.protocol import (
     PromptTokensDetails,
     Usage,
 )
+from kvreuse.store.spec import parse_size
 
 T = TypeVar("T")
 RATIO_METHODS = {"cacheblend", "cachetune"}
@@ -162,7 +163,8 @@ class EngineService:
         self.max_prompt_chars = self.max_model_len * max(map(len, engine.tokenizer.get_vocab()))
         self.caches = CacheRegistry()
         self.scheduler = Scheduler(engine, config.max_concurrency, config.max_queue,
-                                   max_prefill_batch=config.max_prefill_batch)
+                                   max_prefill_batch=config.max_prefill_batch,
+                                   pool_bytes=parse_size(config.decode_pool))
         self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running, engine.store)
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())

@@ -34,10 +34,10 @@ def test_the_config_file_may_come_from_the_environment(tmp_path):
 
 def test_flags_reach_the_config():
     args = build_parser().parse_args(["serve", "some/model", "--port", "0", "--max-concurrency", "2",
-                                      "--served-model-name", "x", "y"])
+                                      "--served-model-name", "x", "y", "--decode-pool", "512MiB"])
     config = config_from_args(args)
-    assert (config.model, config.port, config.max_concurrency, config.served_model_name) == (
-        "some/model", 0, 2, ["x", "y"])
+    assert (config.model, config.port, config.max_concurrency, config.served_model_name, config.decode_pool) == (
+        "some/model", 0, 2, ["x", "y"], "512MiB")
 
 
 @pytest.mark.parametrize(
@@ -48,6 +48,7 @@ def test_flags_reach_the_config():
         ("port: [1\n", {}, "not valid YAML"),
         ("", {"KVREUSE_PORT": "eighty"}, "KVREUSE_PORT: port must be int"),
         ("", {"KVREUSE_MAX_CONCURRENCY": "0"}, "max_concurrency: invalid value 0"),
+        ("decode_pool: lots\n", {}, "decode_pool: invalid value 'lots'"),
     ],
 )
 def test_bad_settings_name_themselves(tmp_path, yaml_text, environ, message):
