@@ -28,12 +28,12 @@ from kvreuse.bench.tiers import TIER_SPECS, tier_spec
 from kvreuse.bench.timing import PrefillOutcome, interleaved_samples, limit_seconds, prefill_variant, read_all_seconds
 from kvreuse.bench.workload import Shape, TextSource, Workload, build_workload
 from kvreuse.engine.reuse import ReuseEngine
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import DEFAULT_METHOD, parse_method
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.store.redis_server import LocalRedis
 from kvreuse.store.spec import open_store
 
-DEFAULT_METHODS = "full,naive,cacheblend:0.15,legolink:16,cachetune:0.15"
+DEFAULT_METHODS = f"full,naive,{DEFAULT_METHOD},cacheblend:0.15,legolink:16,cachetune:0.15"  # the server's default first
 DEFAULT_TIERS = "memory,disk,redis,ssd,hdd,net10g"
 PEERS = ("transformers", "vllm")
 NO_TIER = "-"  # full prefill and the peers load nothing from a store
