@@ -222,12 +222,13 @@ class Scheduler:
             seq = self._sequence(job, fused, queued)
             self._running.append(seq)
             self._advance(seq, seq.last_token)
+            if seq in self._running:  # after the first token: a pool's first allocation must not delay it
+                seq.cache = self.pool.adopt(seq.cache, seq.cache.length + job.sampling.max_tokens) or seq.cache
 
     def _sequence(self, job: GenerationJob, fused: FusedPrefill, queued: float) -> _Sequence:
         eos_ids = set() if job.sampling.ignore_eos else self._eos_ids
         sampler = Sampler(job.sampling)
-        cache = self.pool.adopt(fused.cache, fused.cache.length + job.sampling.max_tokens + 1) or fused.cache
-        seq = _Sequence(job, cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
+        seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
                         replace(fused.stats, queue_seconds=queued))
         seq.last_token = sampler(fused.logits)
         seq.ttft = time.perf_counter() - job.arrived
