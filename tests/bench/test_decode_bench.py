@@ -14,6 +14,8 @@ def test_every_batch_and_dtype_is_measured(tiny_model_dir, tmp_path):
     for row in rows:
         assert set(row.step_seconds) == {"kvreuse", "own caches"}
         assert row.tokens_per_second("kvreuse") == pytest.approx(row.batch / row.step_seconds["kvreuse"])
+        assert row.floor > 0 and row.achieved("kvreuse") == pytest.approx(row.floor / row.step_seconds["kvreuse"])
+    assert rows[1].floor > rows[0].floor  # more sequences read more KV
 
 
 @pytest.mark.parametrize("pooled", [True, False])
@@ -42,4 +44,4 @@ def test_the_command_runs(tiny_model_dir, tmp_path, capsys):
     assert main(["bench", "decode", "--model", str(tiny_model_dir), "--batches", "2", "--prompt-tokens", "16",
                  "--steps", "3", "--repeats", "1", "--vllm-venv", str(tmp_path / "none")]) == 0
     out = capsys.readouterr().out
-    assert "peer vllm skipped" in out and "kvreuse ms/step" in out
+    assert "peer vllm skipped" in out and "kvreuse ms/step" in out and "kvreuse achieved / limit" in out

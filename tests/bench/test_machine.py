@@ -1,11 +1,20 @@
-"""The machine's limit for a prefill: FLOPs counted from the model's own shapes, rates measured here."""
+"""The machine's limit for a prefill and a decoding step: FLOPs and bytes counted from the model's own shapes,
+rates measured here."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from kvreuse.bench.machine import MachineLimit, layer_linears, measure, prefill_flops, weight_bytes
+from kvreuse.bench.machine import (
+    MachineLimit,
+    decode_step_bytes,
+    decode_step_flops,
+    layer_linears,
+    measure,
+    prefill_flops,
+    weight_bytes,
+)
 from kvreuse.model.runtime import LayerwiseModel
 
 
@@ -35,3 +44,14 @@ def test_the_floor_is_the_longer_of_compute_and_weight_reads(make_tiny):
     assert weight_bytes(model) == sum(p.numel() * 4 for p in model.hf_model.parameters())
     assert measured.dtype == str(torch.float32).removeprefix("torch.")
     assert measured.route in ("torch", "onednn-packed")
+
+
+def test_a_decoding_step_reads_the_weights_once_and_every_sequence_s_kv(make_tiny):
+    model = LayerwiseModel(make_tiny("llama"))
+    config = model.config
+    kv_row = 2 * model.num_layers * config.num_key_value_heads * model.head_dim * 4  # keys and values, fp32
+    assert decode_step_bytes(model, 3, 100) == weight_bytes(model) + 3 * 100 * kv_row
+    dense = sum(m.in_features * m.out_features for m in layer_linears(model))
+    per_sequence = (model.num_layers * (2 * dense + 2 * 2 * config.num_attention_heads * model.head_dim * 100)
+                    + 2 * config.hidden_size * config.vocab_size)
+    assert decode_step_flops(model, 3, 100) == pytest.approx(3 * per_sequence)
