@@ -25,10 +25,12 @@ MIN_DIAGONAL_ROWS = 16
 
 
 def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> torch.Tensor:
-    """Boolean [n_q, n_k]: a query at position p sees keys at positions <= p (and > p - window, if any)."""
-    allowed = k_pos[None, :] <= q_pos[:, None]
+    """Boolean [..., n_q, n_k]: a query at position p sees keys at positions <= p (and > p - window, if any).
+    Leading dimensions are a batch of sequences, each with its own positions."""
+    keys, queries = k_pos.unsqueeze(-2), q_pos.unsqueeze(-1)
+    allowed = keys <= queries
     if window is not None:
-        allowed &= k_pos[None, :] > q_pos[:, None] - window
+        allowed &= keys > queries - window
     return allowed
 
 
@@ -152,12 +154,10 @@ def attend_one_each(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, va
     heads that share a KV head are rows of one product, so each key is read once, not once per query head."""
     batch, q_heads, head_dim = q.shape
     kv_heads, rows = keys.shape[1], keys.shape[2]
-    visible = torch.arange(rows, device=q.device)[None, :] < lengths[:, None]
-    visible &= k_pos <= q_pos[:, None]
-    if window is not None:
-        visible &= k_pos > q_pos[:, None] - window
+    visible = attention_mask(q_pos[:, None], k_pos, window)  # [B, 1, L]
+    visible &= (torch.arange(rows, device=q.device) < lengths[:, None])[:, None]
     grouped = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None], scale=scale)
     return out.reshape(batch, q_heads * head_dim)
 
 

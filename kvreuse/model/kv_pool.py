@@ -59,10 +59,8 @@ class KVPool:
         capacity = max(capacity, cache.length)
         if slot is None or not self._fits(capacity):
             return None
-        self._reserve(capacity)
-        pooled = KVCache.__new__(KVCache)
-        pooled.num_layers, pooled._shape = self.num_layers, self._head_shape
-        pooled._dtype, pooled._device = self.dtype, self.device
+        self.grow(capacity)
+        pooled = self._empty_cache()
         pooled.pool, pooled.slot, pooled.length = self, slot, cache.length
         self._members[slot] = pooled
         self._bind(pooled)
@@ -78,9 +76,11 @@ class KVPool:
         if cache.pool is not self or self._members[cache.slot] is not cache:
             raise ValueError("release: the cache is not a member of this pool")
         self._members[cache.slot] = None
-        empty = KVCache(self.num_layers, *self._head_shape, self.dtype, 0, self.device)
-        cache.__dict__.update(empty.__dict__)
+        cache.__dict__.update(self._empty_cache().__dict__)
         cache.pool, cache.slot = None, -1
+
+    def _empty_cache(self) -> KVCache:
+        return KVCache(self.num_layers, *self._head_shape, self.dtype, 0, self.device)
 
     def attend_one_each(self, layer: int, caches: list[KVCache], rows: torch.Tensor, q: torch.Tensor,
                         q_pos: torch.Tensor, k: torch.Tensor, v: torch.Tensor, window: int | None,
@@ -105,11 +105,6 @@ class KVPool:
                               self.positions[lo:hi, :end], lengths, window, scale)
         return out[at]
 
-    def grow(self, capacity: int) -> None:
-        """Room for `capacity` rows in every slot (a member outgrew it while decoding), beyond max_bytes if it
-        must: a sequence already admitted is never dropped."""
-        self._reserve(capacity)
-
     def _fits(self, capacity: int) -> bool:
         return self.bytes_for(max(self._rounded(capacity), self.capacity)) <= self.max_bytes
 
@@ -117,7 +112,9 @@ class KVPool:
     def _rounded(capacity: int) -> int:
         return -(-capacity // CAPACITY_STEP) * CAPACITY_STEP
 
-    def _reserve(self, capacity: int) -> None:
+    def grow(self, capacity: int) -> None:
+        """Room for `capacity` rows in every slot: for a cache adopted, or a member that outgrew it while decoding
+        (beyond max_bytes if it must: a sequence already admitted is never dropped)."""
         if capacity <= self.capacity:
             return
         capacity = self._rounded(capacity)

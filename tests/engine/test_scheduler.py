@@ -55,6 +55,17 @@ def test_concurrent_jobs_decode_together_as_they_would_alone(tiny_chat_engine, s
     assert scheduler.pool.members == []  # every finished sequence gave its slot back
 
 
+def test_a_sequence_joins_the_pool_only_after_its_first_token_is_sent(tiny_chat_engine, scheduler, monkeypatch):
+    events = queue.Queue()
+    adopt = scheduler.pool.adopt
+    seen_before_adoption = []
+    monkeypatch.setattr(scheduler.pool, "adopt", lambda *a: seen_before_adoption.append(events.qsize()) or adopt(*a))
+    scheduler.submit(job_for(tiny_chat_engine, "first token first?", events))
+    scheduler.start()
+    assert outcome(events)[1].result.finish_reason == "length"
+    assert seen_before_adoption == [1]  # the first token's event, and nothing else yet
+
+
 def test_a_full_queue_refuses_the_job(tiny_chat_engine):
     scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)  # not started: nothing leaves the queue
     for question in ["one?", "two?"]:  # one for the free running slot, one waiting
