@@ -76,12 +76,14 @@ def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> Machin
     linears = layer_linears(model)
     flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
-    routes = {"torch": lambda x, m: nn.functional.linear(x, m.weight, m.bias)}
+    # Each route runs the layer's products as the runtime groups them (projections sharing an input stacked).
+    groups = model.adapter.products(model.layers[0])
+    routes = {"torch": lambda x, group: [nn.functional.linear(x, m.weight, m.bias) for m in group]}
     if onednn_available():
-        routes["onednn-packed"] = linear
+        routes["onednn-packed"] = lambda x, group: linear(x, *group)
 
     def layer_matmuls(product) -> Callable[[], None]:
-        return lambda: [product(inputs[m.in_features], m) for m in linears]
+        return lambda: [product(inputs[group[0].in_features], group) for group in groups]
 
     seconds = {name: _best(layer_matmuls(product), repeats) for name, product in routes.items()}
     route = min(seconds, key=seconds.get)

@@ -27,17 +27,24 @@ class LlamaAdapter:
         self.config = hf_model.config
         self.decoder = hf_model.model
 
+    def products(self, block: nn.Module) -> list[tuple[nn.Linear, ...]]:
+        """A layer's projections as the runtime runs them: those that take the same input stacked into one
+        product (kvreuse.model.linear)."""
+        attn, mlp = block.self_attn, block.mlp
+        return [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
+                (mlp.down_proj,)]
+
     def project_qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normalised hidden rows [n, hidden] -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]."""
-        head_dim = attn.head_dim
-        q = linear(x, attn.q_proj).view(x.shape[0], -1, head_dim)
-        k = linear(x, attn.k_proj).view(x.shape[0], -1, head_dim)
-        v = linear(x, attn.v_proj).view(x.shape[0], -1, head_dim)
-        return q, k, v
+        """Normalised hidden rows [n, hidden] -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]: views
+        of one product's output."""
+        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        qkv = linear(x, *projections).split([p.out_features for p in projections], -1)
+        return tuple(part.view(x.shape[0], -1, attn.head_dim) for part in qkv)
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`."""
-        return linear(mlp.act_fn(linear(x, mlp.gate_proj)) * linear(x, mlp.up_proj), mlp.down_proj)
+        gate, up = linear(x, mlp.gate_proj, mlp.up_proj).split(mlp.gate_proj.out_features, -1)
+        return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj)  # in place: one buffer fewer to allocate and fill
 
     def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP of the attended rows."""

@@ -104,8 +104,9 @@ class CapturedKV:
     values: list[torch.Tensor] = field(default_factory=list)
 
     def record(self, layer: int, hidden: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.keys.append(k)
-        self.values.append(v)
+        # k and v are views of the layer's q/k/v product: copies keep only their own rows alive
+        self.keys.append(k.contiguous())
+        self.values.append(v.contiguous())
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[num_layers, n, num_kv_heads, head_dim] each."""
@@ -145,7 +146,8 @@ class LayerwiseModel:
         rope_type = getattr(self.decoder.rotary_emb, "rope_type", "default")
         self._rotary_cacheable = "dynamic" not in rope_type and rope_type != "longrope"
         self._rotary_table: Rotary | None = None
-        pack_weights(hf_model)
+        pack_weights([group for block in self.layers for group in self.adapter.products(block)]
+                     + [(hf_model.lm_head,)])
 
     # ---- primitives -------------------------------------------------------------------------------------
 

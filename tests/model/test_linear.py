@@ -1,4 +1,5 @@
-"""The runtime's matrix product (oneDNN on packed weights) equals nn.Linear's, and follows a changed weight."""
+"""The runtime's matrix product (oneDNN on packed weights) equals nn.Linear's, stacked projections equal each one
+alone, and a changed weight is followed."""
 
 from __future__ import annotations
 
@@ -51,13 +52,46 @@ def test_non_contiguous_rows():
     torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 300])
+@pytest.mark.parametrize("biases", [(False, False, False), (True, True, True), (False, True, False)])
+@torch.inference_mode()
+def test_stacked_projections_equal_each_projection_side_by_side(rows, biases):
+    layers = [nn.Linear(24, out, bias=bias) for out, bias in zip((32, 8, 8), biases)]
+    x = torch.randn(rows, 24)
+    got = linear(x, *layers)
+    assert got.shape == (rows, 48)
+    torch.testing.assert_close(got, torch.cat([layer(x) for layer in layers], -1), atol=1e-5, rtol=1e-5)
+
+
+def test_a_stacked_group_follows_a_change_to_any_of_its_weights_or_biases():
+    layers = [nn.Linear(16, 8), nn.Linear(16, 4, bias=False), nn.Linear(16, 4)]
+    x = torch.randn(3, 16)
+
+    def expected():
+        return torch.cat([layer(x) for layer in layers], -1)
+
+    with torch.no_grad():
+        linear(x, *layers)
+        layers[1].weight.mul_(-2)  # a later member of the group, in place
+        torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
+        layers[2].bias.add_(1.0)
+        torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
+        layers[2].weight = nn.Parameter(torch.randn(4, 16))
+        torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
+        # the group's first layer alone is another product, not the group's pack
+        torch.testing.assert_close(linear(x, layers[0]), layers[0](x), atol=1e-5, rtol=1e-5)
+
+
 def test_the_runtime_packs_every_projection_when_it_loads(make_tiny):
-    """The first request must not pay for packing: the runtime packs the model's projections on construction."""
+    """The first request must not pay for packing: the runtime packs the model's projections on construction,
+    each in the group it runs in."""
     from kvreuse.model import linear as linear_module
     from kvreuse.model.runtime import LayerwiseModel
 
     hf_model = make_tiny("llama")
-    projections = [m for m in hf_model.modules() if isinstance(m, nn.Linear)]
-    assert not any(p in linear_module._packed for p in projections)
+    weights = {id(m.weight) for m in hf_model.modules() if isinstance(m, nn.Linear)}
+    packed_before = {id(t) for packed in linear_module._packed.values() for t in packed.sources}
+    assert not weights & packed_before
     LayerwiseModel(hf_model)
-    assert all(p in linear_module._packed for p in projections)
+    packed = {id(t) for packed in linear_module._packed.values() for t in packed.sources}
+    assert weights <= packed
