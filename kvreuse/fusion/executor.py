@@ -23,7 +23,7 @@ import torch
 
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
-from kvreuse.model.runtime import LayerwiseModel, RowGroup
+from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
 from kvreuse.store.base import KVStore, metered
 
 
@@ -214,12 +214,12 @@ class PlanRows:
         self.checks: list[DeviationCheck] = []
         self.computed_rows: list[tuple[int, int]] = []  # (approximate rows, all rows) computed per layer
 
-    def loaded_at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def loaded_at(self, layer: int) -> tuple[torch.Tensor | slice, Rotary]:
         """The rows whose stored KV `layer` loads, and their rotary tables."""
         start = max((s.from_layer for s in self.plan.reused if s.from_layer <= layer), default=0)
         if start not in self._loaded:
             rows = self.plan.loaded_rows_at(layer).to(self.model.device)
-            self._loaded[start] = rows, self.rotary[rows]
+            self._loaded[start] = _as_slice(rows), self.rotary[rows]
         return self._loaded[start]
 
     def enter(self, layer: int) -> tuple[torch.Tensor, list[RowGroup]]:
@@ -374,3 +374,12 @@ def most_deviating(narrowing: Narrowing, approximate_rows: int, cache: KVCache, 
         budget = min(max(budget, int((left > narrowing.max_residual).sum())), candidates)
     keep = order[: fixed + budget].sort().values
     return keep, DeviationCheck(layer, float(left[0]), float(left[budget]), budget)
+
+
+def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
+    """Consecutive rows as a slice: the placer then rotates keys straight into the cache (`LayerwiseModel.place`),
+    where a row index needs a rotated temporary and an indexed copy."""
+    n = rows.numel()
+    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()):
+        return slice(int(rows[0]), int(rows[-1]) + 1)
+    return rows

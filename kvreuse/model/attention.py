@@ -147,17 +147,24 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
-def attend_one_each(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    k_pos: torch.Tensor, lengths: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
-    """One query per sequence of a batch (decoding): q [B, Hq, D] at q_pos [B] over the first lengths[b] of each
-    sequence's keys and values [B, Hkv, L, D] at k_pos [B, L], exact by position; returns [B, Hq * D]. The query
-    heads that share a KV head are rows of one product, so each key is read once, not once per query head."""
-    batch, q_heads, head_dim = q.shape
-    kv_heads, rows = keys.shape[1], keys.shape[2]
+def one_each_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, lengths: torch.Tensor, window: int | None,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The additive mask of `attend_one_each`, [B, 1, 1, L]: 0 where sequence b's query at q_pos[b] sees its key
+    row (by position, within its first lengths[b] rows), -inf elsewhere. It depends on the step, not the layer,
+    so a decoding step builds it once per window."""
     visible = attention_mask(q_pos[:, None], k_pos, window)  # [B, 1, L]
-    visible &= (torch.arange(rows, device=q.device) < lengths[:, None])[:, None]
-    grouped = q.view(batch, kv_heads, q_heads // kv_heads, head_dim)
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=visible[:, None], scale=scale)
+    visible &= (torch.arange(k_pos.shape[-1], device=k_pos.device) < lengths[:, None])[:, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=k_pos.device).masked_fill_(~visible, float("-inf"))[:, None]
+
+
+def attend_one_each(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor,
+                    scale: float) -> torch.Tensor:
+    """One query per sequence of a batch (decoding): q [B, Hq, D] over each sequence's keys and values
+    [B, Hkv, L, D], where `one_each_mask` allows; returns [B, Hq * D]. The query heads that share a KV head are
+    rows of one product, so each key is read once, not once per query head."""
+    batch, q_heads, head_dim = q.shape
+    grouped = q.view(batch, keys.shape[1], q_heads // keys.shape[1], head_dim)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask, scale=scale)
     return out.reshape(batch, q_heads * head_dim)
 
 

@@ -16,7 +16,6 @@ attention through `attention.py`, and `adapters.py` covers what differs between 
 from __future__ import annotations
 
 import itertools
-import sys
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -26,7 +25,7 @@ from torch import nn
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.attention import attend, attention_mask
 from kvreuse.model.kv_cache import KVCache
-from kvreuse.model.kv_pool import KVPool
+from kvreuse.model.kv_pool import KVPool, PooledStep
 from kvreuse.model.linear import linear, pack_weights
 
 
@@ -139,13 +138,13 @@ class LayerwiseModel:
         self.windows = [self.adapter.sliding_window(i) for i in range(self.num_layers)]
         self.rope_kinds = self.adapter.rope_kinds()  # the rotary module's argument per kind (None: takes none)
         self._rope_kind_of_layer = [self.rope_kinds.index(self.adapter.rope_kind(i)) for i in range(self.num_layers)]
-        self._rotate_half = sys.modules[type(hf_model).__module__].rotate_half
         # RoPE tables of positions [0, n), grown on demand: building them for a long prompt costs more than
         # loading its KV. Dynamic and longrope scaling make a position's angles depend on the whole call's
         # positions, so those rope types build tables per call.
         rope_type = getattr(self.decoder.rotary_emb, "rope_type", "default")
         self._rotary_cacheable = "dynamic" not in rope_type and rope_type != "longrope"
         self._rotary_table: Rotary | None = None
+        self._pooled: tuple[Sequence[RowGroup], PooledStep] | None = None  # the decoding step under way (step)
         pack_weights([group for block in self.layers for group in self.adapter.products(block)]
                      + [(hf_model.lm_head,)])
 
@@ -191,11 +190,17 @@ class LayerwiseModel:
         return torch.empty(0, dtype=self.dtype, device=self.device)
 
     def rope(self, layer: int, x: torch.Tensor, rotary: Rotary, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Rotate q or k rows [n, H, D] of `layer` to the positions `rotary` was built for (apply_rotary_pos_emb's
-        maths), into `out` if given: keys go straight into their cache rows, with no temporaries to allocate and
-        copy."""
+        """Rotate q or k rows [n, H, D] of `layer` to the positions `rotary` was built for, into `out` if given:
+        keys go straight into their cache rows, with no temporaries to allocate and copy. The maths of
+        transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], done a
+        half at a time so that rotate_half(x) is never built (a copy and a negation of every row)."""
         kind = self._rope_kind_of_layer[layer]
-        return torch.mul(x, rotary.cos[kind], out=out).addcmul_(self._rotate_half(x), rotary.sin[kind])
+        cos, sin = rotary.cos[kind], rotary.sin[kind]
+        half = x.shape[-1] // 2
+        out = torch.mul(x, cos, out=out)
+        out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
+        out[..., half:].addcmul_(x[..., :half], sin[..., half:])
+        return out
 
     def attend(
         self,
@@ -261,10 +266,8 @@ class LayerwiseModel:
         rotary = groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups])
         q, k = self.rope(layer, q, rotary), self.rope(layer, k, rotary)
         if (pool := _pool_decoding(groups)) is not None:
-            rows = torch.tensor([_single_row(g.rows) for g in groups], device=self.device)
-            positions = torch.cat([g.positions for g in groups])
-            out = pool.attend_one_each(layer, [g.cache for g in groups], rows, q, positions, k, v,
-                                       self.windows[layer], self.layers[layer].self_attn.scaling)
+            out = pool.attend_one_each(layer, self._pooled_step(pool, groups), q, k, v, self.windows[layer],
+                                       self.layers[layer].self_attn.scaling)
             return self.finish_layer(layer, hidden, out)
         outputs, kept = [], []
         narrowing = any(g.narrow is not None for g in groups)
@@ -284,6 +287,15 @@ class LayerwiseModel:
             outputs.append(self.attend(layer, gq, positions, keys, values, group.cache.positions[:end]))
         residual = hidden[torch.cat(kept)] if kept else hidden
         return self.finish_layer(layer, residual, outputs[0] if len(outputs) == 1 else torch.cat(outputs))
+
+    def _pooled_step(self, pool: KVPool, groups: Sequence[RowGroup]) -> PooledStep:
+        """The pool's view of this decoding step, built at its first layer: a driver hands every layer of a step
+        the same groups."""
+        if self._pooled is None or self._pooled[0] is not groups:
+            rows = torch.tensor([_single_row(g.rows) for g in groups], device=self.device)
+            positions = torch.cat([g.positions for g in groups])
+            self._pooled = groups, pool.step_of([g.cache for g in groups], rows, positions)
+        return self._pooled[1]
 
     def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:
         """The one loop over layers, under prefill, decode, every fusion plan and every restoration: at each

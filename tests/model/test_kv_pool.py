@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.model.attention import attend_one_each, attention_mask
+from kvreuse.model.attention import attend_one_each, attention_mask, one_each_mask
 from kvreuse.model.kv_pool import CAPACITY_STEP, KVPool
 from tests.conftest import random_ids
 
@@ -40,6 +40,19 @@ def test_pooled_caches_decode_as_they_do_alone(tiny_model):
     pooled = [pool.adopt(tiny_model.prefill(p).cache, capacity=len(p) + 8) for p in prompts]
     assert [c.slot for c in pooled] == [0, 1, 2]
     assert_decodes_alike(tiny_model, alone, pooled, steps=6)
+
+
+def test_a_decoding_step_builds_the_pool_s_view_of_it_once_for_all_its_layers(tiny_model, monkeypatch):
+    """The slots, rows, lengths and masks of a step are the same at every layer; a new step builds them anew (the
+    steps decoding alike above fail if an old step's view is reused)."""
+    pool = pool_of(tiny_model, slots=3)
+    pooled = [pool.adopt(tiny_model.prefill(random_ids(n, seed=n)).cache, capacity=40) for n in (6, 11)]
+    built = []
+    step_of = pool.step_of
+    monkeypatch.setattr(pool, "step_of", lambda *a: built.append(step_of(*a)) or built[-1])
+    for _ in range(3):
+        tiny_model.decode_batch([7, 8], pooled)
+    assert len(built) == 3 and [int(step.lengths.max()) for step in built] == [12, 13, 14]
 
 
 def test_a_slot_taken_again_hides_the_longer_sequence_it_held(tiny_model):
@@ -106,7 +119,8 @@ def test_one_query_each_matches_a_dense_reference(dtype, window):
     k_pos = torch.stack([torch.randperm(rows, generator=generator) for _ in range(batch)]) + 3
     # each query at the median of its sequence's key positions: some keys later (hidden), some beyond the window
     q_pos = torch.stack([k_pos[b, : int(n)].median() for b, n in enumerate(lengths)])
-    out = attend_one_each(q.to(dtype), q_pos, keys.to(dtype), values.to(dtype), k_pos, lengths, window, 0.3)
+    mask = one_each_mask(q_pos, k_pos, lengths, window, dtype)
+    out = attend_one_each(q.to(dtype), keys.to(dtype), values.to(dtype), mask, 0.3)
     for b in range(batch):
         n = int(lengths[b])
         allowed = attention_mask(q_pos[b : b + 1], k_pos[b, :n], window)[0]
