@@ -31,19 +31,18 @@ class LlamaAdapter:
         """A layer's projections as the runtime runs them: those that take the same input stacked into one
         product (kvreuse.model.linear)."""
         attn, mlp = block.self_attn, block.mlp
-        return [(attn.q_proj, attn.k_proj, attn.v_proj), (attn.o_proj,), (mlp.gate_proj, mlp.up_proj),
-                (mlp.down_proj,)]
+        return [_qkv(attn), (attn.o_proj,), _gate_up(mlp), (mlp.down_proj,)]
 
     def project_qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Normalised hidden rows [n, hidden] -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]: views
         of one product's output."""
-        projections = (attn.q_proj, attn.k_proj, attn.v_proj)
+        projections = _qkv(attn)
         qkv = linear(x, *projections).split([p.out_features for p in projections], -1)
         return tuple(part.view(x.shape[0], -1, attn.head_dim) for part in qkv)
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`."""
-        gate, up = linear(x, mlp.gate_proj, mlp.up_proj).split(mlp.gate_proj.out_features, -1)
+        gate, up = linear(x, *_gate_up(mlp)).split(mlp.gate_proj.out_features, -1)
         return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj)  # in place: one buffer fewer to allocate and fill
 
     def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
@@ -67,6 +66,14 @@ class LlamaAdapter:
         if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3 decide per layer
             return attn.sliding_window
         return getattr(self.config, "sliding_window", None)  # Mistral: one window for all layers
+
+
+def _qkv(attn: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
+    return attn.q_proj, attn.k_proj, attn.v_proj
+
+
+def _gate_up(mlp: nn.Module) -> tuple[nn.Linear, nn.Linear]:
+    return mlp.gate_proj, mlp.up_proj
 
 
 class Qwen3Adapter(LlamaAdapter):

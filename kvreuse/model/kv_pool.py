@@ -37,7 +37,7 @@ class PooledStep:
     lengths: torch.Tensor  # [span] the rows each slot attends (0: a slot in the span that is not decoding)
     positions: torch.Tensor  # [span] each slot's query position
     end: int  # rows of the longest cache
-    _masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by window
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by window, built at first use
 
     def __len__(self) -> int:
         return self.slots.numel()
@@ -122,13 +122,13 @@ class KVPool:
         self.keys[layer][step.slots, :, step.rows] = k
         self.values[layer][step.slots, :, step.rows] = v
         span, end = step.span, step.end
-        if window not in step._masks:
-            step._masks[window] = one_each_mask(step.positions, self.positions[span, :end], step.lengths, window,
+        if window not in step.masks:
+            step.masks[window] = one_each_mask(step.positions, self.positions[span, :end], step.lengths, window,
                                                 q.dtype)
         queries = q.new_zeros((span.stop - span.start, *q.shape[1:]))
         queries[step.at] = q
         out = attend_one_each(queries, self.keys[layer][span, :, :end], self.values[layer][span, :, :end],
-                              step._masks[window], scale)
+                              step.masks[window], scale)
         return out[step.at]
 
     def _fits(self, capacity: int) -> bool:
