@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvreuse.model import native
 from kvreuse.model.attention import attend_one_each, one_each_mask
 from kvreuse.model.kv_cache import KVCache
 
@@ -122,14 +123,18 @@ class KVPool:
         self.keys[layer][step.slots, :, step.rows] = k
         self.values[layer][step.slots, :, step.rows] = v
         span, end = step.span, step.end
+        queries = q.new_zeros((span.stop - span.start, *q.shape[1:]))
+        queries[step.at] = q
+        keys, values = self.keys[layer][span, :, :end], self.values[layer][span, :, :end]
+        if native.runs(q, keys):  # masks by the positions themselves
+            grouped = queries.view(queries.shape[0], keys.shape[1], -1, queries.shape[-1])
+            out = native.decode_attention(grouped, keys, values, self.positions[span, :end], step.lengths,
+                                          step.positions, window, scale)
+            return out.view(queries.shape[0], -1)[step.at]
         if window not in step.masks:
             step.masks[window] = one_each_mask(step.positions, self.positions[span, :end], step.lengths, window,
                                                 q.dtype)
-        queries = q.new_zeros((span.stop - span.start, *q.shape[1:]))
-        queries[step.at] = q
-        out = attend_one_each(queries, self.keys[layer][span, :, :end], self.values[layer][span, :, :end],
-                              step.masks[window], scale)
-        return out[step.at]
+        return attend_one_each(queries, keys, values, step.masks[window], scale)[step.at]
 
     def _fits(self, capacity: int) -> bool:
         return self.bytes_for(max(self._rounded(capacity), self.capacity)) <= self.max_bytes

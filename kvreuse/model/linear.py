@@ -7,6 +7,10 @@ at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill`
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
+One row in fp32 (a decoding step of one sequence, a prefill's logits) is a matrix-vector product, which reads
+every weight once: kvreuse.model.native's kernel reads the plain weights at close to the memory's rate, where
+oneDNN's product of one row does not.
+
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form
 alternated in one process: a decoding step of one sequence went from 40.1 to 36.7 ms (weight reads at one row
@@ -21,6 +25,8 @@ from typing import Iterable, Sequence
 
 import torch
 from torch import nn
+
+from kvreuse.model import native
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN lays a packed weight out for; the layout serves any row count (checked at 1-2048 rows:
@@ -48,11 +54,30 @@ def onednn_available() -> bool:
 def linear(rows: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
     [n, sum of their out_features], as one product."""
+    if rows.shape[0] == 1 and _native_matvec(rows, layers):
+        return _matvec(rows, layers)
     if not _packs(layers[0].weight):
         outputs = [nn.functional.linear(rows, layer.weight, layer.bias) for layer in layers]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
     packed = _packed_weights(layers)
     return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.weight, packed.bias, "none", [], "")
+
+
+def _native_matvec(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> bool:
+    return (rows.dtype == torch.float32 and rows.device.type == "cpu" and native.available()
+            and all(layer.weight.dtype == torch.float32 and layer.weight.is_contiguous()
+                    and (layer.bias is None or layer.bias.dtype == torch.float32) for layer in layers))
+
+
+def _matvec(row: torch.Tensor, layers: Sequence[nn.Linear]) -> torch.Tensor:
+    """One row through each layer into its own columns of one output row."""
+    out = row.new_empty((1, sum(layer.out_features for layer in layers)))
+    row, start = row.contiguous(), 0
+    for layer in layers:
+        bias = None if layer.bias is None else layer.bias.detach().contiguous()
+        native.matvec(row, layer.weight.detach(), bias, out[0, start : start + layer.out_features])
+        start += layer.out_features
+    return out
 
 
 def pack_weights(groups: Iterable[Sequence[nn.Linear]]) -> None:

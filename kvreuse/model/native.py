@@ -1,0 +1,140 @@
+"""Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly at decoding's sizes.
+
+The source is compiled on first use with the system's C compiler, `-march=native` (the vector instructions of
+the CPU it runs on), and cached under the kvreuse cache folder, keyed by the source, the flags and the CPU, so a
+home folder shared by different machines never loads a library built for another CPU. It takes well under a
+second. Without a compiler, or with KVREUSE_NATIVE=0, every caller falls back to torch's kernels: the results
+are the same within float rounding, only slower.
+
+The library links the OpenMP runtime that torch itself loaded (libgomp.so.1 is resolved once per process), so its
+threads are torch's and `torch.get_num_threads()` sets how many it uses.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvreuse.model.identity import cache_root, fingerprint
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("native.c")
+COMPILE_FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-fPIC"]
+# Linked without -ffast-math: with it, the compiler links crtfastmath.o, which sets flush-to-zero for the whole
+# process when the library loads (Python would then read 5e-324 as 0.0).
+LINK_FLAGS = ["-shared", "-fopenmp"]
+DISABLE_VARIABLE = "KVREUSE_NATIVE"
+
+_POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+_SIGNATURES = {
+    "matvec": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT],
+    "decode_attention": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER,
+                         _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _INT],
+}
+
+
+class NativeBuildError(RuntimeError):
+    """The C compiler could not build native.c."""
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def runs(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels take these tensors: fp32 on the CPU, and the library built."""
+    return all(t.dtype == torch.float32 and t.device.type == "cpu" for t in tensors) and available()
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first use; None when they cannot be (the callers then use torch)."""
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler found (cc, or $CC): the runtime uses torch's kernels for decoding's products")
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler, cache_root() / "native")))
+    except (NativeBuildError, OSError) as error:
+        log.warning("native kernels unavailable, using torch's: %s", error)
+        return None
+    for name, argtypes in _SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    return lib
+
+
+def build(compiler: str, folder: Path) -> Path:
+    """The shared library of native.c for this CPU, compiled into `folder` unless it is there already. Written
+    under a temporary name and renamed, so a process never loads another's half-written file."""
+    source = SOURCE.read_bytes()
+    target = folder / f"native-{fingerprint(source.hex(), compiler, *COMPILE_FLAGS, *LINK_FLAGS, _cpu_identity())}.so"
+    if target.is_file():
+        return target
+    folder.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=folder) as scratch:
+        objects, built = Path(scratch) / "native.o", Path(scratch) / "native.so"
+        _run(compiler, [*COMPILE_FLAGS, "-c", str(SOURCE), "-o", str(objects)])
+        _run(compiler, [*LINK_FLAGS, str(objects), "-o", str(built), "-lm"])
+        os.replace(built, target)
+    return target
+
+
+def _run(compiler: str, arguments: list[str]) -> None:
+    result = subprocess.run([compiler, *arguments], capture_output=True, text=True)
+    if result.returncode != 0:
+        raise NativeBuildError(f"{compiler} failed on {SOURCE.name}: {result.stderr.strip()[-2000:]}")
+
+
+def _cpu_identity() -> str:
+    """What -march=native depends on: the CPU's model and instruction sets."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or platform.machine()
+    wanted = [line for line in lines if line.startswith(("model name", "flags"))]
+    return "\n".join(sorted(set(wanted)))
+
+
+def matvec(row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [out_features] = weight [out_features, in_features] @ row [in_features] (+ bias): contiguous fp32 CPU
+    tensors (the caller checks). `out` may be a view into a wider row (stacked projections side by side)."""
+    library().matvec(row.data_ptr(), row.numel(), weight.data_ptr(), weight.shape[0],
+                     None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
+                     lengths: torch.Tensor, q_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
+    """One query position per sequence: q [S, Hkv, G, D] (the G query heads sharing each KV head) over keys and
+    values [S, Hkv, L, D] (any strides but the last; a pool's slots), where sequence s attends its first
+    lengths[s] rows whose positions[s, j] are visible from q_pos[s] (causal, within `window` if given).
+    Returns [S, Hkv, G, D]."""
+    seqs, heads, groups, dim = q.shape
+    if keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(-1) != 1:
+        raise ValueError(f"decode_attention: keys and values must share a layout with rows of contiguous heads, "
+                         f"got {tuple(keys.shape)} {keys.stride()} and {tuple(values.shape)} {values.stride()}")
+    if positions.stride(-1) != 1 or positions.dtype != torch.long:
+        raise ValueError("decode_attention: positions must be int64 with contiguous rows")
+    longest = int(lengths.max()) if lengths.numel() else 0
+    if keys.shape[:2] != (seqs, heads) or longest > min(keys.shape[2], positions.shape[-1]):
+        raise ValueError(f"decode_attention: keys {tuple(keys.shape)} and positions {tuple(positions.shape)} do not "
+                         f"hold {seqs} sequences of {heads} heads and up to {longest} rows")
+    q, lengths, q_pos = q.contiguous(), lengths.contiguous(), q_pos.contiguous()
+    out = torch.empty_like(q)
+    seq_stride, head_stride, row_stride, _ = keys.stride()
+    library().decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), seq_stride, head_stride, row_stride,
+                               positions.data_ptr(), positions.stride(0), lengths.data_ptr(), q_pos.data_ptr(), seqs,
+                               heads, groups, dim, longest, window or 0, scale, out.data_ptr(),
+                               torch.get_num_threads())
+    return out

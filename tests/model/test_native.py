@@ -1,0 +1,157 @@
+"""The C kernels (kvreuse.model.native): built once per source and CPU, equal to torch's results, used where the
+runtime needs them, and never required (without them torch's kernels give the same results)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from kvreuse.model import native
+from kvreuse.model.linear import linear
+
+needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+
+
+@needs_compiler
+def test_a_machine_with_a_compiler_has_the_kernels():
+    assert native.available()
+
+
+@needs_compiler
+def test_loading_the_kernels_leaves_the_float_environment_alone():
+    """Built with -ffast-math, the library must not bring crtfastmath's flush-to-zero into the process."""
+    assert native.available()
+    assert float("5e-324") > 0
+    assert torch.tensor(1e-44, dtype=torch.float32) > 0  # a denormal fp32 survives
+
+
+@needs_compiler
+def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    first = native.build(compiler, tmp_path)
+    built_at = first.stat().st_mtime_ns
+    assert native.build(compiler, tmp_path) == first and first.stat().st_mtime_ns == built_at
+    monkeypatch.setattr(native, "_cpu_identity", lambda: "another CPU")
+    other = native.build(compiler, tmp_path)
+    assert other != first and other.is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])  # no scratch left
+
+
+def test_a_failed_build_names_the_compiler_and_leaves_nothing(tmp_path):
+    with pytest.raises(native.NativeBuildError, match="false failed on native.c"):
+        native.build(shutil.which("false"), tmp_path)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_without_the_kernels_the_runtime_falls_back_to_torch(monkeypatch):
+    monkeypatch.setenv(native.DISABLE_VARIABLE, "0")
+    native.library.cache_clear()
+    try:
+        assert not native.available()
+        layer = nn.Linear(24, 40)
+        x = torch.randn(1, 24)
+        with torch.inference_mode():
+            torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
+    finally:
+        monkeypatch.undo()
+        native.library.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1, 1), (1000, 576), (5, 1537)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_matvec_equals_torch(threads, shape, bias):
+    out_features, in_features = shape
+    weight, row = torch.randn(shape), torch.randn(in_features)
+    b = torch.randn(out_features) if bias else None
+    out = torch.full((out_features + 3,), float("nan"))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        native.matvec(row, weight, b, out[1 : 1 + out_features])
+    finally:
+        torch.set_num_threads(before)
+    expected = weight.double() @ row.double() + (b.double() if bias else 0)  # fp32 sums differ by their order
+    torch.testing.assert_close(out[1 : 1 + out_features].double(), expected, atol=5e-5, rtol=1e-5)
+    assert out[0].isnan() and out[-2:].isnan().all()  # nothing written outside its view
+
+
+@needs_compiler
+@torch.inference_mode()
+def test_one_row_through_stacked_projections_runs_the_kernel_once_per_projection(monkeypatch):
+    layers = [nn.Linear(24, 32, bias=False), nn.Linear(24, 8), nn.Linear(24, 8, bias=False)]
+    calls = []
+    kernel = native.matvec
+    monkeypatch.setattr(native, "matvec", lambda *args: calls.append(args) or kernel(*args))
+    x = torch.randn(1, 24)
+    got = linear(x, *layers)
+    assert len(calls) == 3
+    torch.testing.assert_close(got, torch.cat([layer(x) for layer in layers], -1), atol=1e-5, rtol=1e-5)
+    linear(torch.randn(2, 24), *layers)  # two rows are a matrix product: oneDNN's
+    assert len(calls) == 3
+
+
+def _reference_attention(q, keys, values, positions, lengths, q_pos, window, scale):
+    """Masked softmax attention in float64, written out: the definition the kernel must meet."""
+    out = torch.zeros(q.shape, dtype=torch.float64)
+    for s in range(q.shape[0]):
+        rows = positions[s, : lengths[s]]
+        visible = rows <= q_pos[s]
+        if window is not None:
+            visible &= rows > q_pos[s] - window
+        if not visible.any():
+            continue
+        k, v = keys[s, :, : lengths[s]].double(), values[s, :, : lengths[s]].double()
+        scores = torch.einsum("hgd,hld->hgl", q[s].double(), k) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+        out[s] = torch.einsum("hgl,hld->hgd", probs, v)
+    return out
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("groups, dim", [(3, 64), (4, 128), (2, 16), (1, 8)])  # specialised and general
+@pytest.mark.parametrize("window", [None, 5])
+def test_decode_attention_equals_masked_softmax_attention(threads, groups, dim, window):
+    generator = torch.Generator().manual_seed(groups * dim)
+    seqs, heads, capacity = 4, 2, 40
+    # a pool's layout: [slots, heads, capacity, dim] with room left over, one sequence's rows out of order
+    keys = torch.randn(seqs + 1, heads, capacity, dim, generator=generator)[1:]
+    values = torch.randn(seqs + 1, heads, capacity, dim, generator=generator)[1:]
+    positions = torch.arange(capacity).repeat(seqs, 1)
+    positions[2, :30] = torch.randperm(30, generator=generator)
+    lengths = torch.tensor([1, 17, 30, 33])
+    q_pos = torch.tensor([0, 16, 20, 40])  # the third sees only the rows placed before position 21
+    q = torch.randn(seqs, heads, groups, dim, generator=generator)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.decode_attention(q, keys, values, positions, lengths, q_pos, window, 0.3)
+    finally:
+        torch.set_num_threads(before)
+    expected = _reference_attention(q, keys, values, positions, lengths, q_pos, window, 0.3)
+    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_compiler
+def test_decode_attention_gives_zeros_where_no_key_is_visible():
+    q, keys = torch.randn(2, 1, 3, 64), torch.randn(2, 1, 8, 64)
+    positions = torch.arange(8).repeat(2, 1)
+    got = native.decode_attention(q, keys, keys.clone(), positions, torch.tensor([8, 0]), torch.tensor([7, 7]), 1,
+                                  0.125)
+    assert got[1].eq(0).all() and got[0].ne(0).any()
+
+
+@needs_compiler
+def test_decode_attention_refuses_rows_it_does_not_have():
+    q, keys = torch.randn(1, 1, 3, 64), torch.randn(1, 1, 8, 64)
+    with pytest.raises(ValueError, match="up to 9 rows"):
+        native.decode_attention(q, keys, keys, torch.arange(9)[None], torch.tensor([9]), torch.tensor([8]), None, 1.0)
+    with pytest.raises(ValueError, match="share a layout"):
+        native.decode_attention(q, keys, keys.transpose(2, 3).contiguous().transpose(2, 3), torch.arange(8)[None],
+                                torch.tensor([8]), torch.tensor([8]), None, 1.0)
