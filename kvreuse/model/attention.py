@@ -1,7 +1,8 @@
 """Attention over a request's cache, exact by position: which kernel calls cover the visible keys
 (`attention_calls`, priced by the cost model too) and the two kernels that run them.
 
-fp32 runs torch's fused SDPA kernel. bf16 runs `blocked_attention`, two batched matrix products per block of
+fp32 runs torch's fused SDPA kernel, except for a single query (a decoding step), which runs
+kvreuse.model.native's decoding kernel: torch's spends about 150 us per layer on one query over 515 keys. bf16 runs `blocked_attention`, two batched matrix products per block of
 queries: on CPUs with AVX512-BF16 the fused kernel computes bf16 at fp32's speed (34 ms for SmolLM2's 2048
 causal rows, against 15 ms blocked), while oneDNN's bf16 products use the bf16 dot-product instructions.
 """
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from kvreuse.model import native
 
 # Query groups for attention of scattered rows: enough groups to skip most masked-out keys, each big enough
 # for the attention kernel to run efficiently.
@@ -140,11 +143,23 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
            window: int | None, scale: float) -> torch.Tensor:
     """Rotated queries [n, Hq, D] over rotated keys/values [m, Hkv, D], exact causal mask by position whatever
     the row order (and the sliding window, if any); returns [n, Hq * D]."""
+    if q.shape[0] == 1 and native.runs(q, keys):
+        return _one_query(q, q_pos, keys, values, k_pos, window, scale)
     if q.dtype in BLOCKED_DTYPES:
         return blocked_attention(q, q_pos, keys, values, k_pos, window, scale)
     outputs = [_run_fused(call, q, q_pos, keys, values, k_pos, window, scale)
                for call in attention_calls(q_pos, k_pos, window)]
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def _one_query(q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
+    """A single query over keys [m, Hkv, D] (a request's cache layout, read in place) in the native kernel,
+    masked by the keys' positions."""
+    heads = keys.shape[1]
+    grouped = q.view(1, heads, -1, q.shape[-1])
+    out = native.decode_attention(grouped, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], k_pos[None],
+                                  torch.tensor([keys.shape[0]]), q_pos, window, scale)
+    return out.view(1, -1)
 
 
 def one_each_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, lengths: torch.Tensor, window: int | None,

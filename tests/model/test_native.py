@@ -155,3 +155,35 @@ def test_decode_attention_refuses_rows_it_does_not_have():
     with pytest.raises(ValueError, match="share a layout"):
         native.decode_attention(q, keys, keys.transpose(2, 3).contiguous().transpose(2, 3), torch.arange(8)[None],
                                 torch.tensor([8]), torch.tensor([8]), None, 1.0)
+
+
+@needs_compiler
+def test_a_single_query_attends_in_the_kernel_and_several_in_torch(monkeypatch):
+    from kvreuse.model.attention import attend
+
+    calls = []
+    kernel = native.decode_attention
+    monkeypatch.setattr(native, "decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    keys, values = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    positions = torch.arange(10)
+    attend(torch.randn(1, 4, 16), positions[-1:], keys, values, positions, None, 0.25)
+    assert len(calls) == 1
+    attend(torch.randn(3, 4, 16), positions[-3:], keys, values, positions, None, 0.25)
+    attend(torch.randn(1, 4, 16).bfloat16(), positions[-1:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
+    assert len(calls) == 1
+
+
+@needs_compiler
+def test_a_pooled_decoding_step_attends_in_the_kernel_once_per_layer_with_no_mask(tiny_model, monkeypatch):
+    from kvreuse.model.kv_pool import KVPool
+    from tests.conftest import random_ids
+
+    pool = KVPool.for_model(tiny_model, 3, 1 << 30)
+    pooled = [pool.adopt(tiny_model.prefill(random_ids(n, seed=n)).cache, capacity=40) for n in (6, 11)]
+    calls, steps = [], []
+    kernel, step_of = native.decode_attention, pool.step_of
+    monkeypatch.setattr(native, "decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setattr(pool, "step_of", lambda *args: steps.append(step_of(*args)) or steps[-1])
+    tiny_model.decode_batch([7, 8], pooled)
+    assert len(calls) == tiny_model.num_layers and calls[0][0].shape[0] == 2
+    assert steps[0].masks == {}
