@@ -1,10 +1,11 @@
 """Attention over a request's cache, exact by position: which kernel calls cover the visible keys
-(`attention_calls`, priced by the cost model too) and the two kernels that run them.
+(`attention_calls`, priced by the cost model too) and the kernels that run them.
 
 fp32 runs torch's fused SDPA kernel, except for a single query (a decoding step), which runs
-kvreuse.model.native's decoding kernel: torch's spends about 150 us per layer on one query over 515 keys. bf16 runs `blocked_attention`, two batched matrix products per block of
-queries: on CPUs with AVX512-BF16 the fused kernel computes bf16 at fp32's speed (34 ms for SmolLM2's 2048
-causal rows, against 15 ms blocked), while oneDNN's bf16 products use the bf16 dot-product instructions.
+kvreuse.model.native's decoding kernel: torch's spent about 150 us per layer on one query over 515 keys.
+bf16 runs `blocked_attention`, two batched matrix products per block of queries: on CPUs with AVX512-BF16 the
+fused kernel computes bf16 at fp32's speed (34 ms for SmolLM2's 2048 causal rows, against 15 ms blocked), while
+oneDNN's bf16 products use the bf16 dot-product instructions.
 """
 
 from __future__ import annotations

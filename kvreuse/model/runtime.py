@@ -72,6 +72,17 @@ class RowGroup:
         return self.positions.numel()
 
 
+@dataclass
+class StepShape:
+    """What a layer step derives from its groups alone: the same at every layer they enter."""
+
+    groups: Sequence[RowGroup]
+    parts: list[slice]  # where each group's rows sit in the step's joined rows
+    rotary: Rotary  # the joined rows' RoPE tables
+    captures: bool  # some group records its KV
+    pooled: tuple[KVPool, PooledStep] | None  # decoding rows that attend in one call over their pool
+
+
 class LayerDriver(Protocol):
     """What `run_layers` asks at each layer: the rows that enter it, grouped by request, and what to do with
     their output."""
@@ -144,7 +155,7 @@ class LayerwiseModel:
         rope_type = getattr(self.decoder.rotary_emb, "rope_type", "default")
         self._rotary_cacheable = "dynamic" not in rope_type and rope_type != "longrope"
         self._rotary_table: Rotary | None = None
-        self._pooled: tuple[Sequence[RowGroup], PooledStep] | None = None  # the decoding step under way (step)
+        self._shape: StepShape | None = None  # of the step under way (step)
         pack_weights([group for block in self.layers for group in self.adapter.products(block)]
                      + [(hf_model.lm_head,)])
 
@@ -259,15 +270,17 @@ class LayerwiseModel:
         the same order; a group that narrows keeps only the rows it chose.
         """
         q, k, v = self.qkv(layer, hidden)
-        parts = [slice(0, hidden.shape[0])] if len(groups) == 1 else _parts([len(g) for g in groups])
-        for group, part in zip(groups, parts):
-            if group.capture is not None:
-                group.capture(layer, hidden[part], k[part], v[part])
-        rotary = groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups])
-        q, k = self.rope(layer, q, rotary), self.rope(layer, k, rotary)
-        if (pool := _pool_decoding(groups)) is not None:
-            out = pool.attend_one_each(layer, self._pooled_step(pool, groups), q, k, v, self.windows[layer],
-                                       self.layers[layer].self_attn.scaling)
+        shape = self._shape_of(groups)
+        parts = shape.parts
+        if shape.captures:
+            for group, part in zip(groups, parts):
+                if group.capture is not None:
+                    group.capture(layer, hidden[part], k[part], v[part])
+        q, k = self.rope(layer, q, shape.rotary), self.rope(layer, k, shape.rotary)
+        if shape.pooled is not None:
+            pool, pooled = shape.pooled
+            scale = self.layers[layer].self_attn.scaling
+            out = pool.attend_one_each(layer, pooled, q, k, v, self.windows[layer], scale)
             return self.finish_layer(layer, hidden, out)
         outputs, kept = [], []
         narrowing = any(g.narrow is not None for g in groups)
@@ -288,14 +301,23 @@ class LayerwiseModel:
         residual = hidden[torch.cat(kept)] if kept else hidden
         return self.finish_layer(layer, residual, outputs[0] if len(outputs) == 1 else torch.cat(outputs))
 
-    def _pooled_step(self, pool: KVPool, groups: Sequence[RowGroup]) -> PooledStep:
-        """The pool's view of this decoding step, built at its first layer: a driver hands every layer of a step
-        the same groups."""
-        if self._pooled is None or self._pooled[0] is not groups:
-            rows = torch.tensor([_single_row(g.rows) for g in groups], device=self.device)
-            positions = torch.cat([g.positions for g in groups])
-            self._pooled = groups, pool.step_of([g.cache for g in groups], rows, positions)
-        return self._pooled[1]
+    def _shape_of(self, groups: Sequence[RowGroup]) -> StepShape:
+        """What the step derives from its groups alone, built at the first layer that gets them: a driver that
+        keeps its groups (a decoding step) hands every layer the same list, and one that changes them builds a
+        new list."""
+        if self._shape is None or self._shape.groups is not groups:
+            pool = _pool_decoding(groups)
+            pooled = None
+            if pool is not None:
+                rows = torch.tensor([_single_row(g.rows) for g in groups], device=self.device)
+                pooled = pool, pool.step_of([g.cache for g in groups], rows, torch.cat([g.positions for g in groups]))
+            self._shape = StepShape(
+                groups,
+                [slice(0, len(groups[0]))] if len(groups) == 1 else _parts([len(g) for g in groups]),
+                groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups]),
+                any(g.capture is not None for g in groups),
+                pooled)
+        return self._shape
 
     def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:
         """The one loop over layers, under prefill, decode, every fusion plan and every restoration: at each
