@@ -18,11 +18,14 @@ from rich.table import Table
 from kvreuse.bench.machine import decode_step_bytes, decode_step_flops, measure
 from kvreuse.bench.peers.vllm_peer import each_dtype, run_vllm_decode
 from kvreuse.engine.scheduler import DEFAULT_POOL_BYTES
+from kvreuse.model import native
 from kvreuse.model.kv_pool import KVPool
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.model.runtime import LayerwiseModel
 
 WARM_UP_STEPS = 3
+# kvreuse's step with its native kernels switched off (kvreuse.model.native): what they gain, in the same run
+TORCH_KERNELS = "torch kernels"
 
 
 @dataclass
@@ -57,9 +60,13 @@ def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, r
             prompts = prompts_of(batch, prompt_tokens, runtime.config.vocab_size)
             floor = limit.floor_seconds(decode_step_flops(runtime, batch, prompt_tokens),
                                         decode_step_bytes(runtime, batch, prompt_tokens))
-            rows.append(DecodeRow(batch, dtype, {
+            row = DecodeRow(batch, dtype, {
                 engine: statistics.median(_kvreuse_steps(runtime, prompts, steps * repeats, pooled))
-                for engine, pooled in (("kvreuse", True), ("own caches", False))}, floor))
+                for engine, pooled in (("kvreuse", True), ("own caches", False))}, floor)
+            with native.disabled():
+                row.step_seconds[TORCH_KERNELS] = statistics.median(
+                    _kvreuse_steps(runtime, prompts, steps * repeats, pooled=True))
+            rows.append(row)
     if "vllm" in peers and loaded is not None:
         _measure_vllm(loaded, rows, prompt_tokens, steps, repeats, dtypes, vllm_venv)
     _print(rows, loaded.name if loaded else "", prompt_tokens, steps, repeats)
@@ -103,14 +110,16 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
     table = Table(title=f"Batched decoding, {model_name}, {prompt_tokens}-token prompts, {torch.get_num_threads()} "
                         f"threads, median step of {steps} x {repeats}")
     columns = ["batch", "dtype", "kvreuse ms/step", "kvreuse tokens/s", "own caches ms/step", "own caches / pool",
-               "floor ms", "kvreuse achieved / limit"]
+               "torch kernels ms/step", "torch kernels / kvreuse", "floor ms", "kvreuse achieved / limit"]
     columns += ["vLLM ms/step", "vLLM tokens/s", "kvreuse / vLLM (time)", "vLLM achieved / limit"] if peer else []
     for column in columns:
         table.add_column(column, justify="right")
     for row in rows:
         cells = [str(row.batch), row.dtype, f"{1e3 * row.step_seconds['kvreuse']:.1f}",
                  f"{row.tokens_per_second('kvreuse'):.0f}", f"{1e3 * row.step_seconds['own caches']:.1f}",
-                 f"{row.step_seconds['own caches'] / row.step_seconds['kvreuse']:.2f}", f"{1e3 * row.floor:.1f}",
+                 f"{row.step_seconds['own caches'] / row.step_seconds['kvreuse']:.2f}",
+                 f"{1e3 * row.step_seconds[TORCH_KERNELS]:.1f}",
+                 f"{row.step_seconds[TORCH_KERNELS] / row.step_seconds['kvreuse']:.2f}", f"{1e3 * row.floor:.1f}",
                  f"{row.achieved('kvreuse'):.2f}"]
         if peer and "vllm" in row.step_seconds:
             cells += [f"{1e3 * row.step_seconds['vllm']:.1f}", f"{row.tokens_per_second('vllm'):.0f}",
@@ -120,7 +129,8 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
         table.add_row(*cells)
     Console(width=200).print(table)
     print("kvreuse: the runtime's batched decoding step (decode_batch, greedy) from a KV pool, as the server decodes; "
-          "own caches: the same step with a cache per sequence (one attention call per sequence and layer); vLLM: "
+          "own caches: the same step with a cache per sequence (one attention call per sequence and layer); torch "
+          "kernels: the pooled step with kvreuse's native kernels switched off (kvreuse.model.native); vLLM: "
           "(generate of `steps` tokens - generate of 1) / (steps - 1), prefix caching off; kvreuse / vLLM below 1.0: "
           "kvreuse is faster; floor = the longer of the step's reads (the weights once, every sequence's KV of the "
           "prompt) at this machine's copy rate and its FLOPs at its best matmul rate; achieved / limit = floor / "

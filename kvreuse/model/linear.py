@@ -7,9 +7,9 @@ at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill`
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
-One row in fp32 (a decoding step of one sequence, a prefill's logits) is a matrix-vector product, which reads
-every weight once: kvreuse.model.native's kernel reads the plain weights at close to the memory's rate, where
-oneDNN's product of one row does not.
+One to three rows in fp32 (a decoding step of a few sequences, a prefill's logits) are read-bound: every weight
+is read for very few products. kvreuse.model.native's kernel reads the plain weights at close to the memory's
+rate, where oneDNN's product of so few rows does not.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form
@@ -54,8 +54,8 @@ def onednn_available() -> bool:
 def linear(rows: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
     [n, sum of their out_features], as one product."""
-    if rows.shape[0] == 1 and _native_matvec(rows, layers):
-        return _matvec(rows, layers)
+    if rows.shape[0] <= native.FEW_ROWS and _native_few_rows(rows, layers):
+        return _few_rows(rows, layers)
     if not _packs(layers[0].weight):
         outputs = [nn.functional.linear(rows, layer.weight, layer.bias) for layer in layers]
         return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
@@ -63,19 +63,19 @@ def linear(rows: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
     return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.weight, packed.bias, "none", [], "")
 
 
-def _native_matvec(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> bool:
-    return (rows.dtype == torch.float32 and rows.device.type == "cpu" and native.available()
+def _native_few_rows(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> bool:
+    return (rows.shape[0] > 0 and rows.dtype == torch.float32 and rows.device.type == "cpu" and native.available()
             and all(layer.weight.dtype == torch.float32 and layer.weight.is_contiguous()
                     and (layer.bias is None or layer.bias.dtype == torch.float32) for layer in layers))
 
 
-def _matvec(row: torch.Tensor, layers: Sequence[nn.Linear]) -> torch.Tensor:
-    """One row through each layer into its own columns of one output row."""
-    out = row.new_empty((1, sum(layer.out_features for layer in layers)))
-    row, start = row.contiguous(), 0
+def _few_rows(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> torch.Tensor:
+    """A few rows through each layer into its own columns of one output."""
+    out = rows.new_empty((rows.shape[0], sum(layer.out_features for layer in layers)))
+    rows, start = rows.contiguous(), 0
     for layer in layers:
         bias = None if layer.bias is None else layer.bias.detach().contiguous()
-        native.matvec(row, layer.weight.detach(), bias, out[0, start : start + layer.out_features])
+        native.few_rows(rows, layer.weight.detach(), bias, out[:, start : start + layer.out_features])
         start += layer.out_features
     return out
 

@@ -1,4 +1,5 @@
-"""Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly at decoding's sizes.
+"""Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly at decoding's sizes: a product of a few rows
+(`few_rows`) and the attention of one query per sequence (`decode_attention`).
 
 The source is compiled on first use with the system's C compiler, `-march=native` (the vector instructions of
 the CPU it runs on), and cached under the kvreuse cache folder, keyed by the source, the flags and the CPU, so a
@@ -12,6 +13,7 @@ threads are torch's and `torch.get_num_threads()` sets how many it uses.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import logging
@@ -21,6 +23,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -37,7 +40,7 @@ DISABLE_VARIABLE = "KVREUSE_NATIVE"
 
 _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "matvec": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT],
+    "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER,
                          _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _INT],
 }
@@ -47,8 +50,22 @@ class NativeBuildError(RuntimeError):
     """The C compiler could not build native.c."""
 
 
+_switched_off = False  # by `disabled`
+
+
 def available() -> bool:
-    return library() is not None
+    return not _switched_off and library() is not None
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Torch's kernels everywhere inside: what `kvreuse bench decode` measures the native kernels against."""
+    global _switched_off
+    before, _switched_off = _switched_off, True
+    try:
+        yield
+    finally:
+        _switched_off = before
 
 
 def runs(*tensors: torch.Tensor) -> bool:
@@ -107,11 +124,19 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
-def matvec(row: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [out_features] = weight [out_features, in_features] @ row [in_features] (+ bias): contiguous fp32 CPU
-    tensors (the caller checks). `out` may be a view into a wider row (stacked projections side by side)."""
-    library().matvec(row.data_ptr(), row.numel(), weight.data_ptr(), weight.shape[0],
-                     None if bias is None else bias.data_ptr(), out.data_ptr(), torch.get_num_threads())
+# The most rows `few_rows` takes: from 4 rows on, oneDNN's product is as fast.
+FEW_ROWS = 3
+
+
+def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
+    """out [n, out_features] = rows [n, in_features] @ weight.T (+ bias), n <= FEW_ROWS: contiguous fp32 CPU
+    tensors (the caller checks), but `out` may be columns of a wider output (stacked projections side by side)."""
+    if not 1 <= rows.shape[0] <= FEW_ROWS or out.shape != (rows.shape[0], weight.shape[0]) or out.stride(-1) != 1:
+        raise ValueError(f"few_rows: {tuple(rows.shape)} rows into {tuple(out.shape)} (stride {out.stride()}) "
+                         f"over a weight {tuple(weight.shape)}")
+    library().few_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                       torch.get_num_threads())
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,

@@ -62,38 +62,59 @@ def test_without_the_kernels_the_runtime_falls_back_to_torch(monkeypatch):
 
 
 @needs_compiler
+def test_the_kernels_can_be_switched_off_for_a_while():
+    with native.disabled():
+        assert not native.available()
+        with native.disabled():
+            assert not native.available()
+        assert not native.available()
+    assert native.available()
+
+
+@needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1, 1), (1000, 576), (5, 1537)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matvec_equals_torch(threads, shape, bias):
+def test_few_rows_equal_torch(threads, rows, shape, bias):
     out_features, in_features = shape
-    weight, row = torch.randn(shape), torch.randn(in_features)
+    weight, x = torch.randn(shape), torch.randn(rows, in_features)
     b = torch.randn(out_features) if bias else None
-    out = torch.full((out_features + 3,), float("nan"))
+    out = torch.full((rows, out_features + 3), float("nan"))  # columns of a wider output
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        native.matvec(row, weight, b, out[1 : 1 + out_features])
+        native.few_rows(x, weight, b, out[:, 1 : 1 + out_features])
     finally:
         torch.set_num_threads(before)
-    expected = weight.double() @ row.double() + (b.double() if bias else 0)  # fp32 sums differ by their order
-    torch.testing.assert_close(out[1 : 1 + out_features].double(), expected, atol=5e-5, rtol=1e-5)
-    assert out[0].isnan() and out[-2:].isnan().all()  # nothing written outside its view
+    expected = x.double() @ weight.double().T + (b.double() if bias else 0)  # fp32 sums differ by their order
+    torch.testing.assert_close(out[:, 1 : 1 + out_features].double(), expected, atol=5e-5, rtol=1e-5)
+    assert out[:, 0].isnan().all() and out[:, -2:].isnan().all()  # nothing written outside its columns
+
+
+@needs_compiler
+def test_few_rows_refuses_what_it_cannot_take():
+    weight = torch.randn(8, 4)
+    with pytest.raises(ValueError, match="few_rows"):
+        native.few_rows(torch.randn(native.FEW_ROWS + 1, 4), weight, None, torch.empty(native.FEW_ROWS + 1, 8))
+    with pytest.raises(ValueError, match="few_rows"):
+        native.few_rows(torch.randn(2, 4), weight, None, torch.empty(2, 7))
 
 
 @needs_compiler
 @torch.inference_mode()
-def test_one_row_through_stacked_projections_runs_the_kernel_once_per_projection(monkeypatch):
+def test_a_few_rows_through_stacked_projections_run_the_kernel_once_per_projection(monkeypatch):
     layers = [nn.Linear(24, 32, bias=False), nn.Linear(24, 8), nn.Linear(24, 8, bias=False)]
     calls = []
-    kernel = native.matvec
-    monkeypatch.setattr(native, "matvec", lambda *args: calls.append(args) or kernel(*args))
-    x = torch.randn(1, 24)
-    got = linear(x, *layers)
-    assert len(calls) == 3
-    torch.testing.assert_close(got, torch.cat([layer(x) for layer in layers], -1), atol=1e-5, rtol=1e-5)
-    linear(torch.randn(2, 24), *layers)  # two rows are a matrix product: oneDNN's
-    assert len(calls) == 3
+    kernel = native.few_rows
+    monkeypatch.setattr(native, "few_rows", lambda *args: calls.append(args) or kernel(*args))
+    for rows in range(1, native.FEW_ROWS + 1):
+        x = torch.randn(rows, 24)
+        got = linear(x, *layers)
+        assert len(calls) == 3 * rows
+        torch.testing.assert_close(got, torch.cat([layer(x) for layer in layers], -1), atol=1e-5, rtol=1e-5)
+    linear(torch.randn(native.FEW_ROWS + 1, 24), *layers)  # more rows are a matrix product: oneDNN's
+    assert len(calls) == 3 * native.FEW_ROWS
 
 
 def _reference_attention(q, keys, values, positions, lengths, q_pos, window, scale):
