@@ -6,6 +6,7 @@ also set against this machine's floor for it (kvreuse.bench.machine): achieved /
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,11 +22,13 @@ from kvreuse.engine.scheduler import DEFAULT_POOL_BYTES
 from kvreuse.model import native
 from kvreuse.model.kv_pool import KVPool
 from kvreuse.model.loader import LoadedModel, load_model
-from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.model.runtime import LayerwiseModel, PrefillResult
 
 WARM_UP_STEPS = 3
-# kvreuse's step with its native kernels switched off (kvreuse.model.native): what they gain, in the same run
+# kvreuse's ways to decode, each measured in turn: (name, from a KV pool, with the native kernels). The third
+# is the pooled step with kvreuse.model.native switched off: what the kernels gain, in the same run.
 TORCH_KERNELS = "torch kernels"
+ENGINES = (("kvreuse", True, True), ("own caches", False, True), (TORCH_KERNELS, True, False))
 
 
 @dataclass
@@ -60,30 +63,43 @@ def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, r
             prompts = prompts_of(batch, prompt_tokens, runtime.config.vocab_size)
             floor = limit.floor_seconds(decode_step_flops(runtime, batch, prompt_tokens),
                                         decode_step_bytes(runtime, batch, prompt_tokens))
-            row = DecodeRow(batch, dtype, {
-                engine: statistics.median(_kvreuse_steps(runtime, prompts, steps * repeats, pooled))
-                for engine, pooled in (("kvreuse", True), ("own caches", False))}, floor)
-            with native.disabled():
-                row.step_seconds[TORCH_KERNELS] = statistics.median(
-                    _kvreuse_steps(runtime, prompts, steps * repeats, pooled=True))
-            rows.append(row)
+            rows.append(DecodeRow(batch, dtype, _kvreuse_step_medians(runtime, prompts, steps, repeats), floor))
     if "vllm" in peers and loaded is not None:
         _measure_vllm(loaded, rows, prompt_tokens, steps, repeats, dtypes, vllm_venv)
     _print(rows, loaded.name if loaded else "", prompt_tokens, steps, repeats)
     return rows
 
 
+def _kvreuse_step_medians(model: LayerwiseModel, prompts: list[list[int]], steps: int,
+                          repeats: int) -> dict[str, float]:
+    """The median step of each of kvreuse's ways to decode, taking turns `repeats` times, `steps` steps each, from
+    the same prefilled prompts: a slow spell of the machine then falls on every way alike."""
+    prefilled = _prefill(model, prompts, WARM_UP_STEPS + steps + 1)
+    samples: dict[str, list[float]] = {engine: [] for engine, _, _ in ENGINES}
+    for _ in range(repeats):
+        for engine, pooled, native_kernels in ENGINES:
+            with contextlib.nullcontext() if native_kernels else native.disabled():
+                samples[engine] += _kvreuse_steps(model, prefilled, steps, pooled)
+    return {engine: statistics.median(seconds) for engine, seconds in samples.items()}
+
+
 @torch.inference_mode()
-def _kvreuse_steps(model: LayerwiseModel, prompts: list[list[int]], steps: int, pooled: bool = True) -> list[float]:
-    """Seconds of each of `steps` greedy decoding steps of every prompt at once, after the prompts' prefills
-    and a few untimed steps; the caches adopted into a KV pool as the server's scheduler does, or not."""
-    capacity = len(prompts[0]) + WARM_UP_STEPS + steps + 1
-    results = [model.prefill(p, cache=model.new_cache(capacity)) for p in prompts]
-    caches = [r.cache for r in results]
+def _prefill(model: LayerwiseModel, prompts: list[list[int]], room: int) -> list[PrefillResult]:
+    """The prompts prefilled once, each cache with room for `room` more rows."""
+    return [model.prefill(p, cache=model.new_cache(len(p) + room)) for p in prompts]
+
+
+@torch.inference_mode()
+def _kvreuse_steps(model: LayerwiseModel, prefilled: list[PrefillResult], steps: int, pooled: bool = True
+                   ) -> list[float]:
+    """Seconds of each of `steps` greedy decoding steps of every prefilled prompt at once (from copies of their
+    caches), after a few untimed steps; the caches adopted into a KV pool as the server's scheduler does, or
+    not."""
+    caches = [r.cache.clone() for r in prefilled]
     if pooled:
-        pool = KVPool.for_model(model, len(prompts), DEFAULT_POOL_BYTES)
-        caches = [pool.adopt(cache, capacity) or cache for cache in caches]
-    tokens = [int(r.logits.argmax()) for r in results]
+        pool = KVPool.for_model(model, len(caches), DEFAULT_POOL_BYTES)
+        caches = [pool.adopt(cache, cache.capacity) or cache for cache in caches]
+    tokens = [int(r.logits.argmax()) for r in prefilled]
     seconds = []
     for step in range(WARM_UP_STEPS + steps):
         start = time.perf_counter()

@@ -131,7 +131,8 @@ FEW_ROWS = 3
 def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [n, out_features] = rows [n, in_features] @ weight.T (+ bias), n <= FEW_ROWS: contiguous fp32 CPU
     tensors (the caller checks), but `out` may be columns of a wider output (stacked projections side by side)."""
-    if not 1 <= rows.shape[0] <= FEW_ROWS or out.shape != (rows.shape[0], weight.shape[0]) or out.stride(-1) != 1:
+    if (not 1 <= rows.shape[0] <= FEW_ROWS or rows.shape[1] != weight.shape[1] or out.stride(-1) != 1
+            or out.shape != (rows.shape[0], weight.shape[0]) or (bias is not None and bias.shape != out.shape[1:])):
         raise ValueError(f"few_rows: {tuple(rows.shape)} rows into {tuple(out.shape)} (stride {out.stride()}) "
                          f"over a weight {tuple(weight.shape)}")
     library().few_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
@@ -149,12 +150,15 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(-1) != 1:
         raise ValueError(f"decode_attention: keys and values must share a layout with rows of contiguous heads, "
                          f"got {tuple(keys.shape)} {keys.stride()} and {tuple(values.shape)} {values.stride()}")
-    if positions.stride(-1) != 1 or positions.dtype != torch.long:
-        raise ValueError("decode_attention: positions must be int64 with contiguous rows")
+    if positions.stride(-1) != 1 or any(t.dtype != torch.long for t in (positions, lengths, q_pos)):
+        raise ValueError("decode_attention: positions (with contiguous rows), lengths and query positions must be "
+                         "int64")
     longest = int(lengths.max()) if lengths.numel() else 0
-    if keys.shape[:2] != (seqs, heads) or longest > min(keys.shape[2], positions.shape[-1]):
-        raise ValueError(f"decode_attention: keys {tuple(keys.shape)} and positions {tuple(positions.shape)} do not "
-                         f"hold {seqs} sequences of {heads} heads and up to {longest} rows")
+    if (keys.shape[:2] != (seqs, heads) or keys.shape[-1] != dim or longest > min(keys.shape[2], positions.shape[-1])
+            or positions.shape[0] != seqs or lengths.shape != (seqs,) or q_pos.shape != (seqs,)):
+        raise ValueError(f"decode_attention: keys {tuple(keys.shape)}, positions {tuple(positions.shape)}, lengths "
+                         f"{tuple(lengths.shape)} and query positions {tuple(q_pos.shape)} do not hold {seqs} "
+                         f"sequences of {heads} heads of {dim} and up to {longest} rows")
     q, lengths, q_pos = q.contiguous(), lengths.contiguous(), q_pos.contiguous()
     out = torch.empty_like(q)
     seq_stride, head_stride, row_stride, _ = keys.stride()

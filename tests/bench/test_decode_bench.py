@@ -4,7 +4,7 @@ measured, and a step decodes every sequence of the batch."""
 import pytest
 import torch
 
-from kvreuse.bench.decode import _kvreuse_steps, prompts_of, run
+from kvreuse.bench.decode import WARM_UP_STEPS, _kvreuse_steps, _prefill, prompts_of, run
 from kvreuse.cli import main
 
 
@@ -41,14 +41,17 @@ def test_each_timed_step_decodes_every_sequence_of_the_batch(tiny_model, pooled)
         calls.append((len(tokens), [c.length for c in caches], {c.pool is not None for c in caches}))
         return decode(tokens, caches)
 
+    prefilled = _prefill(tiny_model, prompts, WARM_UP_STEPS + 5 + 1)
     tiny_model.decode_batch = counted
     try:
-        seconds = _kvreuse_steps(tiny_model, prompts, steps=5, pooled=pooled)
+        seconds = _kvreuse_steps(tiny_model, prefilled, steps=5, pooled=pooled)
+        again = _kvreuse_steps(tiny_model, prefilled, steps=5, pooled=pooled)
     finally:
         del tiny_model.decode_batch
-    assert len(seconds) == 5 and len(calls) == 5 + 3  # warm-up steps are not timed
-    assert [n for n, _, _ in calls] == [3] * 8
-    assert calls[-1][1] == [20 + 8 - 1] * 3  # every cache grew by one row per step
+    assert len(seconds) == len(again) == 5 and len(calls) == 2 * (5 + 3)  # warm-up steps are not timed
+    assert [n for n, _, _ in calls] == [3] * 16
+    assert calls[7][1] == calls[-1][1] == [20 + 8 - 1] * 3  # every cache grew by one row per step, both times
+    assert [r.cache.length for r in prefilled] == [20] * 3  # each run decodes from copies of the prefills
     assert all(in_pool == {pooled} for _, _, in_pool in calls)
 
 

@@ -99,6 +99,10 @@ def test_few_rows_refuses_what_it_cannot_take():
         native.few_rows(torch.randn(native.FEW_ROWS + 1, 4), weight, None, torch.empty(native.FEW_ROWS + 1, 8))
     with pytest.raises(ValueError, match="few_rows"):
         native.few_rows(torch.randn(2, 4), weight, None, torch.empty(2, 7))
+    with pytest.raises(ValueError, match="few_rows"):
+        native.few_rows(torch.randn(2, 5), weight, None, torch.empty(2, 8))
+    with pytest.raises(ValueError, match="few_rows"):
+        native.few_rows(torch.randn(2, 4), weight, torch.randn(7), torch.empty(2, 8))
 
 
 @needs_compiler
@@ -173,6 +177,12 @@ def test_decode_attention_refuses_rows_it_does_not_have():
     q, keys = torch.randn(1, 1, 3, 64), torch.randn(1, 1, 8, 64)
     with pytest.raises(ValueError, match="up to 9 rows"):
         native.decode_attention(q, keys, keys, torch.arange(9)[None], torch.tensor([9]), torch.tensor([8]), None, 1.0)
+    with pytest.raises(ValueError, match="must be int64"):
+        native.decode_attention(q, keys, keys, torch.arange(8)[None], torch.tensor([8], dtype=torch.int32),
+                                torch.tensor([8]), None, 1.0)
+    with pytest.raises(ValueError, match="heads of 64"):
+        native.decode_attention(q, keys[..., :32], keys[..., :32], torch.arange(8)[None], torch.tensor([8]),
+                                torch.tensor([8]), None, 1.0)
     with pytest.raises(ValueError, match="share a layout"):
         native.decode_attention(q, keys, keys.transpose(2, 3).contiguous().transpose(2, 3), torch.arange(8)[None],
                                 torch.tensor([8]), torch.tensor([8]), None, 1.0)
