@@ -1,5 +1,5 @@
-"""Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly at decoding's sizes: a product of a few rows
-(`few_rows`) and the attention of one query per sequence (`decode_attention`).
+"""Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly at decoding's sizes: the product
+of a few rows (`few_rows`) and the attention of one query per sequence (`decode_attention`).
 
 The source is compiled on first use with the system's C compiler, `-march=native` (the vector instructions of
 the CPU it runs on), and cached under the kvreuse cache folder, keyed by the source, the flags and the CPU, so a
@@ -42,7 +42,7 @@ _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER,
-                         _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _INT],
+                         _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER, _INT],
 }
 
 
@@ -161,9 +161,11 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
                          f"sequences of {heads} heads of {dim} and up to {longest} rows")
     q, lengths, q_pos = q.contiguous(), lengths.contiguous(), q_pos.contiguous()
     out = torch.empty_like(q)
+    threads = torch.get_num_threads()
+    scores = q.new_empty(threads * groups * longest)
     seq_stride, head_stride, row_stride, _ = keys.stride()
     library().decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), seq_stride, head_stride, row_stride,
                                positions.data_ptr(), positions.stride(0), lengths.data_ptr(), q_pos.data_ptr(), seqs,
-                               heads, groups, dim, longest, window or 0, scale, out.data_ptr(),
-                               torch.get_num_threads())
+                               heads, groups, dim, longest, window or 0, scale, scores.data_ptr(), out.data_ptr(),
+                               threads)
     return out
