@@ -80,10 +80,16 @@ def library() -> ctypes.CDLL | None:
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("no C compiler found (cc, or $CC): the runtime uses torch's kernels for decoding's products")
+        log.warning("no C compiler found (cc, or $CC): the runtime decodes with torch's kernels")
         return None
+    folder = cache_root() / "native"
     try:
-        lib = ctypes.CDLL(str(build(compiler, cache_root() / "native")))
+        path = build(compiler, folder)
+        try:
+            lib = ctypes.CDLL(str(path))
+        except OSError:  # a damaged file in the cache is built again
+            path.unlink(missing_ok=True)
+            lib = ctypes.CDLL(str(build(compiler, folder)))
     except (NativeBuildError, OSError) as error:
         log.warning("native kernels unavailable, using torch's: %s", error)
         return None

@@ -22,6 +22,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 import torch
 from torch import nn
 
+from kvreuse.model import native
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.attention import attend, attention_mask
 from kvreuse.model.kv_cache import KVCache
@@ -158,6 +159,7 @@ class LayerwiseModel:
         self._shape: StepShape | None = None  # of the step under way (step)
         pack_weights([group for block in self.layers for group in self.adapter.products(block)]
                      + [(hf_model.lm_head,)])
+        native.available()  # builds the C kernels now (the first time on this CPU), not in the first request
 
     # ---- primitives -------------------------------------------------------------------------------------
 

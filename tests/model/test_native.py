@@ -41,6 +41,19 @@ def test_the_library_is_built_once_per_source_and_cpu(tmp_path, monkeypatch):
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([first.name, other.name])  # no scratch left
 
 
+@needs_compiler
+def test_a_damaged_library_in_the_cache_is_built_again(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    damaged = native.build(shutil.which(os.environ.get("CC", "cc")), tmp_path / "native")
+    damaged.write_bytes(b"not a shared library")
+    native.library.cache_clear()
+    try:
+        assert native.library() is not None
+        assert damaged.read_bytes().startswith(b"\x7fELF")
+    finally:
+        native.library.cache_clear()
+
+
 def test_a_failed_build_names_the_compiler_and_leaves_nothing(tmp_path):
     with pytest.raises(native.NativeBuildError, match="false failed on native.c"):
         native.build(shutil.which("false"), tmp_path)
@@ -218,3 +231,12 @@ def test_a_pooled_decoding_step_attends_in_the_kernel_once_per_layer_with_no_mas
     tiny_model.decode_batch([7, 8], pooled)
     assert len(calls) == tiny_model.num_layers and calls[0][0].shape[0] == 2
     assert steps[0].masks == {}
+
+
+@needs_compiler
+def test_the_runtime_builds_the_kernels_when_it_loads(make_tiny):
+    from kvreuse.model.runtime import LayerwiseModel
+
+    native.library.cache_clear()
+    LayerwiseModel(make_tiny("llama"))
+    assert native.library.cache_info().currsize == 1
