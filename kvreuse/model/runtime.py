@@ -16,6 +16,7 @@ attention through `attention.py`, and `adapters.py` covers what differs between 
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -156,7 +157,8 @@ class LayerwiseModel:
         rope_type = getattr(self.decoder.rotary_emb, "rope_type", "default")
         self._rotary_cacheable = "dynamic" not in rope_type and rope_type != "longrope"
         self._rotary_table: Rotary | None = None
-        self._shape: StepShape | None = None  # of the step under way (step)
+        # The step under way, per thread: a batch restoration runs steps of different groups in several threads.
+        self._step_under_way = threading.local()
         pack_weights([group for block in self.layers for group in self.adapter.products(block)]
                      + [(hf_model.lm_head,)])
         native.available()  # builds the C kernels now (the first time on this CPU), not in the first request
@@ -307,19 +309,20 @@ class LayerwiseModel:
         """What the step derives from its groups alone, built at the first layer that gets them: a driver that
         keeps its groups (a decoding step) hands every layer the same list, and one that changes them builds a
         new list."""
-        if self._shape is None or self._shape.groups is not groups:
+        shape = getattr(self._step_under_way, "shape", None)
+        if shape is None or shape.groups is not groups:
             pool = _pool_decoding(groups)
             pooled = None
             if pool is not None:
                 rows = torch.tensor([_single_row(g.rows) for g in groups], device=self.device)
                 pooled = pool, pool.step_of([g.cache for g in groups], rows, torch.cat([g.positions for g in groups]))
-            self._shape = StepShape(
+            shape = self._step_under_way.shape = StepShape(
                 groups,
                 [slice(0, len(groups[0]))] if len(groups) == 1 else _parts([len(g) for g in groups]),
                 groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups]),
                 any(g.capture is not None for g in groups),
                 pooled)
-        return self._shape
+        return shape
 
     def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:
         """The one loop over layers, under prefill, decode, every fusion plan and every restoration: at each

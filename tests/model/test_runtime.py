@@ -211,3 +211,22 @@ def test_gate_prompt_runs_past_every_attention_window(tiny_model):
     ids = gate_prompt_ids(tiny_model, encode, "five words of gate text")
     windows = [w for w in tiny_model.windows if w is not None]
     assert len(ids) > max(windows) if windows else len(ids) == 5
+
+
+def test_a_step_s_shape_is_kept_per_thread(tiny_model):
+    """A batch restoration steps different groups in several threads through one model: each thread's step keeps
+    its own shape (a shared one let a thread run another's RoPE tables; tests/restore/test_batch.py hit it)."""
+    import threading
+
+    from kvreuse.model.runtime import RowGroup
+
+    def groups_of(n: int) -> list[RowGroup]:
+        positions = torch.arange(n)
+        return [RowGroup(tiny_model.new_cache(n), slice(0, n), positions, tiny_model.rotary(range(n)))]
+
+    mine, theirs = groups_of(4), groups_of(7)
+    shape = tiny_model._shape_of(mine)
+    other = threading.Thread(target=lambda: tiny_model._shape_of(theirs))
+    other.start()
+    other.join()
+    assert tiny_model._shape_of(mine) is shape and shape.groups is mine and shape.rotary.cos.shape[1] == 4
