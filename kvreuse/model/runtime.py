@@ -318,7 +318,7 @@ class LayerwiseModel:
                 pooled = pool, pool.step_of([g.cache for g in groups], rows, torch.cat([g.positions for g in groups]))
             shape = self._step_under_way.shape = StepShape(
                 groups,
-                [slice(0, len(groups[0]))] if len(groups) == 1 else _parts([len(g) for g in groups]),
+                _parts([len(g) for g in groups]),
                 groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups]),
                 any(g.capture is not None for g in groups),
                 pooled)
