@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from kvreuse.model import native
+from kvreuse.model.attention import attention_mask
 from kvreuse.model.linear import linear
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
@@ -202,19 +203,99 @@ def test_decode_attention_refuses_rows_it_does_not_have():
 
 
 @needs_compiler
-def test_a_single_query_attends_in_the_kernel_and_several_in_torch(monkeypatch):
+def test_one_query_attends_in_the_decoding_kernel_and_several_in_the_prefill_kernel(monkeypatch):
     from kvreuse.model.attention import attend
 
-    calls = []
-    kernel = native.decode_attention
-    monkeypatch.setattr(native, "decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    calls = {"decode_attention": 0, "prefill_attention": 0}
+    for name in calls:
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *args, name=name, kernel=kernel: calls.__setitem__(
+            name, calls[name] + 1) or kernel(*args))
     keys, values = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
     positions = torch.arange(10)
     attend(torch.randn(1, 4, 16), positions[-1:], keys, values, positions, None, 0.25)
-    assert len(calls) == 1
+    assert calls == {"decode_attention": 1, "prefill_attention": 0}
     attend(torch.randn(3, 4, 16), positions[-3:], keys, values, positions, None, 0.25)
-    attend(torch.randn(1, 4, 16).bfloat16(), positions[-1:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
-    assert len(calls) == 1
+    assert calls == {"decode_attention": 1, "prefill_attention": 1}
+    attend(torch.randn(3, 4, 16).bfloat16(), positions[-3:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
+    attend(torch.randn(3, 4, 12), positions[-3:], keys[..., :12], values[..., :12], positions, None, 0.25)
+    assert calls == {"decode_attention": 1, "prefill_attention": 1}  # bf16, and heads not whole vectors: torch's
+
+
+def _reference_prefill(q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
+    """fp64 softmax attention with the mask by position; zeros for a query that sees no key."""
+    visible = attention_mask(q_pos, k_pos, window)
+    groups = q.shape[1] // keys.shape[1]
+    k, v = (t.double().repeat_interleave(groups, 1) for t in (keys, values))
+    scores = torch.einsum("nhd,mhd->hnm", q.double(), k) * scale
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1).nan_to_num()
+    return torch.einsum("hnm,mhd->nhd", probs, v).reshape(q.shape[0], -1)
+
+
+def _prefill_layouts(generator: torch.Generator) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """(query positions, key positions): a prompt; rows scattered over it and a final run (a fusion plan's); both
+    sides out of order (a plan's rows are slots); a query before every key."""
+    prompt = torch.arange(203)
+    scattered = torch.cat([torch.randperm(150, generator=generator)[:23].sort().values, torch.arange(180, 203)])
+    shuffled = torch.randperm(203, generator=generator)
+    return {"prompt": (prompt, prompt), "scattered": (scattered, prompt),
+            "out of order": (shuffled[:50], shuffled), "blind": (torch.tensor([0, 100, 202]), prompt + 1)}
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads, groups, dim", [(3, 3, 64), (2, 1, 16), (1, 4, 256), (2, 8, 128)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_prefill_attention_equals_masked_softmax_attention(threads, heads, groups, dim, window):
+    generator = torch.Generator().manual_seed(heads * groups * dim)
+    scale = dim**-0.5
+    for layout, (q_pos, k_pos) in _prefill_layouts(generator).items():
+        # a cache's layout: rows of [heads, dim] with room for more heads' worth of rows (any row stride)
+        cache = torch.randn(k_pos.numel(), 2, heads + 1, dim, generator=generator)
+        keys, values = cache[:, 0, :heads], cache[:, 1, :heads]
+        q = torch.randn(q_pos.numel(), heads * groups, dim, generator=generator)
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = native.prefill_attention(q, q_pos, keys.contiguous(), values.contiguous(), k_pos, window, scale)
+        finally:
+            torch.set_num_threads(before)
+        expected = _reference_prefill(q, q_pos, keys, values, k_pos, window, scale)
+        torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5, msg=lambda m: f"{layout}: {m}")
+        if layout == "blind":
+            assert got[0].eq(0).all()
+
+
+@needs_compiler
+def test_prefill_attention_reads_a_cache_in_place():
+    """Keys and values as the cache holds them (rows of the layer's heads, any row stride), queries as strided
+    views: the same result as from contiguous copies."""
+    cache = torch.randn(130, 2, 3, 64)
+    keys, values = cache[:, 0], cache[:, 1]
+    q = torch.randn(40, 2, 9, 64)[:, 1]
+    positions = torch.arange(130)
+    got = native.prefill_attention(q, positions[-40:], keys, values, positions, None, 0.125)
+    torch.testing.assert_close(got, native.prefill_attention(q.contiguous(), positions[-40:], keys.contiguous(),
+                                                             values.contiguous(), positions, None, 0.125))
+
+
+@needs_compiler
+def test_prefill_attention_refuses_what_it_cannot_take():
+    q, keys, positions = torch.randn(4, 6, 64), torch.randn(8, 2, 64), torch.arange(8)
+    with pytest.raises(ValueError, match="int64 positions"):
+        native.prefill_attention(q, positions[:4].int(), keys, keys, positions, None, 1.0)
+    with pytest.raises(ValueError, match="int64 positions"):
+        native.prefill_attention(q, positions[:4], keys, keys, positions[:7], None, 1.0)
+    with pytest.raises(ValueError, match="share a layout"):
+        native.prefill_attention(q, positions[:4], keys, keys.transpose(0, 1).contiguous().transpose(0, 1), positions,
+                                 None, 1.0)
+    with pytest.raises(ValueError, match="divide the queries"):
+        native.prefill_attention(torch.randn(4, 5, 64), positions[:4], keys, keys, positions, None, 1.0)
+    with pytest.raises(ValueError, match="all fp32"):
+        native.prefill_attention(q.bfloat16(), positions[:4], keys, keys, positions, None, 1.0)
+    with pytest.raises(ValueError, match="whole vectors"):
+        narrow = keys[..., :12].contiguous()
+        native.prefill_attention(q[..., :12], positions[:4], narrow, narrow, positions, None, 1.0)
 
 
 @needs_compiler
