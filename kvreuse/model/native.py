@@ -216,7 +216,7 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
         q = q.contiguous()
     q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
     groups = q_heads // heads
-    block = max(1, BLOCK_ROWS // groups)
+    block = max(1, min(n, BLOCK_ROWS // groups))  # a few queries are one block, not padded to a full one
     threads = torch.get_num_threads()
     lib = library()
     scratch = torch.empty(lib.prefill_attention_scratch(m, heads, groups, dim, block, threads), dtype=torch.uint8)
