@@ -154,14 +154,14 @@ static inline vec pick(veci m, vec a, vec b) {
     return r.f;
 }
 
-/* e^x for x <= 0 (a score minus its row's running maximum), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2,
-   2^f from its Taylor series to the 7th power (relative error ~1e-8). Inline: a call to the vector maths library
-   saves and restores the registers the tiles live in. Below -87 it returns ~2^-126, which adds nothing to a sum
-   that holds a 1. */
-static inline vec exp_nonpositive(vec x) {
+/* e^x for x <= HEADROOM (a score minus its row's running maximum, which may lag behind by that much), as 2^n 2^f
+   with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the 7th power (relative error ~1e-8).
+   Inline: a call to the vector maths library saves and restores the registers the tiles live in. Below -87 it
+   returns ~2^-126, which adds nothing to a sum that holds a 1. */
+static inline vec exp_of_score(vec x) {
     x = pick(x > splat(-87.f), x, splat(-87.f));
     vec t = x * 1.44269504088896341f;
-    veci n = __builtin_convertvector(t - 0.5f, veci);  /* truncation towards 0 of t - 1/2: t rounded, as t <= 0 */
+    veci n = __builtin_convertvector(t + pick(t < splat(0.f), splat(-0.5f), splat(0.5f)), veci);  /* rounded */
     vec g = (t - __builtin_convertvector(n, vec)) * 0.69314718055994531f;
     vec p = splat(1.f / 5040);
     p = p * g + 1.f / 720; p = p * g + 1.f / 120; p = p * g + 1.f / 24; p = p * g + 1.f / 6;
@@ -223,29 +223,42 @@ static inline __attribute__((always_inline)) void values_tile(const float *weigh
     }
 }
 
-/* One row's scores of a key tile into softmax weights, online: its running maximum `top` and sum `total` move on,
-   and its output so far is rescaled when the maximum grows. Masked scores (HIDDEN) weigh 0. */
+/* whether any lane of a comparison holds */
+static inline int any_lane(veci m) {
+    union { veci v; uint64_t u[VW / 2]; } lanes = {.v = m};
+    uint64_t any = 0;
+    for (int i = 0; i < VW / 2; i++) any |= lanes.u[i];
+    return any != 0;
+}
+
+/* One row's scores of a key tile into softmax weights, online. The weights are e^(score - top), with `top` the
+   row's running maximum, moved (and the row's sum and output so far rescaled) only when a score passes it by more
+   than HEADROOM: a weight of up to e^8 is exact enough, and most tiles then skip finding their maximum. `total`
+   holds the row's sum by lanes, added up at the end. Masked scores (HIDDEN) weigh 0. */
+#define HEADROOM 8.f
 static inline void softmax_tile(float *scores, float *top, float *total, float *out, int64_t dim) {
-    vec row[KEY_TILE / VW], highest = splat(*top);
+    vec row[KEY_TILE / VW];
+    veci over = {};
+    vec limit = splat(*top + HEADROOM);
     for (int i = 0; i < KEY_TILE / VW; i++) {
         row[i] = load(scores + i * VW);
-        highest = pick(row[i] > highest, row[i], highest);
+        over |= row[i] > limit;
     }
-    float new_top = highest[0];
-    for (int i = 1; i < VW; i++) new_top = highest[i] > new_top ? highest[i] : new_top;
-    if (new_top > *top) {
-        float shrink = exp_nonpositive(splat(*top - new_top))[0];
-        *total *= shrink;
+    if (any_lane(over)) {
+        float new_top = *top;
+        for (int j = 0; j < KEY_TILE; j++) new_top = scores[j] > new_top ? scores[j] : new_top;
+        float shrink = exp_of_score(splat(*top - new_top))[0];
+        store(total, load(total) * shrink);
         for (int64_t d = 0; d < dim; d++) out[d] *= shrink;
         *top = new_top;
     }
-    vec sum = (vec){}, shift = splat(*top);
+    vec sum = load(total), shift = splat(*top);
     for (int i = 0; i < KEY_TILE / VW; i++) {
-        vec w = pick(row[i] > splat(0.5f * HIDDEN), exp_nonpositive(row[i] - shift), (vec){});
+        vec w = pick(row[i] > splat(0.5f * HIDDEN), exp_of_score(row[i] - shift), (vec){});
         store(scores + i * VW, w);
         sum += w;
     }
-    for (int i = 0; i < VW; i++) *total += sum[i];
+    store(total, sum);
 }
 
 int prefill_attention_vector_width(void) { return VW; }
@@ -256,7 +269,7 @@ int64_t prefill_attention_scratch(int64_t keys, int64_t heads, int64_t groups, i
                                   int threads) {
     int64_t tiles = (keys + KEY_TILE - 1) / KEY_TILE;
     int64_t rows = (block_queries * groups + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
-    return (heads * dim * tiles * KEY_TILE + threads * rows * (2 * dim + KEY_TILE + 2)) * (int64_t)sizeof(float)
+    return (heads * dim * tiles * KEY_TILE + threads * rows * (2 * dim + KEY_TILE + 1 + VW)) * (int64_t)sizeof(float)
            + 2 * tiles * (int64_t)sizeof(int64_t) + threads * rows * (int64_t)sizeof(int64_t);
 }
 
@@ -282,7 +295,7 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
     int64_t blocks = (n + block_queries - 1) / block_queries;
     float *transposed = (float *)scratch;  /* [heads, dim, padded] */
     float *per_thread = transposed + heads * dim * padded;
-    int64_t *tile_bounds = (int64_t *)(per_thread + threads * block_rows * (2 * dim + KEY_TILE + 2));
+    int64_t *tile_bounds = (int64_t *)(per_thread + threads * block_rows * (2 * dim + KEY_TILE + 1 + VW));
     int64_t *row_positions_all = tile_bounds + 2 * tiles;
     #pragma omp parallel num_threads(threads)
     {
@@ -309,9 +322,9 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
             }
         }
         int thread = omp_get_thread_num();
-        float *block_q = per_thread + thread * block_rows * (2 * dim + KEY_TILE + 2);
+        float *block_q = per_thread + thread * block_rows * (2 * dim + KEY_TILE + 1 + VW);
         float *block_out = block_q + block_rows * dim, *scores = block_out + block_rows * dim;
-        float *top = scores + block_rows * KEY_TILE, *total = top + block_rows;
+        float *top = scores + block_rows * KEY_TILE, *total = top + block_rows;  /* VW lanes per row */
         int64_t *row_pos = row_positions_all + thread * block_rows;
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * blocks; task++) {
@@ -326,7 +339,7 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
                 lowest = qpos[i] < lowest ? qpos[i] : lowest;
                 highest = qpos[i] > highest ? qpos[i] : highest;
                 top[r] = HIDDEN;
-                total[r] = 0.f;
+                store(total + r * VW, (vec){});
             }
             memset(block_out, 0, block_rows * dim * sizeof(float));
             for (int64_t tile = 0; tile < tiles; tile++) {
@@ -346,14 +359,16 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
                             row[j] = visible ? row[j] : HIDDEN;
                         }
                     }
-                    softmax_tile(row, top + r, total + r, block_out + r * dim, dim);
+                    softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim);
                 }
                 for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
                     values_tile(scores + r * KEY_TILE, values + j0 * row_stride + h * dim, row_stride, valid,
                                 block_out + r * dim, dim);
             }
             for (int64_t r = 0; r < count * groups; r++) {
-                float inverse = total[r] > 0.f ? 1.f / total[r] : 0.f;  /* no visible key: zeros, never NaN */
+                float sum = 0.f;
+                for (int i = 0; i < VW; i++) sum += total[r * VW + i];
+                float inverse = sum > 0.f ? 1.f / sum : 0.f;  /* no visible key: zeros, never NaN */
                 float *to = out + (first + r / groups) * heads * groups * dim + (h * groups + r % groups) * dim;
                 for (int64_t d = 0; d < dim; d++) to[d] = block_out[r * dim + d] * inverse;
             }

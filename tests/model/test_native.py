@@ -267,6 +267,24 @@ def test_prefill_attention_equals_masked_softmax_attention(threads, heads, group
 
 
 @needs_compiler
+@pytest.mark.parametrize("step", [0.05, 0.5, 3.0])
+def test_prefill_attention_follows_a_maximum_that_keeps_growing(step):
+    """Each key scores `step` above the one before it, so a row's maximum moves on at every tile (step 3), every
+    few tiles (0.5, past the kernel's headroom) or never after the first (0.05): the softmax must rescale what it
+    summed before each move."""
+    m, dim = 300, 64
+    keys = (torch.arange(m, dtype=torch.float32) * step)[:, None, None].expand(m, 1, dim).contiguous() / dim
+    values = torch.randn(m, 1, dim, generator=torch.Generator().manual_seed(1))
+    q = torch.ones(40, 3, dim)
+    positions = torch.arange(m)
+    q_pos = torch.randperm(m, generator=torch.Generator().manual_seed(2))[:40]
+    got = native.prefill_attention(q, q_pos, keys, values, positions, None, 1.0)
+    expected = _reference_prefill(q, q_pos, keys, values, positions, None, 1.0)
+    # scores up to 15 (step 0.05) round to ~1e-6 in fp32: torch's fp32 kernel is off by 3.5e-6 there too
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=1e-5)
+
+
+@needs_compiler
 def test_prefill_attention_reads_a_cache_in_place():
     """Keys and values as the cache holds them (rows of the layer's heads, any row stride), queries as strided
     views: the same result as from contiguous copies."""
