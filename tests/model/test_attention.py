@@ -1,5 +1,8 @@
-"""Both attention kernels against a dense fp64 reference, on every layout of queries and keys the engine
-produces (a prompt in order, scattered recomputed rows, decoding, a continuation, keys out of order, windows)."""
+"""The attention kernels (native, torch's fused calls, blocked products) against a dense fp64 reference, on every
+layout of queries and keys the engine produces (a prompt in order, scattered recomputed rows, decoding, a
+continuation, keys out of order, windows)."""
+
+import contextlib
 
 import pytest
 import torch
@@ -13,6 +16,7 @@ from kvreuse.model.attention import (
     attention_mask,
     blocked_attention,
 )
+from kvreuse.model import native
 
 Q_HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 16, 0.25
 
@@ -57,12 +61,14 @@ def _inputs(q_pos, k_pos, dtype):
 
 @pytest.mark.parametrize("window", [None, 24])
 @pytest.mark.parametrize("layout", LAYOUTS)
-@pytest.mark.parametrize("kernel", ["fused", "blocked"])
+@pytest.mark.parametrize("kernel", ["native", "torch", "blocked"])
 def test_kernels_equal_dense_attention_in_fp32(kernel, layout, window):
+    """native: `attend` as it runs (the native kernels where they are built); torch: `attend` without them."""
     q_pos, k_pos = _layout(layout)
     q, keys, values = _inputs(q_pos, k_pos, torch.float32)
-    run = attend if kernel == "fused" else blocked_attention
-    out = run(q, q_pos, keys, values, k_pos, window, SCALE)
+    run = blocked_attention if kernel == "blocked" else attend
+    with native.disabled() if kernel == "torch" else contextlib.nullcontext():
+        out = run(q, q_pos, keys, values, k_pos, window, SCALE)
     torch.testing.assert_close(out.double(), reference(q, q_pos, keys, values, k_pos, window), atol=2e-5, rtol=0)
 
 

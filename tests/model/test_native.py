@@ -285,6 +285,25 @@ def test_prefill_attention_follows_a_maximum_that_keeps_growing(step):
 
 
 @needs_compiler
+def test_prefill_attention_is_exact_with_half_as_wide_vectors(tmp_path, monkeypatch):
+    """Built without AVX-512 (vectors of 8 floats, as on an AVX2 machine), the kernel gives the same results."""
+    monkeypatch.setattr(native, "COMPILE_FLAGS", [*native.COMPILE_FLAGS, "-mno-avx512f"])
+    monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
+    native.library.cache_clear()
+    try:
+        assert native.library().prefill_attention_vector_width() == 8
+        generator = torch.Generator().manual_seed(8)
+        for q_pos, k_pos in _prefill_layouts(generator).values():
+            keys, values = torch.randn(2, k_pos.numel(), 3, 64, generator=generator)
+            q = torch.randn(q_pos.numel(), 9, 64, generator=generator)
+            got = native.prefill_attention(q, q_pos, keys, values, k_pos, 37, 0.125)
+            expected = _reference_prefill(q, q_pos, keys, values, k_pos, 37, 0.125)
+            torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+    finally:
+        native.library.cache_clear()
+
+
+@needs_compiler
 def test_prefill_attention_reads_a_cache_in_place():
     """Keys and values as the cache holds them (rows of the layer's heads, any row stride), queries as strided
     views: the same result as from contiguous copies."""
