@@ -9,8 +9,19 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from transformers.activations import SiLUActivation
+from transformers.models.llama.modeling_llama import LlamaRMSNorm
+from transformers.models.mistral.modeling_mistral import MistralRMSNorm
+from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from kvreuse.model import native
 from kvreuse.model.linear import linear
+
+# Norms computing weight * x / rms(x) as Llama's does (each family's own copy of the class), which the native kernel
+# runs in one pass; any other norm (Gemma's 1 + weight, for one) runs as its module.
+PLAIN_RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
+SILU = (nn.SiLU, SiLUActivation)
 
 
 class UnsupportedModelError(ValueError):
@@ -43,12 +54,20 @@ class LlamaAdapter:
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`."""
         gate, up = linear(x, *_gate_up(mlp)).split(mlp.gate_proj.out_features, -1)
+        if isinstance(mlp.act_fn, SILU) and native.runs(gate):
+            return linear(native.silu_mul(gate, up), mlp.down_proj)
         return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj)  # in place: one buffer fewer to allocate and fill
+
+    def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`norm(x)` for rows [n, hidden]: in the native kernel when it is Llama's RMSNorm."""
+        if isinstance(norm, PLAIN_RMS_NORMS) and native.runs(x, norm.weight):
+            return native.rms_norm(x, norm.weight, norm.variance_epsilon)
+        return norm(x)
 
     def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP of the attended rows."""
         hidden = residual + linear(attn_out, block.self_attn.o_proj)
-        return hidden + self.mlp(block.mlp, block.post_attention_layernorm(hidden))
+        return hidden + self.mlp(block.mlp, self.norm(block.post_attention_layernorm, hidden))
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

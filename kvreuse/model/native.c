@@ -129,6 +129,61 @@ void decode_attention(const float *q, const float *keys, const float *values, in
     }
 }
 
+/* ---- pointwise steps of a layer ----------------------------------------------------------------------------
+   Each is one pass over its rows where torch runs several ops (a norm: square, mean, add, rsqrt, two products), so
+   a prefill reads and writes its activations once, and a decoding step of a few rows pays one call's overhead. */
+
+/* Llama's RMSNorm: out[i] = weight * x[i] / sqrt(mean(x[i]^2) + eps), rows of `width` at the given strides. */
+void rms_norm(const float *x, int64_t x_stride, int64_t n, int64_t width, const float *weight, float eps,
+              float *out, int64_t out_stride, int threads) {
+    #pragma omp parallel for num_threads(n > 1 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *row = x + i * x_stride;
+        float *to = out + i * out_stride;
+        float squares = 0.f;
+        #pragma omp simd reduction(+:squares)
+        for (int64_t j = 0; j < width; j++) squares += row[j] * row[j];
+        float scale = 1.f / sqrtf(squares / width + eps);
+        #pragma omp simd
+        for (int64_t j = 0; j < width; j++) to[j] = weight[j] * (row[j] * scale);
+    }
+}
+
+/* The gated MLP's activation: out[i, j] = silu(gate[i, j]) * up[i, j], gate and up rows at the given stride (two
+   halves of one product's rows), out contiguous. */
+void silu_mul(const float *gate, const float *up, int64_t stride, int64_t n, int64_t width, float *out,
+              int threads) {
+    #pragma omp parallel for num_threads(n * width >= 4096 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *g = gate + i * stride, *u = up + i * stride;
+        float *to = out + i * width;
+        #pragma omp simd
+        for (int64_t j = 0; j < width; j++)  /* e^-g below 88: no infinity where -ffast-math assumes none */
+            to[j] = g[j] / (1.f + expf(fminf(-g[j], 88.f))) * u[j];
+    }
+}
+
+/* RoPE of rows x [n, heads, dim] (row i at i * x_stride, heads contiguous) by their tables cos, sin [n, dim] (row
+   i at i * table_stride) into out (row i at i * out_stride, not x's memory): the two halves of each head turn as
+   x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
+void rope(const float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float *cos,
+          const float *sin, int64_t table_stride, float *out, int64_t out_stride, int threads) {
+    int64_t half = dim / 2;
+    #pragma omp parallel for num_threads(n * heads * dim >= 4096 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        const float *c = cos + i * table_stride, *s = sin + i * table_stride;
+        for (int64_t h = 0; h < heads; h++) {
+            const float *from = x + i * x_stride + h * dim;
+            float *to = out + i * out_stride + h * dim;
+            #pragma omp simd
+            for (int64_t d = 0; d < half; d++) {
+                to[d] = from[d] * c[d] - from[d + half] * s[d];
+                to[d + half] = from[d + half] * c[d + half] + from[d] * s[d + half];
+            }
+        }
+    }
+}
+
 /* ---- prefill attention ------------------------------------------------------------------------------------ */
 
 #if defined(__AVX512F__)

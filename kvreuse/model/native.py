@@ -1,6 +1,7 @@
 """Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly: at decoding's sizes, the product
-of a few rows (`few_rows`) and the attention of one query per sequence (`decode_attention`); and the attention of
-many queries at any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones).
+of a few rows (`few_rows`) and the attention of one query per sequence (`decode_attention`); the attention of
+many queries at any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones); and a
+layer's pointwise steps in one pass each (`rms_norm`, `silu_mul`, `rope`), where torch runs several ops.
 
 The source is compiled on first use with the system's C compiler, `-march=native` (the vector instructions of
 the CPU it runs on), and cached under the kvreuse cache folder, keyed by the source, the flags and the CPU, so a
@@ -48,6 +49,9 @@ _SIGNATURES = {
                           _INT64, _INT64, _INT64, ctypes.c_float, _INT64, _POINTER, _POINTER, _INT],
     "prefill_attention_scratch": [_INT64, _INT64, _INT64, _INT64, _INT64, _INT],
     "prefill_attention_vector_width": [],
+    "rms_norm": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _INT],
+    "silu_mul": [_POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT],
+    "rope": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT],
 }
 _RESULTS = {"prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT}
 
@@ -225,4 +229,48 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
         lib.prefill_attention(q.data_ptr(), q.stride(0), q_pos.data_ptr(), n, keys.data_ptr(), values.data_ptr(),
                               keys.stride(0), k_pos.data_ptr(), m, heads, groups, dim, window or 0, scale, block,
                               scratch.data_ptr(), out.data_ptr(), threads)
+    return out
+
+
+def _rows(t: torch.Tensor) -> bool:
+    """Whether a 2-d tensor's rows are contiguous (any row stride)."""
+    return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Llama's RMSNorm of rows x [n, width] (any row stride): weight * x / sqrt(mean(x^2) + eps). fp32."""
+    if not _rows(x) or weight.shape != x.shape[1:] or not weight.is_contiguous():
+        raise ValueError(f"rms_norm: rows {tuple(x.shape)} (strides {x.stride()}) and a weight {tuple(weight.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype)
+    library().rms_norm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
+                       out.stride(0), torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for rows [n, width] of both, which share a row stride (the halves of one product). fp32."""
+    if not (_rows(gate) and _rows(up)) or gate.shape != up.shape or gate.stride() != up.stride():
+        raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.stride()} and up {tuple(up.shape)} {up.stride()} "
+                         f"must be rows of one shape and layout")
+    out = torch.empty(gate.shape, dtype=gate.dtype)
+    library().silu_mul(gate.data_ptr(), up.data_ptr(), gate.stride(0), gate.shape[0], gate.shape[1], out.data_ptr(),
+                       torch.get_num_threads())
+    return out
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RoPE of rows x [n, heads, dim] (heads contiguous, any row stride) by cos and sin [n, dim] (the rows' tables,
+    any row stride), into `out` (a new tensor, or rows of another one such as a cache's, never x's memory):
+    x * cos + rotate_half(x) * sin. fp32."""
+    n, heads, dim = x.shape
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype)
+    layouts = [(x, 3), (out, 3), (cos, 2), (sin, 2)]
+    if (x.stride(-1) != 1 or x.stride(1) != dim or out.shape != x.shape or out.stride(-1) != 1
+            or out.stride(1) != dim or cos.shape != (n, dim) or sin.shape != (n, dim) or cos.stride() != sin.stride()
+            or not all(_rows(t) for t in (cos, sin)) or dim % 2 or out.data_ptr() == x.data_ptr()):
+        raise ValueError("rope: " + ", ".join(f"{tuple(t.shape)} {t.stride()}" for t, _ in layouts)
+                         + ": rows of contiguous heads of an even dim, tables [n, dim], out apart from x")
+    library().rope(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                   out.data_ptr(), out.stride(0), torch.get_num_threads())
     return out

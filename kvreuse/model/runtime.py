@@ -171,7 +171,7 @@ class LayerwiseModel:
     def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hidden rows [n, hidden] entering `layer` -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v."""
         block = self.layers[layer]
-        return self.adapter.project_qkv(block.self_attn, block.input_layernorm(hidden))
+        return self.adapter.project_qkv(block.self_attn, self.adapter.norm(block.input_layernorm, hidden))
 
     def rotary(self, positions: torch.Tensor | range) -> Rotary:
         """RoPE tables for `positions`, from the model's own rotary module (its scaling included). For a range
@@ -207,10 +207,13 @@ class LayerwiseModel:
     def rope(self, layer: int, x: torch.Tensor, rotary: Rotary, out: torch.Tensor | None = None) -> torch.Tensor:
         """Rotate q or k rows [n, H, D] of `layer` to the positions `rotary` was built for, into `out` if given:
         keys go straight into their cache rows, with no temporaries to allocate and copy. The maths of
-        transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1], done a
-        half at a time so that rotate_half(x) is never built (a copy and a negation of every row)."""
+        transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: in one
+        native pass where it runs, else a half at a time so that rotate_half(x) is never built (a copy and a
+        negation of every row)."""
         kind = self._rope_kind_of_layer[layer]
         cos, sin = rotary.cos[kind], rotary.sin[kind]
+        if native.runs(x, cos) and all(_heads_in_rows(t) for t in (x, out) if t is not None):
+            return native.rope(x, cos[:, 0], sin[:, 0], out)
         half = x.shape[-1] // 2
         out = torch.mul(x, cos, out=out)
         out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
@@ -258,7 +261,7 @@ class LayerwiseModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Final norm and LM head; callers pass only the rows whose next token they need."""
-        return self.adapter.cap_logits(linear(self.decoder.norm(hidden), self.hf_model.lm_head))
+        return self.adapter.cap_logits(linear(self.adapter.norm(self.decoder.norm, hidden), self.hf_model.lm_head))
 
     # ---- composites ------------------------------------------------------------------------------------
 
@@ -390,6 +393,11 @@ def _pool_decoding(groups: Sequence[RowGroup]) -> KVPool | None:
                 or group.keys_until is not None):
             return None
     return pool
+
+
+def _heads_in_rows(x: torch.Tensor) -> bool:
+    """Rows [n, heads, dim] whose heads lie side by side (any row stride): the native RoPE's layout."""
+    return x.stride(-1) == 1 and x.stride(1) == x.shape[-1]
 
 
 def _single_row(rows: slice | torch.Tensor) -> int:

@@ -358,3 +358,78 @@ def test_the_runtime_builds_the_kernels_when_it_loads(make_tiny):
     native.library.cache_clear()
     LayerwiseModel(make_tiny("llama"))
     assert native.library.cache_info().currsize == 1
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 37])
+def test_rms_norm_equals_llamas_module(threads, rows):
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(96, eps=1e-5)
+    norm.weight.data = torch.randn(96)
+    x = torch.randn(rows, 2, 96)[:, 1] * 3  # rows of a wider tensor
+    x[0] *= 1e-3  # a row whose mean square is about eps: eps must count
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.rms_norm(x, norm.weight, norm.variance_epsilon)
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(got, norm(x), atol=1e-6, rtol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 40])
+def test_silu_mul_equals_torch_on_the_halves_of_one_product(rows):
+    product = torch.randn(rows, 2 * 300) * 8
+    product[0, :4] = torch.tensor([-100.0, 100.0, -89.0, 0.0])  # e^-g past fp32's range on either side
+    gate, up = product.split(300, -1)
+    got = native.silu_mul(gate, up)
+    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    assert got[0, :4].isfinite().all()
+
+
+@needs_compiler
+def test_rope_equals_the_rotation_by_halves_into_rows_of_another_tensor():
+    x = torch.randn(30, 12, 16)[:, 3:9]  # the k of a q/k/v product: heads side by side, a wider row
+    angles = torch.randn(30, 8)
+    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
+    cache = torch.zeros(50, 6, 16)
+    native.rope(x, cos, sin, out=cache[10:40])
+    rotated = x * cos[:, None] + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin[:, None]
+    torch.testing.assert_close(cache[10:40], rotated, atol=1e-6, rtol=1e-5)
+    assert cache[:10].eq(0).all() and cache[40:].eq(0).all()
+    torch.testing.assert_close(native.rope(x, cos, sin), rotated, atol=1e-6, rtol=1e-5)
+
+
+@needs_compiler
+def test_pointwise_kernels_refuse_what_they_cannot_take():
+    x = torch.randn(4, 2, 16)
+    cos = torch.randn(4, 16)
+    with pytest.raises(ValueError, match="out apart from x"):
+        native.rope(x, cos, cos, out=x)
+    with pytest.raises(ValueError, match="rope"):
+        native.rope(x, cos[:3], cos[:3])
+    with pytest.raises(ValueError, match="rms_norm"):
+        native.rms_norm(x[:, 0], torch.ones(8), 1e-5)
+    with pytest.raises(ValueError, match="one shape and layout"):
+        native.silu_mul(torch.randn(4, 8), torch.randn(4, 16)[:, :8])
+
+
+@needs_compiler
+def test_a_llama_layer_runs_the_pointwise_kernels_and_gemmas_norms_stay_its_own(make_tiny, monkeypatch):
+    from kvreuse.model.runtime import LayerwiseModel
+
+    calls = {"rms_norm": 0, "silu_mul": 0, "rope": 0}
+    for name in calls:
+        kernel = getattr(native, name)
+        monkeypatch.setattr(native, name, lambda *args, name=name, kernel=kernel, **kw: calls.__setitem__(
+            name, calls[name] + 1) or kernel(*args, **kw))
+    llama = LayerwiseModel(make_tiny("llama"))
+    llama.prefill(torch.arange(5, 25))
+    layers = llama.num_layers
+    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": 2 * layers}
+    calls.update(rms_norm=0, silu_mul=0, rope=0)
+    LayerwiseModel(make_tiny("gemma3")).prefill(torch.arange(5, 25))
+    assert calls["rms_norm"] == 0 and calls["silu_mul"] == 0 and calls["rope"] == 2 * layers
