@@ -38,6 +38,8 @@ class PooledStep:
     lengths: torch.Tensor  # [span] the rows each slot attends (0: a slot in the span that is not decoding)
     positions: torch.Tensor  # [span] each slot's query position
     end: int  # rows of the longest cache
+    # the caches fill the span's slots in order, with no hole: queries and outputs need no scatter and gather
+    in_order: bool = False
     masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # by window, built at first use
 
     def __len__(self) -> int:
@@ -112,7 +114,8 @@ class KVPool:
         lengths[at] = torch.tensor([cache.length for cache in caches], device=self.device)
         positions = torch.zeros(hi - lo, dtype=torch.long, device=self.device)
         positions[at] = q_pos
-        return PooledStep(slots, rows, slice(lo, hi), at, lengths, positions, int(lengths.max()))
+        in_order = bool(torch.equal(at, torch.arange(hi - lo, device=self.device)))
+        return PooledStep(slots, rows, slice(lo, hi), at, lengths, positions, int(lengths.max()), in_order)
 
     def attend_one_each(self, layer: int, step: PooledStep, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                         window: int | None, scale: float) -> torch.Tensor:
@@ -123,18 +126,22 @@ class KVPool:
         self.keys[layer][step.slots, :, step.rows] = k
         self.values[layer][step.slots, :, step.rows] = v
         span, end = step.span, step.end
-        queries = q.new_zeros((span.stop - span.start, *q.shape[1:]))
-        queries[step.at] = q
+        if step.in_order:
+            queries = q
+        else:
+            queries = q.new_zeros((span.stop - span.start, *q.shape[1:]))
+            queries[step.at] = q
         keys, values = self.keys[layer][span, :, :end], self.values[layer][span, :, :end]
         if native.runs(q, keys):  # masks by the positions themselves
             grouped = queries.view(queries.shape[0], keys.shape[1], -1, queries.shape[-1])
             out = native.decode_attention(grouped, keys, values, self.positions[span, :end], step.lengths,
-                                          step.positions, window, scale)
-            return out.view(queries.shape[0], -1)[step.at]
-        if window not in step.masks:
-            step.masks[window] = one_each_mask(step.positions, self.positions[span, :end], step.lengths, window,
-                                                q.dtype)
-        return attend_one_each(queries, keys, values, step.masks[window], scale)[step.at]
+                                          step.positions, window, scale).view(queries.shape[0], -1)
+        else:
+            if window not in step.masks:
+                step.masks[window] = one_each_mask(step.positions, self.positions[span, :end], step.lengths, window,
+                                                    q.dtype)
+            out = attend_one_each(queries, keys, values, step.masks[window], scale)
+        return out if step.in_order else out[step.at]
 
     def _fits(self, capacity: int) -> bool:
         return self.bytes_for(max(self._rounded(capacity), self.capacity)) <= self.max_bytes

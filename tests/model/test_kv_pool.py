@@ -55,6 +55,18 @@ def test_a_decoding_step_builds_the_pool_s_view_of_it_once_for_all_its_layers(ti
     assert len(built) == 3 and [int(step.lengths.max()) for step in built] == [12, 13, 14]
 
 
+def test_only_caches_filling_their_span_in_slot_order_skip_the_scatter_of_queries(tiny_model):
+    pool = pool_of(tiny_model, slots=4)
+    pooled = [pool.adopt(tiny_model.prefill(random_ids(n, seed=n)).cache, capacity=40) for n in (6, 11, 9)]
+
+    def step(caches):
+        return pool.step_of(caches, torch.tensor([c.length for c in caches]), torch.tensor([c.length for c in caches]))
+
+    assert step(pooled).in_order
+    assert not step(pooled[::-1]).in_order  # another order: outputs go back to the batch's
+    assert not step([pooled[0], pooled[2]]).in_order  # a hole in the span
+
+
 def test_a_slot_taken_again_hides_the_longer_sequence_it_held(tiny_model):
     """The rows a released sequence wrote past the new one's length are still in the slot: only the length mask
     keeps them out."""
