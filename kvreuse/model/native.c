@@ -365,13 +365,12 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
         for (int64_t task = 0; task < heads * tiles; task++) {
             int64_t h = task / tiles, tile = task % tiles, first = tile * KEY_TILE;
             float *to = transposed + h * dim * padded + first;
-            for (int64_t j = 0; j < KEY_TILE; j++) {
-                if (first + j < m) {
-                    const float *key = keys + (first + j) * row_stride + h * dim;
-                    for (int64_t d = 0; d < dim; d++) to[d * padded + j] = key[d];
-                } else {
-                    for (int64_t d = 0; d < dim; d++) to[d * padded + j] = 0.f;  /* past the keys: scored, masked */
-                }
+            const float *from = keys + first * row_stride + h * dim;
+            int64_t valid = m - first < KEY_TILE ? m - first : KEY_TILE;
+            for (int64_t d = 0; d < dim; d++) {  /* a row of the tile at a time: its writes are one vector store */
+                #pragma omp simd
+                for (int64_t j = 0; j < valid; j++) to[d * padded + j] = from[j * row_stride + d];
+                for (int64_t j = valid; j < KEY_TILE; j++) to[d * padded + j] = 0.f;  /* past the keys: masked */
             }
             if (h == 0) {
                 int64_t lo = INT64_MAX, hi = INT64_MIN;
