@@ -93,8 +93,9 @@ class AttentionCall:
 
 
 def attention_calls(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None) -> list[AttentionCall]:
-    """How `attend` runs queries at `q_pos` over keys at `k_pos`: the cheapest exact kernel calls. The cost model
-    prices the same calls (kvreuse.controller.cost)."""
+    """How `attend` runs queries at `q_pos` over keys at `k_pos` in torch's fused kernel (fp32 without the native
+    kernels): the cheapest exact kernel calls. The cost model describes an attention's work by the same calls
+    (kvreuse.controller.cost), with seconds per score fitted to `attend` as it runs, native kernel or not."""
     n, m = q_pos.numel(), k_pos.numel()
     if window is None and _is_plain_causal(q_pos, k_pos):
         return [AttentionCall(0, n, 0, m, causal=True)]
