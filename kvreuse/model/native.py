@@ -194,6 +194,12 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
 BLOCK_ROWS = 12
 
 
+def heads_in_rows(t: torch.Tensor) -> bool:
+    """Rows [n, heads, dim] whose heads lie side by side (any row stride): how the kernels read q, k and v (views of
+    one product) and a request's cache."""
+    return t.stride(-1) == 1 and t.stride(1) == t.shape[-1]
+
+
 def prefill_attention_takes(dim: int) -> bool:
     """Whether `prefill_attention` runs heads of `dim`: a whole number of the CPU's vectors (64 and 128 are)."""
     return dim % library().prefill_attention_vector_width() == 0
@@ -206,8 +212,8 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
     at or before its position (and within `window` of it, if given). Returns [n, Hq * D]."""
     n, q_heads, dim = q.shape
     m, heads = keys.shape[:2]
-    if (keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(-1) != 1
-            or keys.stride(1) != dim or keys.shape[-1] != dim or q_heads % heads
+    if (keys.shape != values.shape or keys.stride() != values.stride() or not heads_in_rows(keys)
+            or keys.shape[-1] != dim or q_heads % heads
             or any(t.dtype != torch.float32 for t in (q, keys, values))):
         raise ValueError(f"prefill_attention: queries {tuple(q.shape)} over keys {tuple(keys.shape)} {keys.stride()} "
                          f"and values {tuple(values.shape)} {values.stride()}: keys and values must share a layout "
@@ -217,7 +223,7 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
                          f"{tuple(q_pos.shape)} {q_pos.dtype} and {tuple(k_pos.shape)} {k_pos.dtype}")
     if not prefill_attention_takes(dim):
         raise ValueError(f"prefill_attention: heads of {dim} are not whole vectors of this CPU")
-    if q.stride(-1) != 1 or q.stride(1) != dim:
+    if not heads_in_rows(q):
         q = q.contiguous()
     q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
     groups = q_heads // heads
@@ -266,9 +272,9 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     n, heads, dim = x.shape
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
-    if (x.stride(-1) != 1 or x.stride(1) != dim or out.shape != x.shape or out.stride(-1) != 1
-            or out.stride(1) != dim or cos.shape != (n, dim) or sin.shape != (n, dim) or cos.stride() != sin.stride()
-            or not all(_rows(t) for t in (cos, sin)) or dim % 2 or out.data_ptr() == x.data_ptr()):
+    if (not heads_in_rows(x) or out.shape != x.shape or not heads_in_rows(out) or cos.shape != (n, dim)
+            or sin.shape != (n, dim) or cos.stride() != sin.stride() or not all(_rows(t) for t in (cos, sin))
+            or dim % 2 or out.data_ptr() == x.data_ptr()):
         raise ValueError("rope: " + ", ".join(f"{tuple(t.shape)} {t.stride()}" for t in (x, out, cos, sin))
                          + ": rows of contiguous heads of an even dim, tables [n, dim], out apart from x")
     library().rope(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),

@@ -212,7 +212,7 @@ class LayerwiseModel:
         negation of every row)."""
         kind = self._rope_kind_of_layer[layer]
         cos, sin = rotary.cos[kind], rotary.sin[kind]
-        if native.runs(x, cos) and all(_heads_in_rows(t) for t in (x, out) if t is not None):
+        if native.runs(x, cos) and all(native.heads_in_rows(t) for t in (x, out) if t is not None):
             return native.rope(x, cos[:, 0], sin[:, 0], out)
         half = x.shape[-1] // 2
         out = torch.mul(x, cos, out=out)
@@ -393,11 +393,6 @@ def _pool_decoding(groups: Sequence[RowGroup]) -> KVPool | None:
                 or group.keys_until is not None):
             return None
     return pool
-
-
-def _heads_in_rows(x: torch.Tensor) -> bool:
-    """Rows [n, heads, dim] whose heads lie side by side (any row stride): the native RoPE's layout."""
-    return x.stride(-1) == 1 and x.stride(1) == x.shape[-1]
 
 
 def _single_row(rows: slice | torch.Tensor) -> int:

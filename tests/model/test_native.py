@@ -202,15 +202,25 @@ def test_decode_attention_refuses_rows_it_does_not_have():
                                 torch.tensor([8]), torch.tensor([8]), None, 1.0)
 
 
+def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
+    """Calls of the named kernels from here on, by name (each still runs)."""
+    calls = dict.fromkeys(names, 0)
+    for name in names:
+        kernel = getattr(native, name)
+
+        def counted(*args, name=name, kernel=kernel, **kwargs):
+            calls[name] += 1
+            return kernel(*args, **kwargs)
+
+        monkeypatch.setattr(native, name, counted)
+    return calls
+
+
 @needs_compiler
 def test_one_query_attends_in_the_decoding_kernel_and_several_in_the_prefill_kernel(monkeypatch):
     from kvreuse.model.attention import attend
 
-    calls = {"decode_attention": 0, "prefill_attention": 0}
-    for name in calls:
-        kernel = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *args, name=name, kernel=kernel: calls.__setitem__(
-            name, calls[name] + 1) or kernel(*args))
+    calls = _count_calls(monkeypatch, "decode_attention", "prefill_attention")
     keys, values = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
     positions = torch.arange(10)
     attend(torch.randn(1, 4, 16), positions[-1:], keys, values, positions, None, 0.25)
@@ -421,11 +431,7 @@ def test_pointwise_kernels_refuse_what_they_cannot_take():
 def test_a_llama_layer_runs_the_pointwise_kernels_and_gemmas_norms_stay_its_own(make_tiny, monkeypatch):
     from kvreuse.model.runtime import LayerwiseModel
 
-    calls = {"rms_norm": 0, "silu_mul": 0, "rope": 0}
-    for name in calls:
-        kernel = getattr(native, name)
-        monkeypatch.setattr(native, name, lambda *args, name=name, kernel=kernel, **kw: calls.__setitem__(
-            name, calls[name] + 1) or kernel(*args, **kw))
+    calls = _count_calls(monkeypatch, "rms_norm", "silu_mul", "rope")
     llama = LayerwiseModel(make_tiny("llama"))
     llama.prefill(torch.arange(5, 25))
     layers = llama.num_layers
@@ -433,3 +439,18 @@ def test_a_llama_layer_runs_the_pointwise_kernels_and_gemmas_norms_stay_its_own(
     calls.update(rms_norm=0, silu_mul=0, rope=0)
     LayerwiseModel(make_tiny("gemma3")).prefill(torch.arange(5, 25))
     assert calls["rms_norm"] == 0 and calls["silu_mul"] == 0 and calls["rope"] == 2 * layers
+
+
+@needs_compiler
+def test_kernels_refuse_heads_that_do_not_lie_side_by_side_and_the_runtime_rotates_them_in_torch(tiny_model):
+    """Heads strided apart within a row (a transposed view) are not the kernels' layout: refused by name, and the
+    runtime's RoPE takes torch's route for them with the same result."""
+    x = torch.randn(3, 5, 16).transpose(0, 1)  # [5 rows, 3 heads, 16], heads 80 floats apart
+    cos, sin = torch.randn(5, 16), torch.randn(5, 16)
+    with pytest.raises(ValueError, match="rope"):
+        native.rope(x, cos, sin)
+    with pytest.raises(ValueError, match="share a layout"):
+        native.prefill_attention(torch.randn(2, 6, 16), torch.arange(2), x, x, torch.arange(5), None, 1.0)
+    rotary = tiny_model.rotary(torch.arange(5))
+    q = torch.randn(tiny_model.num_q_heads, 5, tiny_model.head_dim).transpose(0, 1)
+    torch.testing.assert_close(tiny_model.rope(0, q, rotary), tiny_model.rope(0, q.contiguous(), rotary))
