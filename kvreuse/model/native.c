@@ -4,6 +4,7 @@
    vector types (`vec`: 16 floats with AVX-512, 8 without) so that their sums stay in registers. Every tensor is
    fp32 (positions and lengths int64), read through the strides given, with contiguous rows. */
 
+#include <immintrin.h>
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -216,18 +217,30 @@ static inline vec pick(veci m, vec a, vec b) {
     return r.f;
 }
 
+/* what GCC's vector types do not spell: a lane-wise maximum, rounding to the nearest integer (cvtps2dq, one
+   instruction), and whether any lane of a is above b's */
+#if VW == 16
+static inline vec larger(vec a, vec b) { return (vec)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline veci rounded(vec a) { return (veci)_mm512_cvtps_epi32((__m512)a); }
+static inline int any_above(vec a, vec b) { return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0; }
+#else
+static inline vec larger(vec a, vec b) { return (vec)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline veci rounded(vec a) { return (veci)_mm256_cvtps_epi32((__m256)a); }
+static inline int any_above(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0; }
+#endif
+
 /* e^x for x <= HEADROOM (a score minus its row's running maximum, which may lag behind by that much), as 2^n 2^f
-   with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the 7th power (relative error ~1e-8).
-   Inline: a call to the vector maths library saves and restores the registers the tiles live in. Below -87 it
-   returns ~2^-126, which adds nothing to a sum that holds a 1. */
+   with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the 6th power (relative error ~3e-7).
+   Inline: a call to the vector maths library saves and restores the registers the tiles live in. Scores are not
+   taken to base 2 before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding.
+   Below e^-87 it returns 2^-126, which adds nothing to a sum that holds a 1. */
 static inline vec exp_of_score(vec x) {
-    x = pick(x > splat(-87.f), x, splat(-87.f));
-    vec t = x * 1.44269504088896341f;
-    veci n = __builtin_convertvector(t + pick(t < splat(0.f), splat(-0.5f), splat(0.5f)), veci);  /* rounded */
-    vec g = (t - __builtin_convertvector(n, vec)) * 0.69314718055994531f;
-    vec p = splat(1.f / 5040);
-    p = p * g + 1.f / 720; p = p * g + 1.f / 120; p = p * g + 1.f / 24; p = p * g + 1.f / 6;
-    p = p * g + 0.5f; p = p * g + 1.f; p = p * g + 1.f;
+    x = larger(x * 1.4426950408889634f, splat(-126.f));
+    veci n = rounded(x);
+    vec f = x - __builtin_convertvector(n, vec);
+    vec p = splat(1.5403530393381606e-4f);
+    p = p * f + 1.3333558146428443e-3f; p = p * f + 9.618129107628477e-3f; p = p * f + 5.550410866482158e-2f;
+    p = p * f + 0.2402265069591007f; p = p * f + 0.6931471805599453f; p = p * f + 1.f;
     union { veci i; vec f; } two_n = {.i = (n + 127) << 23};
     return p * two_n.f;
 }
@@ -284,28 +297,22 @@ static inline __attribute__((always_inline)) void values_tile(const float *weigh
     }
 }
 
-/* whether any lane of a comparison holds */
-static inline int any_lane(veci m) {
-    union { veci v; uint64_t u[VW / 2]; } lanes = {.v = m};
-    uint64_t any = 0;
-    for (int i = 0; i < VW / 2; i++) any |= lanes.u[i];
-    return any != 0;
-}
-
 /* One row's scores of a key tile into softmax weights, online. The weights are e^(score - top), with `top` the
    row's running maximum, moved (and the row's sum and output so far rescaled) only when a score passes it by more
    than HEADROOM: a weight of up to e^8 is exact enough, and most tiles then skip finding their maximum. `total`
-   holds the row's sum by lanes, added up at the end. Masked scores (HIDDEN) weigh 0. */
+   holds the row's sum by lanes, added up at the end. Masked scores (HIDDEN) weigh 0; a `whole` tile has none, and
+   callers pass it as a constant so that such tiles compile without the masking. */
 #define HEADROOM 8.f
-static inline void softmax_tile(float *scores, float *top, float *total, float *out, int64_t dim) {
+static inline __attribute__((always_inline)) void softmax_tile(float *scores, float *top, float *total, float *out,
+        int64_t dim, int whole) {
     vec row[KEY_TILE / VW];
-    veci over = {};
-    vec limit = splat(*top + HEADROOM);
-    for (int i = 0; i < KEY_TILE / VW; i++) {
+    row[0] = load(scores);
+    vec highest = row[0];
+    for (int i = 1; i < KEY_TILE / VW; i++) {
         row[i] = load(scores + i * VW);
-        over |= row[i] > limit;
+        highest = larger(highest, row[i]);
     }
-    if (any_lane(over)) {
+    if (any_above(highest, splat(*top + HEADROOM))) {
         float new_top = *top;
         for (int j = 0; j < KEY_TILE; j++) new_top = scores[j] > new_top ? scores[j] : new_top;
         float shrink = exp_of_score(splat(*top - new_top))[0];
@@ -315,7 +322,8 @@ static inline void softmax_tile(float *scores, float *top, float *total, float *
     }
     vec sum = load(total), shift = splat(*top);
     for (int i = 0; i < KEY_TILE / VW; i++) {
-        vec w = pick(row[i] > splat(0.5f * HIDDEN), exp_of_score(row[i] - shift), (vec){});
+        vec w = exp_of_score(row[i] - shift);
+        if (!whole) w = pick(row[i] > splat(0.5f * HIDDEN), w, (vec){});
         store(scores + i * VW, w);
         sum += w;
     }
@@ -352,11 +360,11 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
                        const float *values, int64_t row_stride, const int64_t *kpos, int64_t m, int64_t heads,
                        int64_t groups, int64_t dim, int64_t window, float scale, int64_t block_queries,
                        char *scratch, float *out, int threads) {
-    int64_t tiles = (m + KEY_TILE - 1) / KEY_TILE, padded = tiles * KEY_TILE;
+    int64_t tiles = (m + KEY_TILE - 1) / KEY_TILE;
     int64_t rows = block_queries * groups, block_rows = (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     int64_t blocks = (n + block_queries - 1) / block_queries;
-    float *transposed = (float *)scratch;  /* [heads, dim, padded] */
-    float *per_thread = transposed + heads * dim * padded;
+    float *transposed = (float *)scratch;  /* [heads, tiles, dim, KEY_TILE]: a tile's keys are one block */
+    float *per_thread = transposed + heads * tiles * dim * KEY_TILE;
     int64_t *tile_bounds = (int64_t *)(per_thread + threads * block_rows * (2 * dim + KEY_TILE + 1 + VW));
     int64_t *row_positions_all = tile_bounds + 2 * tiles;
     #pragma omp parallel num_threads(threads)
@@ -364,13 +372,13 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
         #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * tiles; task++) {
             int64_t h = task / tiles, tile = task % tiles, first = tile * KEY_TILE;
-            float *to = transposed + h * dim * padded + first;
+            float *to = transposed + task * dim * KEY_TILE;
             const float *from = keys + first * row_stride + h * dim;
             int64_t valid = m - first < KEY_TILE ? m - first : KEY_TILE;
             for (int64_t d = 0; d < dim; d++) {  /* a row of the tile at a time: its writes are one vector store */
                 #pragma omp simd
-                for (int64_t j = 0; j < valid; j++) to[d * padded + j] = from[j * row_stride + d];
-                for (int64_t j = valid; j < KEY_TILE; j++) to[d * padded + j] = 0.f;  /* past the keys: masked */
+                for (int64_t j = 0; j < valid; j++) to[d * KEY_TILE + j] = from[j * row_stride + d];
+                for (int64_t j = valid; j < KEY_TILE; j++) to[d * KEY_TILE + j] = 0.f;  /* past the keys: masked */
             }
             if (h == 0) {
                 int64_t lo = INT64_MAX, hi = INT64_MIN;
@@ -409,7 +417,7 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
                 int64_t valid = m - j0 < KEY_TILE ? m - j0 : KEY_TILE;
                 int whole = valid == KEY_TILE && hi <= lowest && (window <= 0 || lo > highest - window);
                 for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
-                    scores_tile(block_q + r * dim, dim, transposed + h * dim * padded + j0, padded,
+                    scores_tile(block_q + r * dim, dim, transposed + (h * tiles + tile) * dim * KEY_TILE, KEY_TILE,
                                 scores + r * KEY_TILE);
                 for (int64_t r = 0; r < block_rows; r++) {
                     float *row = scores + r * KEY_TILE;
@@ -420,7 +428,8 @@ void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, in
                             row[j] = visible ? row[j] : HIDDEN;
                         }
                     }
-                    softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim);
+                    if (whole) softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim, 1);
+                    else softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim, 0);
                 }
                 for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
                     values_tile(scores + r * KEY_TILE, values + j0 * row_stride + h * dim, row_stride, valid,
