@@ -6,7 +6,8 @@ step) in its decoding kernel (torch's spent about 150 us per layer on one query 
 prefill kernel, 1.25x torch's fused SDPA on a causal prompt and 2x on rows scattered over it. Without them
 (no C compiler), fp32 runs torch's fused SDPA kernel as `attention_calls` plans, which also describe the
 work of an attention to the cost model.
-bf16 runs `blocked_attention`, two batched matrix products per block of queries: on CPUs with AVX512-BF16 the
+One bf16 query runs the native decoding kernel too, which reads bf16 keys and values and sums in fp32. More bf16
+queries run `blocked_attention`, two batched matrix products per block of queries: on CPUs with AVX512-BF16 the
 fused kernel computes bf16 at fp32's speed (34 ms for SmolLM2's 2048 causal rows, against 15 ms blocked), while
 oneDNN's bf16 products use the bf16 dot-product instructions.
 """
@@ -148,11 +149,10 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
            window: int | None, scale: float) -> torch.Tensor:
     """Rotated queries [n, Hq, D] over rotated keys/values [m, Hkv, D], exact causal mask by position whatever
     the row order (and the sliding window, if any); returns [n, Hq * D]."""
-    if native.runs(q, keys):
-        if q.shape[0] == 1:
-            return _one_query(q, q_pos, keys, values, k_pos, window, scale)
-        if native.prefill_attention_takes(q.shape[-1]):
-            return native.prefill_attention(q, q_pos, keys, values, k_pos, window, scale)
+    if q.shape[0] == 1 and native.decode_attention_runs(q, keys):
+        return _one_query(q, q_pos, keys, values, k_pos, window, scale)
+    if native.runs(q, keys) and native.prefill_attention_takes(q.shape[-1]):
+        return native.prefill_attention(q, q_pos, keys, values, k_pos, window, scale)
     if q.dtype in BLOCKED_DTYPES:
         return blocked_attention(q, q_pos, keys, values, k_pos, window, scale)
     outputs = [_run_fused(call, q, q_pos, keys, values, k_pos, window, scale)

@@ -132,7 +132,7 @@ class KVPool:
             queries = q.new_zeros((span.stop - span.start, *q.shape[1:]))
             queries[step.at] = q
         keys, values = self.keys[layer][span, :, :end], self.values[layer][span, :, :end]
-        if native.runs(q, keys):  # masks by the positions themselves
+        if native.decode_attention_runs(q, keys):  # masks by the positions themselves
             grouped = queries.view(queries.shape[0], keys.shape[1], -1, queries.shape[-1])
             out = native.decode_attention(grouped, keys, values, self.positions[span, :end], step.lengths,
                                           step.positions, window, scale).view(queries.shape[0], -1)

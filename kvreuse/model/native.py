@@ -43,7 +43,7 @@ DISABLE_VARIABLE = "KVREUSE_NATIVE"
 _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
-    "decode_attention": [_POINTER, _POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER,
+    "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER,
                          _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER, _INT],
     "prefill_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT64,
                           _INT64, _INT64, _INT64, ctypes.c_float, _INT64, _POINTER, _POINTER, _INT],
@@ -157,16 +157,30 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                        torch.get_num_threads())
 
 
+# What `decode_attention` reads keys and values as: fp32, or bf16 widened to fp32 as it goes (half the bytes of a
+# step that reads every sequence's KV; its sums are fp32 either way).
+DECODE_KV_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def decode_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `decode_attention` takes these: queries and KV on the CPU, the KV in one of DECODE_KV_DTYPES and
+    the queries in the same dtype or fp32, and the library built."""
+    return (keys.dtype in DECODE_KV_DTYPES and q.dtype in (torch.float32, keys.dtype)
+            and q.device.type == keys.device.type == "cpu" and available())
+
+
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
                      lengths: torch.Tensor, q_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
     """One query position per sequence: q [S, Hkv, G, D] (the G query heads sharing each KV head) over keys and
-    values [S, Hkv, L, D] (any strides but the last; a pool's slots), where sequence s attends its first
-    lengths[s] rows whose positions[s, j] are visible from q_pos[s] (causal, within `window` if given).
-    Returns [S, Hkv, G, D]."""
+    values [S, Hkv, L, D] (fp32 or bf16, any strides but the last; a pool's slots), where sequence s attends its
+    first lengths[s] rows whose positions[s, j] are visible from q_pos[s] (causal, within `window` if given).
+    Returns [S, Hkv, G, D] in q's dtype, summed in fp32."""
     seqs, heads, groups, dim = q.shape
-    if keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(-1) != 1:
-        raise ValueError(f"decode_attention: keys and values must share a layout with rows of contiguous heads, "
-                         f"got {tuple(keys.shape)} {keys.stride()} and {tuple(values.shape)} {values.stride()}")
+    if (keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(-1) != 1
+            or keys.dtype != values.dtype or keys.dtype not in DECODE_KV_DTYPES):
+        raise ValueError(f"decode_attention: keys and values must share a layout with rows of contiguous heads and "
+                         f"a dtype of {DECODE_KV_DTYPES}, got {tuple(keys.shape)} {keys.stride()} {keys.dtype} and "
+                         f"{tuple(values.shape)} {values.stride()} {values.dtype}")
     if positions.stride(-1) != 1 or any(t.dtype != torch.long for t in (positions, lengths, q_pos)):
         raise ValueError("decode_attention: positions (with contiguous rows), lengths and query positions must be "
                          "int64")
@@ -176,16 +190,16 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         raise ValueError(f"decode_attention: keys {tuple(keys.shape)}, positions {tuple(positions.shape)}, lengths "
                          f"{tuple(lengths.shape)} and query positions {tuple(q_pos.shape)} do not hold {seqs} "
                          f"sequences of {heads} heads of {dim} and up to {longest} rows")
-    q, lengths, q_pos = q.contiguous(), lengths.contiguous(), q_pos.contiguous()
-    out = torch.empty_like(q)
+    queries, lengths, q_pos = q.float().contiguous(), lengths.contiguous(), q_pos.contiguous()
+    out = torch.empty_like(queries)
     threads = torch.get_num_threads()
-    scores = q.new_empty(threads * groups * longest)
+    scores = queries.new_empty(threads * groups * longest)
     seq_stride, head_stride, row_stride, _ = keys.stride()
-    library().decode_attention(q.data_ptr(), keys.data_ptr(), values.data_ptr(), seq_stride, head_stride, row_stride,
-                               positions.data_ptr(), positions.stride(0), lengths.data_ptr(), q_pos.data_ptr(), seqs,
-                               heads, groups, dim, longest, window or 0, scale, scores.data_ptr(), out.data_ptr(),
-                               threads)
-    return out
+    library().decode_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.dtype == torch.bfloat16,
+                               seq_stride, head_stride, row_stride, positions.data_ptr(), positions.stride(0),
+                               lengths.data_ptr(), q_pos.data_ptr(), seqs, heads, groups, dim, longest, window or 0,
+                               scale, scores.data_ptr(), out.data_ptr(), threads)
+    return out.to(q.dtype)
 
 
 # Query rows of one task of `prefill_attention`: two register tiles of 6 (4 queries of SmolLM2's 3 query heads per KV

@@ -156,12 +156,14 @@ def _reference_attention(q, keys, values, positions, lengths, q_pos, window, sca
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("groups, dim", [(3, 64), (4, 128), (2, 16), (1, 8)])  # specialised and general
 @pytest.mark.parametrize("window", [None, 5])
-def test_decode_attention_equals_masked_softmax_attention(threads, groups, dim, window):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+def test_decode_attention_equals_masked_softmax_attention(threads, groups, dim, window, kv_dtype):
+    """Keys and values in fp32 or bf16 (the reference reads the same bf16 values, widened), fp32 queries."""
     generator = torch.Generator().manual_seed(groups * dim)
     seqs, heads, capacity = 4, 2, 40
     # a pool's layout: [slots, heads, capacity, dim] with room left over, one sequence's rows out of order
-    keys = torch.randn(seqs + 1, heads, capacity, dim, generator=generator)[1:]
-    values = torch.randn(seqs + 1, heads, capacity, dim, generator=generator)[1:]
+    keys = torch.randn(seqs + 1, heads, capacity, dim, generator=generator)[1:].to(kv_dtype)
+    values = torch.randn(seqs + 1, heads, capacity, dim, generator=generator)[1:].to(kv_dtype)
     positions = torch.arange(capacity).repeat(seqs, 1)
     positions[2, :30] = torch.randperm(30, generator=generator)
     lengths = torch.tensor([1, 17, 30, 33])
@@ -200,6 +202,23 @@ def test_decode_attention_refuses_rows_it_does_not_have():
     with pytest.raises(ValueError, match="share a layout"):
         native.decode_attention(q, keys, keys.transpose(2, 3).contiguous().transpose(2, 3), torch.arange(8)[None],
                                 torch.tensor([8]), torch.tensor([8]), None, 1.0)
+    for keys_as, values_as in [(torch.float16, torch.float16), (torch.bfloat16, torch.float32)]:
+        with pytest.raises(ValueError, match="dtype"):
+            native.decode_attention(q, keys.to(keys_as), keys.to(values_as), torch.arange(8)[None], torch.tensor([8]),
+                                    torch.tensor([8]), None, 1.0)
+
+
+@needs_compiler
+def test_decode_attention_returns_the_queries_dtype():
+    """A bf16 model's query gets a bf16 answer, summed in fp32 and rounded once: the fp32 result of the same
+    inputs, rounded."""
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 3, 64, generator=generator).bfloat16()
+    keys, values = (torch.randn(2, 1, 20, 64, generator=generator).bfloat16() for _ in range(2))
+    args = (torch.arange(20).repeat(2, 1), torch.tensor([20, 11]), torch.tensor([19, 10]), None, 0.125)
+    got = native.decode_attention(q, keys, values, *args)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, native.decode_attention(q.float(), keys, values, *args).bfloat16())
 
 
 def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
@@ -227,9 +246,11 @@ def test_one_query_attends_in_the_decoding_kernel_and_several_in_the_prefill_ker
     assert calls == {"decode_attention": 1, "prefill_attention": 0}
     attend(torch.randn(3, 4, 16), positions[-3:], keys, values, positions, None, 0.25)
     assert calls == {"decode_attention": 1, "prefill_attention": 1}
+    attend(torch.randn(1, 4, 16).bfloat16(), positions[-1:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
+    assert calls == {"decode_attention": 2, "prefill_attention": 1}  # one bf16 query reads bf16 KV in the kernel
     attend(torch.randn(3, 4, 16).bfloat16(), positions[-3:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
     attend(torch.randn(3, 4, 12), positions[-3:], keys[..., :12], values[..., :12], positions, None, 0.25)
-    assert calls == {"decode_attention": 1, "prefill_attention": 1}  # bf16, and heads not whole vectors: torch's
+    assert calls == {"decode_attention": 2, "prefill_attention": 1}  # bf16, and heads not whole vectors: torch's
 
 
 def _reference_prefill(q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
