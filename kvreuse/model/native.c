@@ -2,8 +2,8 @@
    -march=native and loads it with ctypes). Plain C with OpenMP: the compiler vectorises the loops marked simd
    for whatever vector width the CPU has, and the prefill attention's inner products are written with GCC's
    vector types (`vec`: 16 floats with AVX-512, 8 without) so that their sums stay in registers. Every tensor is
-   fp32 (positions and lengths int64; decoding's keys and values may be bf16), read through the strides given,
-   with contiguous rows. */
+   fp32 (positions and lengths int64; decoding's keys and values, and the pointwise steps, may be bf16), read
+   through the strides given, with contiguous rows. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -145,57 +145,100 @@ void decode_attention(const float *q, const void *keys, const void *values, int 
 
 /* ---- pointwise steps of a layer ----------------------------------------------------------------------------
    Each is one pass over its rows where torch runs several ops (a norm: square, mean, add, rsqrt, two products), so
-   a prefill reads and writes its activations once, and a decoding step of a few rows pays one call's overhead. */
+   a prefill reads and writes its activations once, and a decoding step of a few rows pays one call's overhead.
+   Their tensors are all fp32 or all bf16 (`bf16`, a constant in each loop's copy): bf16 is widened as it is read,
+   computed in fp32 and rounded to the nearest bf16 (ties to even) as it is written. */
 
-/* Llama's RMSNorm: out[i] = weight * x[i] / sqrt(mean(x[i]^2) + eps), rows of `width` at the given strides. */
-void rms_norm(const float *x, int64_t x_stride, int64_t n, int64_t width, const float *weight, float eps,
-              float *out, int64_t out_stride, int threads) {
-    #pragma omp parallel for num_threads(n > 1 ? threads : 1) schedule(static)
-    for (int64_t i = 0; i < n; i++) {
-        const float *row = x + i * x_stride;
-        float *to = out + i * out_stride;
-        float squares = 0.f;
-        #pragma omp simd reduction(+:squares)
-        for (int64_t j = 0; j < width; j++) squares += row[j] * row[j];
-        float scale = 1.f / sqrtf(squares / width + eps);
-        #pragma omp simd
-        for (int64_t j = 0; j < width; j++) to[j] = weight[j] * (row[j] * scale);
+/* v rounded to bf16's precision if bf16, else v */
+static inline float rounded_to(float v, const int bf16) {
+    if (!bf16) return v;
+    union { float value; uint32_t bits; } x = {.value = v};
+    x.bits = (x.bits + 0x7fffu + ((x.bits >> 16) & 1u)) & 0xffff0000u;
+    return x.value;
+}
+
+/* element i of base (fp32, or bf16 if bf16) set to v */
+static inline void keep(void *base, int64_t i, float v, const int bf16) {
+    if (bf16) {
+        union { float value; uint32_t bits; } x = {.value = rounded_to(v, 1)};
+        ((uint16_t *)base)[i] = (uint16_t)(x.bits >> 16);
+    } else {
+        ((float *)base)[i] = v;
     }
 }
 
+/* Llama's RMSNorm: out[i] = weight * x[i] / sqrt(mean(x[i]^2) + eps), rows of `width` at the given strides. In bf16
+   the normalised row is rounded before the weight multiplies it, as transformers' module does. */
+static inline __attribute__((always_inline)) void rms_norm_rows(const void *x, int64_t x_stride, int64_t n,
+        int64_t width, const void *weight, float eps, void *out, int64_t out_stride, int threads, const int bf16) {
+    #pragma omp parallel for num_threads(n > 1 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < n; i++) {
+        int64_t row = i * x_stride, to = i * out_stride;
+        float squares = 0.f;
+        #pragma omp simd reduction(+:squares)
+        for (int64_t j = 0; j < width; j++) squares += stored(x, row + j, bf16) * stored(x, row + j, bf16);
+        float scale = 1.f / sqrtf(squares / width + eps);
+        #pragma omp simd
+        for (int64_t j = 0; j < width; j++)
+            keep(out, to + j, stored(weight, j, bf16) * rounded_to(stored(x, row + j, bf16) * scale, bf16), bf16);
+    }
+}
+
+void rms_norm(const void *x, int64_t x_stride, int64_t n, int64_t width, const void *weight, float eps, void *out,
+              int64_t out_stride, int threads, int bf16) {
+    if (bf16) rms_norm_rows(x, x_stride, n, width, weight, eps, out, out_stride, threads, 1);
+    else rms_norm_rows(x, x_stride, n, width, weight, eps, out, out_stride, threads, 0);
+}
+
 /* The gated MLP's activation: out[i, j] = silu(gate[i, j]) * up[i, j], gate and up rows at the given stride (two
-   halves of one product's rows), out contiguous. */
-void silu_mul(const float *gate, const float *up, int64_t stride, int64_t n, int64_t width, float *out,
-              int threads) {
+   halves of one product's rows), out contiguous. In bf16 silu's result is rounded before the product, as torch's
+   two ops do. */
+static inline __attribute__((always_inline)) void silu_mul_rows(const void *gate, const void *up, int64_t stride,
+        int64_t n, int64_t width, void *out, int threads, const int bf16) {
     #pragma omp parallel for num_threads(n * width >= 4096 ? threads : 1) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        const float *g = gate + i * stride, *u = up + i * stride;
-        float *to = out + i * width;
+        int64_t row = i * stride, to = i * width;
         #pragma omp simd
-        for (int64_t j = 0; j < width; j++)  /* e^-g below 88: no infinity where -ffast-math assumes none */
-            to[j] = g[j] / (1.f + expf(fminf(-g[j], 88.f))) * u[j];
+        for (int64_t j = 0; j < width; j++) {  /* e^-g below 88: no infinity where -ffast-math assumes none */
+            float g = stored(gate, row + j, bf16);
+            keep(out, to + j, rounded_to(g / (1.f + expf(fminf(-g, 88.f))), bf16) * stored(up, row + j, bf16), bf16);
+        }
     }
+}
+
+void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64_t width, void *out, int threads,
+              int bf16) {
+    if (bf16) silu_mul_rows(gate, up, stride, n, width, out, threads, 1);
+    else silu_mul_rows(gate, up, stride, n, width, out, threads, 0);
 }
 
 /* RoPE of rows x [n, heads, dim] (row i at i * x_stride, heads contiguous) by their tables cos, sin [n, dim] (row
    i at i * table_stride) into out (row i at i * out_stride, not x's memory): the two halves of each head turn as
-   x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. */
-void rope(const float *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const float *cos,
-          const float *sin, int64_t table_stride, float *out, int64_t out_stride, int threads) {
+   x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. In bf16, rounded once at the end. */
+static inline __attribute__((always_inline)) void rope_rows(const void *x, int64_t x_stride, int64_t n,
+        int64_t heads, int64_t dim, const void *cos, const void *sin, int64_t table_stride, void *out,
+        int64_t out_stride, int threads, const int bf16) {
     int64_t half = dim / 2;
     #pragma omp parallel for num_threads(n * heads * dim >= 4096 ? threads : 1) schedule(static)
     for (int64_t i = 0; i < n; i++) {
-        const float *c = cos + i * table_stride, *s = sin + i * table_stride;
+        int64_t table = i * table_stride;
         for (int64_t h = 0; h < heads; h++) {
-            const float *from = x + i * x_stride + h * dim;
-            float *to = out + i * out_stride + h * dim;
+            int64_t from = i * x_stride + h * dim, to = i * out_stride + h * dim;
             #pragma omp simd
             for (int64_t d = 0; d < half; d++) {
-                to[d] = from[d] * c[d] - from[d + half] * s[d];
-                to[d + half] = from[d + half] * c[d + half] + from[d] * s[d + half];
+                float x1 = stored(x, from + d, bf16), x2 = stored(x, from + d + half, bf16);
+                keep(out, to + d, x1 * stored(cos, table + d, bf16) - x2 * stored(sin, table + d, bf16), bf16);
+                keep(out, to + d + half,
+                     x2 * stored(cos, table + d + half, bf16) + x1 * stored(sin, table + d + half, bf16), bf16);
             }
         }
     }
+}
+
+void rope(const void *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim, const void *cos, const void *sin,
+          int64_t table_stride, void *out, int64_t out_stride, int threads, int bf16) {
+    if (bf16) rope_rows(x, x_stride, n, heads, dim, cos, sin, table_stride, out, out_stride, threads, 1);
+    else rope_rows(x, x_stride, n, heads, dim, cos, sin, table_stride, out, out_stride, threads, 0);
 }
 
 /* ---- prefill attention ------------------------------------------------------------------------------------ */

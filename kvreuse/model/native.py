@@ -49,9 +49,9 @@ _SIGNATURES = {
                           _INT64, _INT64, _INT64, ctypes.c_float, _INT64, _POINTER, _POINTER, _INT],
     "prefill_attention_scratch": [_INT64, _INT64, _INT64, _INT64, _INT64, _INT],
     "prefill_attention_vector_width": [],
-    "rms_norm": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _INT],
-    "silu_mul": [_POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT],
-    "rope": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT],
+    "rms_norm": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _INT, _INT],
+    "silu_mul": [_POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT, _INT],
+    "rope": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT, _INT],
 }
 _RESULTS = {"prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT}
 
@@ -258,31 +258,55 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
 
 
+# What the pointwise kernels (`rms_norm`, `silu_mul`, `rope`) take: all their tensors fp32, or all bf16 (computed in
+# fp32, rounded as written).
+POINTWISE_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def pointwise_runs(*tensors: torch.Tensor) -> bool:
+    """Whether the pointwise kernels take these tensors: one dtype of POINTWISE_DTYPES, on the CPU, the library
+    built."""
+    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in POINTWISE_DTYPES
+            and all(t.device.type == "cpu" for t in tensors) and available())
+
+
+def _pointwise_dtype(kernel: str, *tensors: torch.Tensor) -> bool:
+    """Whether the kernel's tensors are bf16 (else fp32); an error for any other mix."""
+    dtypes = {t.dtype for t in tensors}
+    if len(dtypes) != 1 or tensors[0].dtype not in POINTWISE_DTYPES:
+        raise ValueError(f"{kernel}: tensors of {sorted(map(str, dtypes))}; all must be one of {POINTWISE_DTYPES}")
+    return tensors[0].dtype == torch.bfloat16
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Llama's RMSNorm of rows x [n, width] (any row stride): weight * x / sqrt(mean(x^2) + eps). fp32."""
+    """Llama's RMSNorm of rows x [n, width] (any row stride): weight * x / sqrt(mean(x^2) + eps). fp32 or bf16 (the
+    normalised rows rounded before the weight, as transformers' module does)."""
     if not _rows(x) or weight.shape != x.shape[1:] or not weight.is_contiguous():
         raise ValueError(f"rms_norm: rows {tuple(x.shape)} (strides {x.stride()}) and a weight {tuple(weight.shape)}")
+    bf16 = _pointwise_dtype("rms_norm", x, weight)
     out = torch.empty(x.shape, dtype=x.dtype)
     library().rms_norm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
-                       out.stride(0), torch.get_num_threads())
+                       out.stride(0), torch.get_num_threads(), bf16)
     return out
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up for rows [n, width] of both, which share a row stride (the halves of one product). fp32."""
+    """silu(gate) * up for rows [n, width] of both, which share a row stride (the halves of one product). fp32 or
+    bf16 (silu's result rounded before the product, as torch's two ops do)."""
     if not (_rows(gate) and _rows(up)) or gate.shape != up.shape or gate.stride() != up.stride():
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.stride()} and up {tuple(up.shape)} {up.stride()} "
                          f"must be rows of one shape and layout")
+    bf16 = _pointwise_dtype("silu_mul", gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype)
     library().silu_mul(gate.data_ptr(), up.data_ptr(), gate.stride(0), gate.shape[0], gate.shape[1], out.data_ptr(),
-                       torch.get_num_threads())
+                       torch.get_num_threads(), bf16)
     return out
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE of rows x [n, heads, dim] (heads contiguous, any row stride) by cos and sin [n, dim] (the rows' tables,
     any row stride), into `out` (a new tensor, or rows of another one such as a cache's, never x's memory):
-    x * cos + rotate_half(x) * sin. fp32."""
+    x * cos + rotate_half(x) * sin. fp32 or bf16 (rounded once, as written)."""
     n, heads, dim = x.shape
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)
@@ -291,6 +315,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
             or dim % 2 or out.data_ptr() == x.data_ptr()):
         raise ValueError("rope: " + ", ".join(f"{tuple(t.shape)} {t.stride()}" for t in (x, out, cos, sin))
                          + ": rows of contiguous heads of an even dim, tables [n, dim], out apart from x")
+    bf16 = _pointwise_dtype("rope", x, cos, sin, out)
     library().rope(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
-                   out.data_ptr(), out.stride(0), torch.get_num_threads())
+                   out.data_ptr(), out.stride(0), torch.get_num_threads(), bf16)
     return out

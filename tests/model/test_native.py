@@ -391,47 +391,69 @@ def test_the_runtime_builds_the_kernels_when_it_loads(make_tiny):
     assert native.library.cache_info().currsize == 1
 
 
+def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: within float rounding. bf16: the same dtype, equal almost everywhere and never more than two bf16 steps
+    apart (fp32 maths in another order can land a rounding on the other side, twice where two are chained), so
+    that a rounding done at the wrong place or not at all fails."""
+    assert got.dtype == expected.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-30, rtol=2**-6)
+    assert got.eq(expected).float().mean() > 0.98, got.eq(expected).float().mean()
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 37])
-def test_rms_norm_equals_llamas_module(threads, rows):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rms_norm_equals_llamas_module(threads, rows, dtype):
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
     norm = LlamaRMSNorm(96, eps=1e-5)
     norm.weight.data = torch.randn(96)
+    norm.to(dtype)
     x = torch.randn(rows, 2, 96)[:, 1] * 3  # rows of a wider tensor
     x[0] *= 1e-3  # a row whose mean square is about eps: eps must count
+    x = x.to(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = native.rms_norm(x, norm.weight, norm.variance_epsilon)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, norm(x), atol=1e-6, rtol=1e-5)
+    _assert_matches(got, norm(x))
 
 
 @needs_compiler
 @pytest.mark.parametrize("rows", [1, 40])
-def test_silu_mul_equals_torch_on_the_halves_of_one_product(rows):
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_silu_mul_equals_torch_on_the_halves_of_one_product(rows, dtype):
     product = torch.randn(rows, 2 * 300) * 8
     product[0, :4] = torch.tensor([-100.0, 100.0, -89.0, 0.0])  # e^-g past fp32's range on either side
-    gate, up = product.split(300, -1)
+    gate, up = product.to(dtype).split(300, -1)
     got = native.silu_mul(gate, up)
-    torch.testing.assert_close(got, torch.nn.functional.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    _assert_matches(got, torch.nn.functional.silu(gate) * up)
     assert got[0, :4].isfinite().all()
 
 
 @needs_compiler
-def test_rope_equals_the_rotation_by_halves_into_rows_of_another_tensor():
-    x = torch.randn(30, 12, 16)[:, 3:9]  # the k of a q/k/v product: heads side by side, a wider row
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_equals_the_rotation_by_halves_into_rows_of_another_tensor(dtype):
+    """bf16 is rotated in fp32 and rounded once."""
+    x = torch.randn(30, 12, 16)[:, 3:9].to(dtype)  # the k of a q/k/v product: heads side by side, a wider row
     angles = torch.randn(30, 8)
-    cos, sin = torch.cat([angles.cos()] * 2, -1), torch.cat([angles.sin()] * 2, -1)
-    cache = torch.zeros(50, 6, 16)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    cache = torch.zeros(50, 6, 16, dtype=dtype)
     native.rope(x, cos, sin, out=cache[10:40])
-    rotated = x * cos[:, None] + torch.cat([-x[..., 8:], x[..., :8]], -1) * sin[:, None]
-    torch.testing.assert_close(cache[10:40], rotated, atol=1e-6, rtol=1e-5)
+    wide = [t.float() for t in (x, cos, sin)]
+    rotated = (wide[0] * wide[1][:, None] + torch.cat([-wide[0][..., 8:], wide[0][..., :8]], -1) * wide[2][:, None])
+    _assert_matches(cache[10:40], rotated.to(dtype))
     assert cache[:10].eq(0).all() and cache[40:].eq(0).all()
-    torch.testing.assert_close(native.rope(x, cos, sin), rotated, atol=1e-6, rtol=1e-5)
+    _assert_matches(native.rope(x, cos, sin), rotated.to(dtype))
 
 
 @needs_compiler
@@ -446,6 +468,12 @@ def test_pointwise_kernels_refuse_what_they_cannot_take():
         native.rms_norm(x[:, 0], torch.ones(8), 1e-5)
     with pytest.raises(ValueError, match="one shape and layout"):
         native.silu_mul(torch.randn(4, 8), torch.randn(4, 16)[:, :8])
+    with pytest.raises(ValueError, match="all must be one of"):
+        native.rms_norm(x[:, 0], torch.ones(16, dtype=torch.bfloat16), 1e-5)
+    with pytest.raises(ValueError, match="all must be one of"):
+        native.silu_mul(torch.randn(4, 8).half(), torch.randn(4, 8).half())
+    with pytest.raises(ValueError, match="all must be one of"):
+        native.rope(x, cos, cos, out=torch.empty(4, 2, 16, dtype=torch.bfloat16))
 
 
 @needs_compiler
@@ -457,6 +485,9 @@ def test_a_llama_layer_runs_the_pointwise_kernels_and_gemmas_norms_stay_its_own(
     llama.prefill(torch.arange(5, 25))
     layers = llama.num_layers
     assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": 2 * layers}
+    calls.update(rms_norm=0, silu_mul=0, rope=0)
+    LayerwiseModel(make_tiny("llama").bfloat16()).prefill(torch.arange(5, 25))
+    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": 2 * layers}  # bf16 too
     calls.update(rms_norm=0, silu_mul=0, rope=0)
     LayerwiseModel(make_tiny("gemma3")).prefill(torch.arange(5, 25))
     assert calls["rms_norm"] == 0 and calls["silu_mul"] == 0 and calls["rope"] == 2 * layers
