@@ -3,8 +3,8 @@
 
 fp32 runs kvreuse.model.native's kernels, which mask by position and never build a mask: one query (a decoding
 step) in its decoding kernel (torch's spent about 150 us per layer on one query over 515 keys), more in its
-prefill kernel, 1.25x torch's fused SDPA on a causal prompt and 2x on rows scattered over it. Without them
-(no C compiler), fp32 runs torch's fused SDPA kernel as `attention_calls` plans, which also describe the
+prefill kernel, 1.4-1.8x torch's fused SDPA on a causal prompt and 2.6-2.9x on rows scattered over it. Without
+them (no C compiler), fp32 runs torch's fused SDPA kernel as `attention_calls` plans, which also describe the
 work of an attention to the cost model.
 One bf16 query runs the native decoding kernel too, which reads bf16 keys and values and sums in fp32. More bf16
 queries run `blocked_attention`, two batched matrix products per block of queries: on CPUs with AVX512-BF16 the

@@ -282,7 +282,9 @@ static inline int any_above(vec a, vec b) { return _mm512_cmp_ps_mask((__m512)a,
 #else
 static inline vec larger(vec a, vec b) { return (vec)_mm256_max_ps((__m256)a, (__m256)b); }
 static inline veci rounded(vec a) { return (veci)_mm256_cvtps_epi32((__m256)a); }
-static inline int any_above(vec a, vec b) { return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0; }
+static inline int any_above(vec a, vec b) {
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0;
+}
 #endif
 
 /* e^x for x <= HEADROOM (a score minus its row's running maximum, which may lag behind by that much), as 2^n 2^f
@@ -409,9 +411,9 @@ int64_t prefill_attention_scratch(int64_t keys, int64_t heads, int64_t groups, i
    about half of a square's work whatever the order of rows; a tile every query sees whole is not masked. Keys are
    transposed once per call, so that a score tile is a product of registers over the head dimension.
 
-   On a 2-core Zen 4 EPYC (SmolLM2's 9 query heads over 3 KV heads of 64) this ran 1-4K causal rows 1.17-1.27x
-   faster than torch's fused kernel, and 300 rows scattered over 2069 keys 2.4x faster than its masked call
-   (docs/RESULTS.md, "Native prefill attention"). */
+   On a 2-core Zen 4 EPYC (SmolLM2's 9 query heads over 3 KV heads of 64) this ran 1-4K causal rows 1.4-1.8x
+   faster than torch's fused kernel, and 300 rows scattered over 2069 keys 2.6-2.9x faster than its masked call
+   (docs/RESULTS.md, "Native prefill attention" and "The prefill kernel's keys in blocks"). */
 void prefill_attention(const float *q, int64_t q_stride, const int64_t *qpos, int64_t n, const float *keys,
                        const float *values, int64_t row_stride, const int64_t *kpos, int64_t m, int64_t heads,
                        int64_t groups, int64_t dim, int64_t window, float scale, int64_t block_queries,

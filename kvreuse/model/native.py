@@ -1,7 +1,8 @@
 """Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly: at decoding's sizes, the product
-of a few rows (`few_rows`) and the attention of one query per sequence (`decode_attention`); the attention of
-many queries at any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones); and a
-layer's pointwise steps in one pass each (`rms_norm`, `silu_mul`, `rope`), where torch runs several ops.
+of a few rows (`few_rows`) and the attention of one query per sequence (`decode_attention`, over fp32 or bf16
+KV); the attention of many queries at any positions (`prefill_attention`: a prefill's rows, or a fusion plan's
+selected ones); and a layer's pointwise steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16),
+where torch runs several ops.
 
 The source is compiled on first use with the system's C compiler, `-march=native` (the vector instructions of
 the CPU it runs on), and cached under the kvreuse cache folder, keyed by the source, the flags and the CPU, so a
@@ -43,8 +44,9 @@ DISABLE_VARIABLE = "KVREUSE_NATIVE"
 _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
-    "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER,
-                         _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER, _INT],
+    "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
+                         _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER,
+                         _INT],
     "prefill_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT64,
                           _INT64, _INT64, _INT64, ctypes.c_float, _INT64, _POINTER, _POINTER, _INT],
     "prefill_attention_scratch": [_INT64, _INT64, _INT64, _INT64, _INT64, _INT],
@@ -263,18 +265,21 @@ def _rows(t: torch.Tensor) -> bool:
 POINTWISE_DTYPES = (torch.float32, torch.bfloat16)
 
 
+def _one_pointwise_dtype(tensors: tuple[torch.Tensor, ...]) -> bool:
+    return len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in POINTWISE_DTYPES
+
+
 def pointwise_runs(*tensors: torch.Tensor) -> bool:
     """Whether the pointwise kernels take these tensors: one dtype of POINTWISE_DTYPES, on the CPU, the library
     built."""
-    return (len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in POINTWISE_DTYPES
-            and all(t.device.type == "cpu" for t in tensors) and available())
+    return _one_pointwise_dtype(tensors) and all(t.device.type == "cpu" for t in tensors) and available()
 
 
 def _pointwise_dtype(kernel: str, *tensors: torch.Tensor) -> bool:
     """Whether the kernel's tensors are bf16 (else fp32); an error for any other mix."""
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1 or tensors[0].dtype not in POINTWISE_DTYPES:
-        raise ValueError(f"{kernel}: tensors of {sorted(map(str, dtypes))}; all must be one of {POINTWISE_DTYPES}")
+    if not _one_pointwise_dtype(tensors):
+        raise ValueError(f"{kernel}: tensors of {sorted({str(t.dtype) for t in tensors})}; all must be one of "
+                         f"{POINTWISE_DTYPES}")
     return tensors[0].dtype == torch.bfloat16
 
 

@@ -212,7 +212,8 @@ class LayerwiseModel:
         negation of every row)."""
         kind = self._rope_kind_of_layer[layer]
         cos, sin = rotary.cos[kind], rotary.sin[kind]
-        if native.pointwise_runs(x, cos) and all(native.heads_in_rows(t) for t in (x, out) if t is not None):
+        tensors = [t for t in (x, out) if t is not None]
+        if native.pointwise_runs(cos, *tensors) and all(native.heads_in_rows(t) for t in tensors):
             return native.rope(x, cos[:, 0], sin[:, 0], out)
         half = x.shape[-1] // 2
         out = torch.mul(x, cos, out=out)
