@@ -214,7 +214,8 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
 
 /* RoPE of rows x [n, heads, dim] (row i at i * x_stride, heads contiguous) by their tables cos, sin [n, dim] (row
    i at i * table_stride) into out (row i at i * out_stride, not x's memory): the two halves of each head turn as
-   x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. In bf16, rounded once at the end. */
+   x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1]. In bf16, x * cos is rounded before the other
+   product is added to it, as torch's ops do (the runtime's way without this kernel). */
 static inline __attribute__((always_inline)) void rope_rows(const void *x, int64_t x_stride, int64_t n,
         int64_t heads, int64_t dim, const void *cos, const void *sin, int64_t table_stride, void *out,
         int64_t out_stride, int threads, const int bf16) {
@@ -227,9 +228,10 @@ static inline __attribute__((always_inline)) void rope_rows(const void *x, int64
             #pragma omp simd
             for (int64_t d = 0; d < half; d++) {
                 float x1 = stored(x, from + d, bf16), x2 = stored(x, from + d + half, bf16);
-                keep(out, to + d, x1 * stored(cos, table + d, bf16) - x2 * stored(sin, table + d, bf16), bf16);
-                keep(out, to + d + half,
-                     x2 * stored(cos, table + d + half, bf16) + x1 * stored(sin, table + d + half, bf16), bf16);
+                keep(out, to + d,
+                     rounded_to(x1 * stored(cos, table + d, bf16), bf16) - x2 * stored(sin, table + d, bf16), bf16);
+                keep(out, to + d + half, rounded_to(x2 * stored(cos, table + d + half, bf16), bf16)
+                                         + x1 * stored(sin, table + d + half, bf16), bf16);
             }
         }
     }

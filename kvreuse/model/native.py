@@ -311,7 +311,8 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """RoPE of rows x [n, heads, dim] (heads contiguous, any row stride) by cos and sin [n, dim] (the rows' tables,
     any row stride), into `out` (a new tensor, or rows of another one such as a cache's, never x's memory):
-    x * cos + rotate_half(x) * sin. fp32 or bf16 (rounded once, as written)."""
+    x * cos + rotate_half(x) * sin. fp32 or bf16 (x * cos rounded before the other product is added, as torch's
+    ops do)."""
     n, heads, dim = x.shape
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype)

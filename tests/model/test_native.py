@@ -443,17 +443,19 @@ def test_silu_mul_equals_torch_on_the_halves_of_one_product(rows, dtype):
 @needs_compiler
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_equals_the_rotation_by_halves_into_rows_of_another_tensor(dtype):
-    """bf16 is rotated in fp32 and rounded once."""
+    """The rotation as torch's ops compute it by halves (the runtime's way without the kernel): in bf16, x * cos
+    is rounded before the other half's product is added to it."""
     x = torch.randn(30, 12, 16)[:, 3:9].to(dtype)  # the k of a q/k/v product: heads side by side, a wider row
     angles = torch.randn(30, 8)
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     cache = torch.zeros(50, 6, 16, dtype=dtype)
     native.rope(x, cos, sin, out=cache[10:40])
-    wide = [t.float() for t in (x, cos, sin)]
-    rotated = (wide[0] * wide[1][:, None] + torch.cat([-wide[0][..., 8:], wide[0][..., :8]], -1) * wide[2][:, None])
-    _assert_matches(cache[10:40], rotated.to(dtype))
+    rotated = x * cos[:, None]
+    rotated[..., :8].addcmul_(x[..., 8:], sin[:, None, :8], value=-1)
+    rotated[..., 8:].addcmul_(x[..., :8], sin[:, None, 8:])
+    _assert_matches(cache[10:40], rotated)
     assert cache[:10].eq(0).all() and cache[40:].eq(0).all()
-    _assert_matches(native.rope(x, cos, sin), rotated.to(dtype))
+    _assert_matches(native.rope(x, cos, sin), rotated)
 
 
 @needs_compiler
