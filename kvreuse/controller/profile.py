@@ -117,8 +117,8 @@ class MachineProfile:
 
 # The compute kernels' revision: a profile measured under an earlier one prices compute the runtime no longer
 # runs (2: projections in oneDNN, bf16 attention blocked; 3: a final run of queries attends by diagonal calls; 4:
-# fp32 attention of several queries in the native prefill kernel; 5: that kernel 4-9% faster), so it reads as
-# missing and is measured again.
+# fp32 attention of several queries in the native prefill kernel; 5: that kernel 4-9% faster, and bf16's decoding
+# attention and pointwise steps native), so it reads as missing and is measured again.
 RUNTIME_REVISION = 5
 
 
