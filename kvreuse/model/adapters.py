@@ -54,13 +54,13 @@ class LlamaAdapter:
     def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`."""
         gate, up = linear(x, *_gate_up(mlp)).split(mlp.gate_proj.out_features, -1)
-        if isinstance(mlp.act_fn, SILU) and native.pointwise_runs(gate):
+        if isinstance(mlp.act_fn, SILU) and native.runs_fp32_or_bf16(gate):
             return linear(native.silu_mul(gate, up), mlp.down_proj)
         return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj)  # in place: one buffer fewer to allocate and fill
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`norm(x)` for rows [n, hidden]: in the native kernel when it is Llama's RMSNorm."""
-        if isinstance(norm, PLAIN_RMS_NORMS) and native.pointwise_runs(x, norm.weight):
+        if isinstance(norm, PLAIN_RMS_NORMS) and native.runs_fp32_or_bf16(x, norm.weight):
             return native.rms_norm(x, norm.weight, norm.variance_epsilon)
         return norm(x)
 

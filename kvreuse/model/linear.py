@@ -64,9 +64,10 @@ def linear(rows: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
 
 
 def _native_few_rows(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> bool:
-    return (rows.shape[0] > 0 and rows.dtype == torch.float32 and rows.device.type == "cpu" and native.available()
-            and all(layer.weight.dtype == torch.float32 and layer.weight.is_contiguous()
-                    and (layer.bias is None or layer.bias.dtype == torch.float32) for layer in layers))
+    """Whether native.few_rows takes these: rows and every weight and bias of one dtype it reads (fp32, bf16)."""
+    return (rows.shape[0] > 0 and rows.device.type == "cpu" and all(layer.weight.is_contiguous() for layer in layers)
+            and native.runs_fp32_or_bf16(rows, *(t for layer in layers for t in (layer.weight, layer.bias)
+                                              if t is not None)))
 
 
 def _few_rows(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> torch.Tensor:

@@ -11,46 +11,74 @@
 #include <stdint.h>
 #include <string.h>
 
-/* A few rows x [M, in] through a plain row-major weight w [out, in] (and bias b [out], or NULL):
-   y[m, o] = w[o] . x[m] + b[o], row m of y at y + m * y_stride.
+/* ---- fp32 and bf16 -------------------------------------------------------------------------------------
+   Tensors a kernel takes as fp32 or bf16 are read and written through these; `bf16` is a constant where they
+   are called, so each kernel compiles once per type with no branch in its loops. bf16 is widened as it is
+   read and rounded to the nearest bf16 (ties to even) as it is written; the sums between are fp32. */
 
-   A decoding step of a few sequences is a read of every weight: oneDNN's product of one row reads them at
-   25-33 GB/s on a 2-core Zen 4 EPYC, where a sum over the same bytes runs at 40-58. Here each thread streams
-   its share of the weight's rows once, in order, each row dotted with every x (held in L1). From 4 rows on,
-   oneDNN's product is as fast (kvreuse.model.linear sends it those). M is a constant, so the compiler unrolls
-   it. */
-static inline __attribute__((always_inline)) void rows_through(const float *x, int64_t in, const float *w,
-        int64_t out, const float *b, float *y, int64_t y_stride, int threads, const int M) {
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        const float *row = w + o * in;
-        for (int m = 0; m < M; m++) {
-            const float *xm = x + m * in;
-            float sum = 0.f;
-            #pragma omp simd reduction(+:sum)
-            for (int64_t i = 0; i < in; i++) sum += row[i] * xm[i];
-            y[m * y_stride + o] = b ? sum + b[o] : sum;
-        }
-    }
-}
-
-void few_rows(const float *x, int64_t rows, int64_t in, const float *w, int64_t out, const float *b, float *y,
-              int64_t y_stride, int threads) {
-    switch (rows) {
-        case 1: rows_through(x, in, w, out, b, y, y_stride, threads, 1); break;
-        case 2: rows_through(x, in, w, out, b, y, y_stride, threads, 2); break;
-        case 3: rows_through(x, in, w, out, b, y, y_stride, threads, 3); break;
-    }
-}
-
-/* Element i of keys or values stored as fp32, or as bf16 (the top half of an fp32: widening is a shift). bf16 is a
-   constant where it is called, so each kernel compiles once per storage type with no branch in its loops. */
+/* element i of base, fp32 or bf16 (the top half of an fp32: widening is a shift) */
 static inline float stored(const void *base, int64_t i, const int bf16) {
     if (bf16) {
         union { uint32_t bits; float value; } x = {.bits = (uint32_t)((const uint16_t *)base)[i] << 16};
         return x.value;
     }
     return ((const float *)base)[i];
+}
+
+/* v rounded to bf16's precision if bf16, else v */
+static inline float rounded_to(float v, const int bf16) {
+    if (!bf16) return v;
+    union { float value; uint32_t bits; } x = {.value = v};
+    x.bits = (x.bits + 0x7fffu + ((x.bits >> 16) & 1u)) & 0xffff0000u;
+    return x.value;
+}
+
+/* element i of base (fp32, or bf16 if bf16) set to v */
+static inline void keep(void *base, int64_t i, float v, const int bf16) {
+    if (bf16) {
+        union { float value; uint32_t bits; } x = {.value = rounded_to(v, 1)};
+        ((uint16_t *)base)[i] = (uint16_t)(x.bits >> 16);
+    } else {
+        ((float *)base)[i] = v;
+    }
+}
+
+/* A few rows x [M, in] (fp32) through a plain row-major weight w [out, in] (and bias b [out], or NULL), w, b and y
+   fp32 or bf16: y[m, o] = w[o] . x[m] + b[o], row m of y at y + m * y_stride, summed in fp32.
+
+   A decoding step of a few sequences is a read of every weight: oneDNN's product of one row reads them at
+   25-33 GB/s on a 2-core Zen 4 EPYC, where a sum over the same bytes runs at 40-58. Here each thread streams
+   its share of the weight's rows once, in order, each row dotted with every x (held in L1). From 4 rows on,
+   oneDNN's product is as fast (kvreuse.model.linear sends it those). M is a constant, so the compiler unrolls
+   it. */
+static inline __attribute__((always_inline)) void one_output(const float *x, int64_t in, const void *w, int64_t o,
+        const void *b, void *y, int64_t y_stride, const int M, const int bf16) {
+    for (int m = 0; m < M; m++) {
+        const float *xm = x + m * in;
+        float sum = 0.f;
+        #pragma omp simd reduction(+:sum)
+        for (int64_t i = 0; i < in; i++) sum += stored(w, o * in + i, bf16) * xm[i];
+        keep(y, m * y_stride + o, b ? sum + stored(b, o, bf16) : sum, bf16);
+    }
+}
+
+#define ONE_OUTPUT(M, BF16) one_output(x, in, w, o, b, y, y_stride, M, BF16)
+
+void few_rows(const float *x, int64_t rows, int64_t in, const void *w, int64_t out, const void *b, void *y,
+              int64_t y_stride, int threads, int bf16) {
+    /* the parallel loop is outside the specialised calls: OpenMP outlines its body before inlining, so constants
+       passed into a function holding the loop would reach it as variables */
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t o = 0; o < out; o++) {
+        switch (rows * 2 + (bf16 != 0)) {
+            case 2: ONE_OUTPUT(1, 0); break;
+            case 3: ONE_OUTPUT(1, 1); break;
+            case 4: ONE_OUTPUT(2, 0); break;
+            case 5: ONE_OUTPUT(2, 1); break;
+            case 6: ONE_OUTPUT(3, 0); break;
+            case 7: ONE_OUTPUT(3, 1); break;
+        }
+    }
 }
 
 /* The G query heads q [G, D] that share one KV head, over that head's keys and values (fp32 or bf16; row j's
@@ -146,26 +174,7 @@ void decode_attention(const float *q, const void *keys, const void *values, int 
 /* ---- pointwise steps of a layer ----------------------------------------------------------------------------
    Each is one pass over its rows where torch runs several ops (a norm: square, mean, add, rsqrt, two products), so
    a prefill reads and writes its activations once, and a decoding step of a few rows pays one call's overhead.
-   Their tensors are all fp32 or all bf16 (`bf16`, a constant in each loop's copy): bf16 is widened as it is read,
-   computed in fp32 and rounded to the nearest bf16 (ties to even) as it is written. */
-
-/* v rounded to bf16's precision if bf16, else v */
-static inline float rounded_to(float v, const int bf16) {
-    if (!bf16) return v;
-    union { float value; uint32_t bits; } x = {.value = v};
-    x.bits = (x.bits + 0x7fffu + ((x.bits >> 16) & 1u)) & 0xffff0000u;
-    return x.value;
-}
-
-/* element i of base (fp32, or bf16 if bf16) set to v */
-static inline void keep(void *base, int64_t i, float v, const int bf16) {
-    if (bf16) {
-        union { float value; uint32_t bits; } x = {.value = rounded_to(v, 1)};
-        ((uint16_t *)base)[i] = (uint16_t)(x.bits >> 16);
-    } else {
-        ((float *)base)[i] = v;
-    }
-}
+   Their tensors are all fp32 or all bf16. */
 
 /* Llama's RMSNorm: out[i] = weight * x[i] / sqrt(mean(x[i]^2) + eps), rows of `width` at the given strides. In bf16
    the normalised row is rounded before the weight multiplies it, as transformers' module does. */

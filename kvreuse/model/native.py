@@ -43,7 +43,7 @@ DISABLE_VARIABLE = "KVREUSE_NATIVE"
 
 _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
-    "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
+    "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
                          _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER,
                          _INT],
@@ -148,15 +148,18 @@ FEW_ROWS = 3
 
 
 def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
-    """out [n, out_features] = rows [n, in_features] @ weight.T (+ bias), n <= FEW_ROWS: contiguous fp32 CPU
-    tensors (the caller checks), but `out` may be columns of a wider output (stacked projections side by side)."""
+    """out [n, out_features] = rows [n, in_features] @ weight.T (+ bias), n <= FEW_ROWS, summed in fp32: contiguous
+    CPU tensors (the caller checks), the weight, bias and out all fp32 or all bf16 (the rows are taken as fp32), but
+    `out` may be columns of a wider output (stacked projections side by side)."""
     if (not 1 <= rows.shape[0] <= FEW_ROWS or rows.shape[1] != weight.shape[1] or out.stride(-1) != 1
             or out.shape != (rows.shape[0], weight.shape[0]) or (bias is not None and bias.shape != out.shape[1:])):
         raise ValueError(f"few_rows: {tuple(rows.shape)} rows into {tuple(out.shape)} (stride {out.stride()}) "
                          f"over a weight {tuple(weight.shape)}")
-    library().few_rows(rows.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
+    bf16 = _is_bf16("few_rows", weight, out, *([] if bias is None else [bias]))
+    x = rows.float().contiguous()  # held until the call returns
+    library().few_rows(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
                        None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                       torch.get_num_threads())
+                       torch.get_num_threads(), bf16)
 
 
 # What `decode_attention` reads keys and values as: fp32, or bf16 widened to fp32 as it goes (half the bytes of a
@@ -260,26 +263,26 @@ def _rows(t: torch.Tensor) -> bool:
     return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
 
 
-# What the pointwise kernels (`rms_norm`, `silu_mul`, `rope`) take: all their tensors fp32, or all bf16 (computed in
-# fp32, rounded as written).
-POINTWISE_DTYPES = (torch.float32, torch.bfloat16)
+# What the pointwise kernels (`rms_norm`, `silu_mul`, `rope`) and `few_rows`'s weights take: all fp32, or all bf16
+# (computed in fp32, rounded as written).
+FP32_OR_BF16 = (torch.float32, torch.bfloat16)
 
 
-def _one_pointwise_dtype(tensors: tuple[torch.Tensor, ...]) -> bool:
-    return len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in POINTWISE_DTYPES
+def _one_dtype_of_fp32_or_bf16(tensors: tuple[torch.Tensor, ...]) -> bool:
+    return len({t.dtype for t in tensors}) == 1 and tensors[0].dtype in FP32_OR_BF16
 
 
-def pointwise_runs(*tensors: torch.Tensor) -> bool:
-    """Whether the pointwise kernels take these tensors: one dtype of POINTWISE_DTYPES, on the CPU, the library
-    built."""
-    return _one_pointwise_dtype(tensors) and all(t.device.type == "cpu" for t in tensors) and available()
+def runs_fp32_or_bf16(*tensors: torch.Tensor) -> bool:
+    """Whether the kernels that take fp32 or bf16 (the pointwise ones, `few_rows`) take these tensors: one dtype
+    of FP32_OR_BF16, on the CPU, the library built."""
+    return _one_dtype_of_fp32_or_bf16(tensors) and all(t.device.type == "cpu" for t in tensors) and available()
 
 
-def _pointwise_dtype(kernel: str, *tensors: torch.Tensor) -> bool:
+def _is_bf16(kernel: str, *tensors: torch.Tensor) -> bool:
     """Whether the kernel's tensors are bf16 (else fp32); an error for any other mix."""
-    if not _one_pointwise_dtype(tensors):
+    if not _one_dtype_of_fp32_or_bf16(tensors):
         raise ValueError(f"{kernel}: tensors of {sorted({str(t.dtype) for t in tensors})}; all must be one of "
-                         f"{POINTWISE_DTYPES}")
+                         f"{FP32_OR_BF16}")
     return tensors[0].dtype == torch.bfloat16
 
 
@@ -288,7 +291,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     normalised rows rounded before the weight, as transformers' module does)."""
     if not _rows(x) or weight.shape != x.shape[1:] or not weight.is_contiguous():
         raise ValueError(f"rms_norm: rows {tuple(x.shape)} (strides {x.stride()}) and a weight {tuple(weight.shape)}")
-    bf16 = _pointwise_dtype("rms_norm", x, weight)
+    bf16 = _is_bf16("rms_norm", x, weight)
     out = torch.empty(x.shape, dtype=x.dtype)
     library().rms_norm(x.data_ptr(), x.stride(0), x.shape[0], x.shape[1], weight.data_ptr(), eps, out.data_ptr(),
                        out.stride(0), torch.get_num_threads(), bf16)
@@ -301,7 +304,7 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     if not (_rows(gate) and _rows(up)) or gate.shape != up.shape or gate.stride() != up.stride():
         raise ValueError(f"silu_mul: gate {tuple(gate.shape)} {gate.stride()} and up {tuple(up.shape)} {up.stride()} "
                          f"must be rows of one shape and layout")
-    bf16 = _pointwise_dtype("silu_mul", gate, up)
+    bf16 = _is_bf16("silu_mul", gate, up)
     out = torch.empty(gate.shape, dtype=gate.dtype)
     library().silu_mul(gate.data_ptr(), up.data_ptr(), gate.stride(0), gate.shape[0], gate.shape[1], out.data_ptr(),
                        torch.get_num_threads(), bf16)
@@ -321,7 +324,7 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
             or dim % 2 or out.data_ptr() == x.data_ptr()):
         raise ValueError("rope: " + ", ".join(f"{tuple(t.shape)} {t.stride()}" for t in (x, out, cos, sin))
                          + ": rows of contiguous heads of an even dim, tables [n, dim], out apart from x")
-    bf16 = _pointwise_dtype("rope", x, cos, sin, out)
+    bf16 = _is_bf16("rope", x, cos, sin, out)
     library().rope(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                    out.data_ptr(), out.stride(0), torch.get_num_threads(), bf16)
     return out

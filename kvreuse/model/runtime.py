@@ -213,7 +213,7 @@ class LayerwiseModel:
         kind = self._rope_kind_of_layer[layer]
         cos, sin = rotary.cos[kind], rotary.sin[kind]
         tensors = [t for t in (x, out) if t is not None]
-        if native.pointwise_runs(cos, *tensors) and all(native.heads_in_rows(t) for t in tensors):
+        if native.runs_fp32_or_bf16(cos, *tensors) and all(native.heads_in_rows(t) for t in tensors):
             return native.rope(x, cos[:, 0], sin[:, 0], out)
         half = x.shape[-1] // 2
         out = torch.mul(x, cos, out=out)

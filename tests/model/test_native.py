@@ -17,6 +17,21 @@ from kvreuse.model.linear import linear
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 
 
+def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: within float rounding. bf16: the same dtype, equal almost everywhere and never more than two bf16 steps
+    apart (fp32 maths in another order can land a rounding on the other side, twice where two are chained), so
+    that a rounding done at the wrong place or not at all fails."""
+    assert got.dtype == expected.dtype
+    if got.dtype == torch.float32:
+        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
+        return
+    torch.testing.assert_close(got.float(), expected.float(), atol=1e-30, rtol=2**-6)
+    assert got.eq(expected).float().mean() > 0.98, got.eq(expected).float().mean()
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
 @needs_compiler
 def test_a_machine_with_a_compiler_has_the_kernels():
     assert native.available()
@@ -117,21 +132,39 @@ def test_few_rows_refuses_what_it_cannot_take():
         native.few_rows(torch.randn(2, 5), weight, None, torch.empty(2, 8))
     with pytest.raises(ValueError, match="few_rows"):
         native.few_rows(torch.randn(2, 4), weight, torch.randn(7), torch.empty(2, 8))
+    with pytest.raises(ValueError, match="all must be one of"):
+        native.few_rows(torch.randn(2, 4), weight.bfloat16(), None, torch.empty(2, 8))
+
+
+@needs_compiler
+@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("bias", [False, True])
+def test_few_rows_of_a_bf16_layer_sum_in_fp32_and_round_once(rows, bias):
+    """A bf16 model's weights, bias and output: the fp32 sum of the bf16 products (exact in fp32), plus the bias,
+    rounded once to bf16. bf16 rows are widened first."""
+    weight, x = torch.randn(1000, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+    b = torch.randn(1000).bfloat16() if bias else None
+    out = torch.empty(rows, 1000, dtype=torch.bfloat16)
+    native.few_rows(x, weight, b, out)
+    exact = x.double() @ weight.double().T + (b.double() if bias else 0)
+    _assert_matches(out, exact.bfloat16())
 
 
 @needs_compiler
 @torch.inference_mode()
-def test_a_few_rows_through_stacked_projections_run_the_kernel_once_per_projection(monkeypatch):
-    layers = [nn.Linear(24, 32, bias=False), nn.Linear(24, 8), nn.Linear(24, 8, bias=False)]
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_few_rows_through_stacked_projections_run_the_kernel_once_per_projection(monkeypatch, dtype):
+    layers = [nn.Linear(24, 32, bias=False, dtype=dtype), nn.Linear(24, 8, dtype=dtype),
+              nn.Linear(24, 8, bias=False, dtype=dtype)]
     calls = []
     kernel = native.few_rows
     monkeypatch.setattr(native, "few_rows", lambda *args: calls.append(args) or kernel(*args))
     for rows in range(1, native.FEW_ROWS + 1):
-        x = torch.randn(rows, 24)
+        x = torch.randn(rows, 24, dtype=dtype)
         got = linear(x, *layers)
         assert len(calls) == 3 * rows
-        torch.testing.assert_close(got, torch.cat([layer(x) for layer in layers], -1), atol=1e-5, rtol=1e-5)
-    linear(torch.randn(native.FEW_ROWS + 1, 24), *layers)  # more rows are a matrix product: oneDNN's
+        _assert_matches(got, torch.cat([layer(x) for layer in layers], -1))
+    linear(torch.randn(native.FEW_ROWS + 1, 24, dtype=dtype), *layers)  # more rows are a matrix product: oneDNN's
     assert len(calls) == 3 * native.FEW_ROWS
 
 
@@ -389,21 +422,6 @@ def test_the_runtime_builds_the_kernels_when_it_loads(make_tiny):
     native.library.cache_clear()
     LayerwiseModel(make_tiny("llama"))
     assert native.library.cache_info().currsize == 1
-
-
-def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32: within float rounding. bf16: the same dtype, equal almost everywhere and never more than two bf16 steps
-    apart (fp32 maths in another order can land a rounding on the other side, twice where two are chained), so
-    that a rounding done at the wrong place or not at all fails."""
-    assert got.dtype == expected.dtype
-    if got.dtype == torch.float32:
-        torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-5)
-        return
-    torch.testing.assert_close(got.float(), expected.float(), atol=1e-30, rtol=2**-6)
-    assert got.eq(expected).float().mean() > 0.98, got.eq(expected).float().mean()
-
-
-DTYPES = [torch.float32, torch.bfloat16]
 
 
 @needs_compiler
