@@ -1,9 +1,9 @@
 /* Kernels the runtime compiles for the CPU it runs on (kvreuse/model/native.py builds this file with
    -march=native and loads it with ctypes). Plain C with OpenMP: the compiler vectorises the loops marked simd
    for whatever vector width the CPU has, and the prefill attention's inner products are written with GCC's
-   vector types (`vec`: 16 floats with AVX-512, 8 without) so that their sums stay in registers. Every tensor is
-   fp32 (positions and lengths int64; decoding's keys and values, and the pointwise steps, may be bf16), read
-   through the strides given, with contiguous rows. */
+   vector types (`vec`: 16 floats with AVX-512, 8 without) so that their sums stay in registers. Tensors are
+   fp32, or bf16 for every kernel but the prefill attention (positions and lengths int64), read through the
+   strides given, with contiguous rows. */
 
 #include <immintrin.h>
 #include <math.h>
