@@ -82,6 +82,8 @@ void few_rows(const float *x, int64_t rows, int64_t in, const void *w, int64_t o
     }
 }
 
+#define HIDDEN (-3.0e38f)  /* a masked score; finite, as -ffast-math assumes no infinities */
+
 /* The G query heads q [G, D] that share one KV head, over that head's keys and values (fp32 or bf16; row j's
    element i at offset + j * row_stride + i), rows j < len whose position pos[j] is visible
    (lo_pos < pos[j] <= hi_pos): softmax(q k^T * scale) v into out [G, D], summed in fp32. Scores go through
@@ -91,9 +93,8 @@ static inline __attribute__((always_inline)) void attend_head(
         const float *q, const void *keys, const void *values, int64_t offset, int64_t row_stride, const int64_t *pos,
         int64_t len, int64_t lo_pos, int64_t hi_pos, float scale, float *out, float *scores, int64_t stride,
         const int G, const int D, const int bf16) {
-    const float hidden = -3.0e38f;  /* finite: -ffast-math assumes no infinities */
     float top[G], inverse[G], sums[G * D];
-    for (int g = 0; g < G; g++) top[g] = hidden;
+    for (int g = 0; g < G; g++) top[g] = HIDDEN;
     for (int64_t j = 0; j < len; j++) {
         int64_t key = offset + j * row_stride;
         int visible = pos[j] <= hi_pos && pos[j] > lo_pos;
@@ -101,7 +102,7 @@ static inline __attribute__((always_inline)) void attend_head(
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
             for (int i = 0; i < D; i++) dot += q[g * D + i] * stored(keys, key + i, bf16);
-            dot = visible ? dot * scale : hidden;
+            dot = visible ? dot * scale : HIDDEN;
             scores[g * stride + j] = dot;
             top[g] = dot > top[g] ? dot : top[g];
         }
@@ -110,7 +111,7 @@ static inline __attribute__((always_inline)) void attend_head(
         float *row = scores + g * stride, total = 0.f;
         #pragma omp simd reduction(+:total)
         for (int64_t j = 0; j < len; j++) {
-            float weight = row[j] > 0.5f * hidden ? expf(row[j] - top[g]) : 0.f;
+            float weight = row[j] > 0.5f * HIDDEN ? expf(row[j] - top[g]) : 0.f;
             row[j] = weight;
             total += weight;
         }
@@ -271,7 +272,6 @@ typedef int32_t veci __attribute__((vector_size(VW * 4), aligned(4)));
 #else
 #define SCORE_VECTORS 2
 #endif
-#define HIDDEN (-3.0e38f)  /* a masked score; finite, as -ffast-math assumes no infinities */
 
 static inline vec load(const float *p) { return *(const vec *)p; }
 static inline void store(float *p, vec v) { *(vec *)p = v; }

@@ -143,6 +143,11 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
+# What the kernels read and write besides fp32: bf16, widened as read, summed in fp32 and rounded as written (all
+# but `prefill_attention`).
+FP32_OR_BF16 = (torch.float32, torch.bfloat16)
+
+
 # The most rows `few_rows` takes: from 4 rows on, oneDNN's product is as fast.
 FEW_ROWS = 3
 
@@ -162,15 +167,11 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                        torch.get_num_threads(), bf16)
 
 
-# What `decode_attention` reads keys and values as: fp32, or bf16 widened to fp32 as it goes (half the bytes of a
-# step that reads every sequence's KV; its sums are fp32 either way).
-DECODE_KV_DTYPES = (torch.float32, torch.bfloat16)
-
-
 def decode_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether `decode_attention` takes these: queries and KV on the CPU, the KV in one of DECODE_KV_DTYPES and
-    the queries in the same dtype or fp32, and the library built."""
-    return (keys.dtype in DECODE_KV_DTYPES and q.dtype in (torch.float32, keys.dtype)
+    """Whether `decode_attention` takes these: queries and KV on the CPU, the KV in one of FP32_OR_BF16 (bf16 is
+    half the bytes of a step that reads every sequence's KV; the sums are fp32 either way) and the queries in the
+    same dtype or fp32, and the library built."""
+    return (keys.dtype in FP32_OR_BF16 and q.dtype in (torch.float32, keys.dtype)
             and q.device.type == keys.device.type == "cpu" and available())
 
 
@@ -182,9 +183,9 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     Returns [S, Hkv, G, D] in q's dtype, summed in fp32."""
     seqs, heads, groups, dim = q.shape
     if (keys.shape != values.shape or keys.stride() != values.stride() or keys.stride(-1) != 1
-            or keys.dtype != values.dtype or keys.dtype not in DECODE_KV_DTYPES):
+            or keys.dtype != values.dtype or keys.dtype not in FP32_OR_BF16):
         raise ValueError(f"decode_attention: keys and values must share a layout with rows of contiguous heads and "
-                         f"a dtype of {DECODE_KV_DTYPES}, got {tuple(keys.shape)} {keys.stride()} {keys.dtype} and "
+                         f"a dtype of {FP32_OR_BF16}, got {tuple(keys.shape)} {keys.stride()} {keys.dtype} and "
                          f"{tuple(values.shape)} {values.stride()} {values.dtype}")
     if positions.stride(-1) != 1 or any(t.dtype != torch.long for t in (positions, lengths, q_pos)):
         raise ValueError("decode_attention: positions (with contiguous rows), lengths and query positions must be "
@@ -261,11 +262,6 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
 def _rows(t: torch.Tensor) -> bool:
     """Whether a 2-d tensor's rows are contiguous (any row stride)."""
     return t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1)
-
-
-# What the pointwise kernels (`rms_norm`, `silu_mul`, `rope`) and `few_rows`'s weights take: all fp32, or all bf16
-# (computed in fp32, rounded as written).
-FP32_OR_BF16 = (torch.float32, torch.bfloat16)
 
 
 def _one_dtype_of_fp32_or_bf16(tensors: tuple[torch.Tensor, ...]) -> bool:
