@@ -118,8 +118,9 @@ class MachineProfile:
 # The compute kernels' revision: a profile measured under an earlier one prices compute the runtime no longer
 # runs (2: projections in oneDNN, bf16 attention blocked; 3: a final run of queries attends by diagonal calls; 4:
 # fp32 attention of several queries in the native prefill kernel; 5: that kernel 4-9% faster, and bf16's decoding
-# attention and pointwise steps native), so it reads as missing and is measured again.
-RUNTIME_REVISION = 5
+# attention and pointwise steps native; 6: bf16 attention of several queries in the native prefill kernel where
+# built with AVX512-BF16), so it reads as missing and is measured again.
+RUNTIME_REVISION = 6
 
 
 def profile_path(model: str, dtype: str) -> Path:

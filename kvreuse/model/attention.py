@@ -7,9 +7,10 @@ prefill kernel, 1.4-1.8x torch's fused SDPA on a causal prompt and 2.6-2.9x on r
 them (no C compiler), fp32 runs torch's fused SDPA kernel as `attention_calls` plans, which also describe the
 work of an attention to the cost model.
 One bf16 query runs the native decoding kernel too, which reads bf16 keys and values and sums in fp32. More bf16
-queries run `blocked_attention`, two batched matrix products per block of queries: on CPUs with AVX512-BF16 the
-fused kernel computes bf16 at fp32's speed (34 ms for SmolLM2's 2048 causal rows, against 15 ms blocked), while
-oneDNN's bf16 products use the bf16 dot-product instructions.
+queries run the native prefill kernel where it was built with AVX512-BF16 (both products in the bf16
+dot-product instruction: 15 ms for SmolLM2's 2048 causal rows, against 26 ms for the fp32 kernel and for
+`blocked_attention`), else `blocked_attention`, two batched matrix products per block of queries, whose bf16
+products use those instructions through oneDNN where torch's fused kernel computes bf16 at fp32's speed.
 """
 
 from __future__ import annotations
@@ -138,7 +139,8 @@ def _query_groups(q_pos: torch.Tensor, window: int | None) -> list[AttentionCall
     return calls if sum(c.scores for c in calls) < GROUPS_MUST_SAVE * one.scores else [one]
 
 
-# Dtypes attended by `blocked_attention` instead of the fused kernel (see the module's docstring).
+# Dtypes attended by `blocked_attention` instead of the fused kernel, where the native one does not take them
+# (see the module's docstring).
 BLOCKED_DTYPES = (torch.bfloat16,)
 # Queries per block: their scores over every visible key ([kv heads, 64 x query groups, keys]) stay small
 # enough to be cached between the two products; 32-256 measured 1.1-1.4x slower than 64 at 1-4K tokens.
@@ -151,7 +153,7 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
     the row order (and the sliding window, if any); returns [n, Hq * D]."""
     if q.shape[0] == 1 and native.decode_attention_runs(q, keys):
         return _one_query(q, q_pos, keys, values, k_pos, window, scale)
-    if native.runs(q, keys) and native.prefill_attention_takes(q.shape[-1]):
+    if native.prefill_attention_runs(q, keys, values):
         return native.prefill_attention(q, q_pos, keys, values, k_pos, window, scale)
     if q.dtype in BLOCKED_DTYPES:
         return blocked_attention(q, q_pos, keys, values, k_pos, window, scale)

@@ -282,8 +282,10 @@ def test_one_query_attends_in_the_decoding_kernel_and_several_in_the_prefill_ker
     attend(torch.randn(1, 4, 16).bfloat16(), positions[-1:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
     assert calls == {"decode_attention": 2, "prefill_attention": 1}  # one bf16 query reads bf16 KV in the kernel
     attend(torch.randn(3, 4, 16).bfloat16(), positions[-3:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
+    bf16 = torch.bfloat16 in native.prefill_attention_dtypes()  # built with AVX512-BF16
+    assert calls == {"decode_attention": 2, "prefill_attention": 1 + bf16}
     attend(torch.randn(3, 4, 12), positions[-3:], keys[..., :12], values[..., :12], positions, None, 0.25)
-    assert calls == {"decode_attention": 2, "prefill_attention": 1}  # bf16, and heads not whole vectors: torch's
+    assert calls == {"decode_attention": 2, "prefill_attention": 1 + bf16}  # heads not whole vectors: torch's
 
 
 def _reference_prefill(q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
@@ -330,6 +332,53 @@ def test_prefill_attention_equals_masked_softmax_attention(threads, heads, group
             assert got[0].eq(0).all()
 
 
+needs_bf16_attention = pytest.mark.skipif(
+    not native.available() or torch.bfloat16 not in native.prefill_attention_dtypes(),
+    reason="the prefill kernel takes bf16 only where built with AVX512-BF16")
+
+
+@needs_compiler
+@needs_bf16_attention
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads, groups, dim", [(3, 3, 64), (2, 1, 16), (1, 4, 256), (2, 8, 128)])
+@pytest.mark.parametrize("window", [None, 37])
+def test_bf16_prefill_attention_rounds_only_its_weights_and_its_output(threads, heads, groups, dim, window):
+    """bf16 queries, keys and values: scores exact up to fp32 summation, the weights rounded to bf16 for the
+    product with the values, the output rounded once. Against fp64 attention of the same bf16 inputs that is
+    about the output's own rounding (mean 8e-4 here); torch's bf16 products, which round the scores too, are
+    three times as far, and a key masked wrongly moves an output by tenths."""
+    generator = torch.Generator().manual_seed(heads * groups * dim)
+    for layout, (q_pos, k_pos) in _prefill_layouts(generator).items():
+        cache = torch.randn(k_pos.numel(), 2, heads + 1, dim, generator=generator).bfloat16()
+        keys, values = cache[:, 0, :heads], cache[:, 1, :heads]  # read in place, at the cache's row stride
+        q = torch.randn(q_pos.numel(), heads * groups, dim, generator=generator).bfloat16()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            got = native.prefill_attention(q, q_pos, keys, values, k_pos, window, dim**-0.5)
+        finally:
+            torch.set_num_threads(before)
+        assert got.dtype == torch.bfloat16
+        error = (got.double() - _reference_prefill(q, q_pos, keys, values, k_pos, window, dim**-0.5)).abs()
+        assert error.max() < 2e-2 and error.mean() < 2e-3, (layout, error.max(), error.mean())
+        if layout == "blind":
+            assert got[0].eq(0).all()
+
+
+@needs_compiler
+@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_attention)])
+def test_prefill_attention_never_reads_scratch_it_has_not_written(monkeypatch, dtype):
+    """The kernel's scratch comes uninitialised. Filled with NaN instead, it changes nothing: the tiles past the
+    last key are zeros the kernel wrote, not whatever the memory held (a masked weight of 0 times a NaN is a NaN)."""
+    generator = torch.Generator().manual_seed(5)
+    q_pos, k_pos = torch.arange(60, 203), torch.arange(203)  # 203 keys: the last tile is partly past them
+    keys, values = torch.randn(2, 203, 3, 64, generator=generator).to(dtype)
+    q = torch.randn(q_pos.numel(), 9, 64, generator=generator).to(dtype)
+    clean = native.prefill_attention(q, q_pos, keys, values, k_pos, None, 0.125)
+    monkeypatch.setattr(native, "_scratch", lambda nbytes: torch.full((nbytes,), 255, dtype=torch.uint8))
+    assert torch.equal(native.prefill_attention(q, q_pos, keys, values, k_pos, None, 0.125), clean)
+
+
 @needs_compiler
 @pytest.mark.parametrize("step", [0.05, 0.5, 3.0])
 def test_prefill_attention_follows_a_maximum_that_keeps_growing(step):
@@ -356,6 +405,7 @@ def test_prefill_attention_is_exact_with_half_as_wide_vectors(tmp_path, monkeypa
     native.library.cache_clear()
     try:
         assert native.library().prefill_attention_vector_width() == 8
+        assert native.prefill_attention_dtypes() == (torch.float32,)  # no AVX512-BF16 without AVX-512
         generator = torch.Generator().manual_seed(8)
         for q_pos, k_pos in _prefill_layouts(generator).values():
             keys, values = torch.randn(2, k_pos.numel(), 3, 64, generator=generator)
@@ -392,8 +442,10 @@ def test_prefill_attention_refuses_what_it_cannot_take():
                                  None, 1.0)
     with pytest.raises(ValueError, match="divide the queries"):
         native.prefill_attention(torch.randn(4, 5, 64), positions[:4], keys, keys, positions, None, 1.0)
-    with pytest.raises(ValueError, match="all fp32"):
+    with pytest.raises(ValueError, match="all one of"):
         native.prefill_attention(q.bfloat16(), positions[:4], keys, keys, positions, None, 1.0)
+    with pytest.raises(ValueError, match="all one of"):
+        native.prefill_attention(q.half(), positions[:4], keys.half(), keys.half(), positions, None, 1.0)
     with pytest.raises(ValueError, match="whole vectors"):
         narrow = keys[..., :12].contiguous()
         native.prefill_attention(q[..., :12], positions[:4], narrow, narrow, positions, None, 1.0)
