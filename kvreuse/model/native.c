@@ -82,6 +82,59 @@ void few_rows(const float *x, int64_t rows, int64_t in, const void *w, int64_t o
     }
 }
 
+/* ---- vectors ------------------------------------------------------------------------------------------
+   GCC's vector types (`vec`: 16 floats with AVX-512, 8 without), for the attention kernels' softmax and the
+   prefill attention's register tiles. */
+
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
+typedef int32_t veci __attribute__((vector_size(VW * 4), aligned(4)));
+
+static inline vec load(const float *p) { return *(const vec *)p; }
+static inline void store(float *p, vec v) { *(vec *)p = v; }
+static inline vec splat(float x) { return (vec){} + x; }
+
+/* a where the comparison m holds (lanes of all ones), b elsewhere */
+static inline vec pick(veci m, vec a, vec b) {
+    union { vec f; veci i; } x = {.f = a}, y = {.f = b}, r;
+    r.i = (x.i & m) | (y.i & ~m);
+    return r.f;
+}
+
+/* what GCC's vector types do not spell: a lane-wise maximum, rounding to the nearest integer (cvtps2dq, one
+   instruction), and whether any lane of a is above b's */
+#if VW == 16
+static inline vec larger(vec a, vec b) { return (vec)_mm512_max_ps((__m512)a, (__m512)b); }
+static inline veci rounded(vec a) { return (veci)_mm512_cvtps_epi32((__m512)a); }
+static inline int any_above(vec a, vec b) { return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0; }
+#else
+static inline vec larger(vec a, vec b) { return (vec)_mm256_max_ps((__m256)a, (__m256)b); }
+static inline veci rounded(vec a) { return (veci)_mm256_cvtps_epi32((__m256)a); }
+static inline int any_above(vec a, vec b) {
+    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0;
+}
+#endif
+
+/* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag
+   behind by HEADROOM), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the 6th power (relative error ~3e-7).
+   Inline: a call to the vector maths library saves and restores the registers the tiles live in. Scores are not
+   taken to base 2 before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding.
+   Below e^-87 it returns 2^-126, which adds nothing to a sum that holds a 1. */
+static inline vec exp_of_score(vec x) {
+    x = larger(x * 1.4426950408889634f, splat(-126.f));
+    veci n = rounded(x);
+    vec f = x - __builtin_convertvector(n, vec);
+    vec p = splat(1.5403530393381606e-4f);
+    p = p * f + 1.3333558146428443e-3f; p = p * f + 9.618129107628477e-3f; p = p * f + 5.550410866482158e-2f;
+    p = p * f + 0.2402265069591007f; p = p * f + 0.6931471805599453f; p = p * f + 1.f;
+    union { veci i; vec f; } two_n = {.i = (n + 127) << 23};
+    return p * two_n.f;
+}
+
 #define HIDDEN (-3.0e38f)  /* a masked score; finite, as -ffast-math assumes no infinities */
 
 /* The G query heads q [G, D] that share one KV head, over that head's keys and values (fp32 or bf16; row j's
@@ -107,11 +160,18 @@ static inline __attribute__((always_inline)) void attend_head(
             top[g] = dot > top[g] ? dot : top[g];
         }
     }
-    for (int g = 0; g < G; g++) {
+    for (int g = 0; g < G; g++) {  /* e^x inline: libm's expf took 30% of the kernel */
         float *row = scores + g * stride, total = 0.f;
-        #pragma omp simd reduction(+:total)
-        for (int64_t j = 0; j < len; j++) {
-            float weight = row[j] > 0.5f * HIDDEN ? expf(row[j] - top[g]) : 0.f;
+        vec sums = (vec){}, shift = splat(top[g]);
+        int64_t j = 0;
+        for (; j + VW <= len; j += VW) {
+            vec x = load(row + j), weight = pick(x > splat(0.5f * HIDDEN), exp_of_score(x - shift), (vec){});
+            store(row + j, weight);
+            sums += weight;
+        }
+        for (int i = 0; i < VW; i++) total += sums[i];
+        for (; j < len; j++) {
+            float weight = row[j] > 0.5f * HIDDEN ? exp_of_score(splat(row[j] - top[g]))[0] : 0.f;
             row[j] = weight;
             total += weight;
         }
@@ -255,14 +315,6 @@ void rope(const void *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim
 
 /* ---- prefill attention ------------------------------------------------------------------------------------ */
 
-#if defined(__AVX512F__)
-#define VW 16
-#else
-#define VW 8
-#endif
-typedef float vec __attribute__((vector_size(VW * 4), aligned(4)));
-typedef int32_t veci __attribute__((vector_size(VW * 4), aligned(4)));
-
 #define KEY_TILE 64   /* keys per tile: one row of scores is KEY_TILE / VW vectors */
 #define TILE_ROWS 6   /* query rows per register tile: 6 x SCORE_VECTORS score vectors, or 6 x 4 output vectors */
 /* Vectors of keys a score tile sums at once: 6 x 4 sums fill AVX-512's 32 registers with room for the keys (5-7%
@@ -272,47 +324,6 @@ typedef int32_t veci __attribute__((vector_size(VW * 4), aligned(4)));
 #else
 #define SCORE_VECTORS 2
 #endif
-
-static inline vec load(const float *p) { return *(const vec *)p; }
-static inline void store(float *p, vec v) { *(vec *)p = v; }
-static inline vec splat(float x) { return (vec){} + x; }
-
-/* a where the comparison m holds (lanes of all ones), b elsewhere */
-static inline vec pick(veci m, vec a, vec b) {
-    union { vec f; veci i; } x = {.f = a}, y = {.f = b}, r;
-    r.i = (x.i & m) | (y.i & ~m);
-    return r.f;
-}
-
-/* what GCC's vector types do not spell: a lane-wise maximum, rounding to the nearest integer (cvtps2dq, one
-   instruction), and whether any lane of a is above b's */
-#if VW == 16
-static inline vec larger(vec a, vec b) { return (vec)_mm512_max_ps((__m512)a, (__m512)b); }
-static inline veci rounded(vec a) { return (veci)_mm512_cvtps_epi32((__m512)a); }
-static inline int any_above(vec a, vec b) { return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0; }
-#else
-static inline vec larger(vec a, vec b) { return (vec)_mm256_max_ps((__m256)a, (__m256)b); }
-static inline veci rounded(vec a) { return (veci)_mm256_cvtps_epi32((__m256)a); }
-static inline int any_above(vec a, vec b) {
-    return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0;
-}
-#endif
-
-/* e^x for x <= HEADROOM (a score minus its row's running maximum, which may lag behind by that much), as 2^n 2^f
-   with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the 6th power (relative error ~3e-7).
-   Inline: a call to the vector maths library saves and restores the registers the tiles live in. Scores are not
-   taken to base 2 before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding.
-   Below e^-87 it returns 2^-126, which adds nothing to a sum that holds a 1. */
-static inline vec exp_of_score(vec x) {
-    x = larger(x * 1.4426950408889634f, splat(-126.f));
-    veci n = rounded(x);
-    vec f = x - __builtin_convertvector(n, vec);
-    vec p = splat(1.5403530393381606e-4f);
-    p = p * f + 1.3333558146428443e-3f; p = p * f + 9.618129107628477e-3f; p = p * f + 5.550410866482158e-2f;
-    p = p * f + 0.2402265069591007f; p = p * f + 0.6931471805599453f; p = p * f + 1.f;
-    union { veci i; vec f; } two_n = {.i = (n + 127) << 23};
-    return p * two_n.f;
-}
 
 /* scores [TILE_ROWS, KEY_TILE] (row stride KEY_TILE): queries q [TILE_ROWS, dim] times the transposed keys
    kt [dim, ...] (row stride kt_stride), SCORE_VECTORS vectors of keys at a time, their sums in registers */
