@@ -44,6 +44,8 @@ DISABLE_VARIABLE = "KVREUSE_NATIVE"
 _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
+    "few_rows_dot": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
+    "few_rows_takes_bf16_rows": [],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
                          _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER,
                          _INT],
@@ -56,7 +58,9 @@ _SIGNATURES = {
     "silu_mul": [_POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT, _INT],
     "rope": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT, _INT],
 }
-_RESULTS = {"prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
+# Kernels native.c builds only where the CPU has AVX512-BF16.
+_BUILT_WITH_BF16_DOT = {"few_rows_dot"}
+_RESULTS = {"few_rows_takes_bf16_rows": _INT, "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
             "prefill_attention_takes_bf16": _INT}
 
 
@@ -103,6 +107,8 @@ def library() -> ctypes.CDLL | None:
         log.warning("native kernels unavailable, using torch's: %s", error)
         return None
     for name, argtypes in _SIGNATURES.items():
+        if name in _BUILT_WITH_BF16_DOT and not lib.few_rows_takes_bf16_rows():
+            continue
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = _RESULTS.get(name)
     return lib
@@ -151,17 +157,24 @@ FEW_ROWS = 3
 
 def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [n, out_features] = rows [n, in_features] @ weight.T (+ bias), n <= FEW_ROWS, summed in fp32: contiguous
-    CPU tensors (the caller checks), the weight, bias and out all fp32 or all bf16 (the rows are taken as fp32), but
-    `out` may be columns of a wider output (stacked projections side by side)."""
+    CPU tensors (the caller checks), the weight, bias and out all fp32 or all bf16 (the rows are taken as fp32:
+    bf16 rows through a bf16 layer multiply in the bf16 dot-product instruction where it is built, which is
+    exact), but `out` may be columns of a wider output (stacked projections side by side)."""
     if (not 1 <= rows.shape[0] <= FEW_ROWS or rows.shape[1] != weight.shape[1] or out.stride(-1) != 1
             or out.shape != (rows.shape[0], weight.shape[0]) or (bias is not None and bias.shape != out.shape[1:])):
         raise ValueError(f"few_rows: {tuple(rows.shape)} rows into {tuple(out.shape)} (stride {out.stride()}) "
                          f"over a weight {tuple(weight.shape)}")
     bf16 = _is_bf16("few_rows", weight, out, *([] if bias is None else [bias]))
-    x = rows.float().contiguous()  # held until the call returns
-    library().few_rows(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
-                       None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                       torch.get_num_threads(), bf16)
+    lib, threads = library(), torch.get_num_threads()
+    bias_pointer = None if bias is None else bias.data_ptr()
+    if bf16 and rows.dtype == torch.bfloat16 and lib.few_rows_takes_bf16_rows():
+        x = rows.contiguous()  # held until the call returns
+        lib.few_rows_dot(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0], bias_pointer,
+                         out.data_ptr(), out.stride(0), threads)
+        return
+    x = rows.float().contiguous()
+    lib.few_rows(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0], bias_pointer,
+                 out.data_ptr(), out.stride(0), threads, bf16)
 
 
 def decode_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:

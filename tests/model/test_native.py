@@ -137,17 +137,48 @@ def test_few_rows_refuses_what_it_cannot_take():
 
 
 @needs_compiler
-@pytest.mark.parametrize("rows", [1, 3])
+@pytest.mark.parametrize("rows", [1, 2, 3])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_of_a_bf16_layer_sum_in_fp32_and_round_once(rows, bias):
-    """A bf16 model's weights, bias and output: the fp32 sum of the bf16 products (exact in fp32), plus the bias,
-    rounded once to bf16. bf16 rows are widened first."""
-    weight, x = torch.randn(1000, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+@pytest.mark.parametrize("in_features", [576, 100])  # 100: a last partial vector of 32 pairs
+@pytest.mark.parametrize("rows_dtype", DTYPES)
+def test_few_rows_of_a_bf16_layer_sum_in_fp32_and_round_once(rows, bias, in_features, rows_dtype):
+    """A bf16 model's weights, bias and output: the fp32 sum of the products (exact in fp32), plus the bias,
+    rounded once to bf16. bf16 rows multiply as they are (the dot-product kernel, where built), fp32 rows are not
+    rounded to bf16 on the way."""
+    weight = torch.randn(1000, in_features).bfloat16()
+    x = torch.randn(rows, in_features).to(rows_dtype)
     b = torch.randn(1000).bfloat16() if bias else None
-    out = torch.empty(rows, 1000, dtype=torch.bfloat16)
-    native.few_rows(x, weight, b, out)
+    out = torch.full((rows, 1003), float("nan"), dtype=torch.bfloat16)  # columns of a wider output
+    native.few_rows(x, weight, b, out[:, 1:1001])
     exact = x.double() @ weight.double().T + (b.double() if bias else 0)
-    _assert_matches(out, exact.bfloat16())
+    _assert_matches(out[:, 1:1001], exact.bfloat16())
+    assert out[:, 0].isnan().all() and out[:, -2:].isnan().all()  # nothing written outside its columns
+
+
+@needs_compiler
+@pytest.mark.skipif(not native.available() or not native.library().few_rows_takes_bf16_rows(),
+                    reason="the bf16 dot-product kernel is built only with AVX512-BF16")
+def test_bf16_rows_through_a_bf16_layer_run_the_dot_product_kernel(monkeypatch):
+    calls = []
+    lib = native.library()
+    monkeypatch.setattr(native, "library", lambda: _Recording(lib, calls))
+    weight, out = torch.randn(8, 64).bfloat16(), torch.empty(2, 8, dtype=torch.bfloat16)
+    native.few_rows(torch.randn(2, 64).bfloat16(), weight, None, out)
+    native.few_rows(torch.randn(2, 64), weight, None, out)
+    assert calls == ["few_rows_dot", "few_rows"]
+
+
+class _Recording:
+    """A library whose kernel calls are recorded by name."""
+
+    def __init__(self, lib, calls: list[str]):
+        self.lib, self.calls = lib, calls
+
+    def __getattr__(self, name):
+        kernel = getattr(self.lib, name)
+        if not name.startswith("few_rows") or name == "few_rows_takes_bf16_rows":
+            return kernel
+        return lambda *args: self.calls.append(name) or kernel(*args)
 
 
 @needs_compiler
