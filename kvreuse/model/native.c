@@ -173,8 +173,9 @@ static inline int any_above(vec a, vec b) {
 #endif
 
 /* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag
-   behind by HEADROOM), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the 6th power (relative error ~3e-7).
-   Inline: a call to the vector maths library saves and restores the registers the tiles live in. Scores are not
+   behind by HEADROOM), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the
+   6th power (relative error ~3e-7). Inline: a call to the vector maths library saves and restores the registers
+   the tiles live in, and libm's expf held 30% of the decoding kernel's time. Scores are not
    taken to base 2 before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding.
    Below e^-87 it returns 2^-126, which adds nothing to a sum that holds a 1. */
 static inline vec exp_of_score(vec x) {
@@ -213,7 +214,7 @@ static inline __attribute__((always_inline)) void attend_head(
             top[g] = dot > top[g] ? dot : top[g];
         }
     }
-    for (int g = 0; g < G; g++) {  /* e^x inline: libm's expf took 30% of the kernel */
+    for (int g = 0; g < G; g++) {
         float *row = scores + g * stride, total = 0.f;
         vec sums = (vec){}, shift = splat(top[g]);
         int64_t j = 0;

@@ -60,8 +60,8 @@ _SIGNATURES = {
 }
 # Kernels native.c builds only where the CPU has AVX512-BF16.
 _BUILT_WITH_BF16_DOT = {"few_rows_dot"}
-_RESULTS = {"few_rows_takes_bf16_rows": _INT, "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
-            "prefill_attention_takes_bf16": _INT}
+_RESULTS = {"few_rows_takes_bf16_rows": _INT, "prefill_attention_scratch": _INT64,
+            "prefill_attention_vector_width": _INT, "prefill_attention_takes_bf16": _INT}
 
 
 class NativeBuildError(RuntimeError):
@@ -146,8 +146,9 @@ def _cpu_identity() -> str:
     return "\n".join(sorted(set(wanted)))
 
 
-# What the kernels read and write besides fp32: bf16, widened as read, summed in fp32 and rounded as written
-# (`prefill_attention` takes bf16 only on CPUs with AVX512-BF16, and multiplies it as it is).
+# What the kernels read and write besides fp32: bf16, widened as read, summed in fp32 and rounded as written. On
+# CPUs with AVX512-BF16, `prefill_attention` (which takes bf16 only there) and `few_rows` of bf16 rows multiply
+# bf16 as it is, in the bf16 dot-product instruction (exact products, fp32 sums).
 FP32_OR_BF16 = (torch.float32, torch.bfloat16)
 
 
@@ -157,9 +158,9 @@ FEW_ROWS = 3
 
 def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [n, out_features] = rows [n, in_features] @ weight.T (+ bias), n <= FEW_ROWS, summed in fp32: contiguous
-    CPU tensors (the caller checks), the weight, bias and out all fp32 or all bf16 (the rows are taken as fp32:
-    bf16 rows through a bf16 layer multiply in the bf16 dot-product instruction where it is built, which is
-    exact), but `out` may be columns of a wider output (stacked projections side by side)."""
+    CPU tensors (the caller checks), the weight, bias and out all fp32 or all bf16 (rows of either dtype are
+    multiplied as they are: bf16 rows through a bf16 layer in the bf16 dot-product instruction where it is built,
+    else widened), but `out` may be columns of a wider output (stacked projections side by side)."""
     if (not 1 <= rows.shape[0] <= FEW_ROWS or rows.shape[1] != weight.shape[1] or out.stride(-1) != 1
             or out.shape != (rows.shape[0], weight.shape[0]) or (bias is not None and bias.shape != out.shape[1:])):
         raise ValueError(f"few_rows: {tuple(rows.shape)} rows into {tuple(out.shape)} (stride {out.stride()}) "
