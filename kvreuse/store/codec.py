@@ -304,7 +304,10 @@ class EntryReader:
             for gi in range(a, b):
                 start_of[gi] = loaded
                 loaded += min((gi + 1) * g, T) - gi * g
-        return _RowPlan(runs, loaded, torch.from_numpy(start_of[group_of] + r % g))
+        local = start_of[group_of] + r % g
+        if len(local) == loaded and np.array_equal(local, np.arange(loaded)):  # whole groups, in order: no pick
+            return _RowPlan(runs, loaded, None)
+        return _RowPlan(runs, loaded, torch.from_numpy(local))
 
     def _read_kv(self, kv: str, layers: range, plan: _RowPlan) -> torch.Tensor:
         values = self._read_rows(kv, "", layers, plan)
