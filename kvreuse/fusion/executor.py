@@ -27,6 +27,10 @@ from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
 from kvreuse.store.base import KVStore, metered
 
 
+# Layers of a span one inline read takes (a thread reading ahead takes one: its reads overlap the compute).
+INLINE_LAYERS_PER_READ = 6
+
+
 class StoredKVMissing(RuntimeError):
     """A stored entry the plan relies on could not be read (evicted or damaged since the lookup)."""
 
@@ -88,13 +92,17 @@ class LayerLoader:
     layer-wise lets it read its upper layers while the lower ones compute, as CacheFlow's layer pointer does.
     Inline, `take` reads the layer on the caller's thread: on a CPU host a read that is CPU work itself (a
     memory or page-cached disk tier) gains nothing from overlap and a thread beside the compute's threads only
-    slows both (kvreuse.store.base, `reads_wait`). At most `lookahead` layers of stored KV are alive at a time.
+    slows both (kvreuse.store.base, `reads_wait`).
+    Each read takes `layers_per_read` layers of a span (every layer for a `read_whole` span): a read pays a call's
+    cost (the tier's look-up, a file's open and header, checks) beside its bytes, which per layer and chunk was
+    most of a page-cached disk read. At most `lookahead` layers of stored KV, or `layers_per_read` of each span,
+    are alive at a time (`peak_layers_held` measures it).
     """
 
     def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int,
-                 thread: ThreadPoolExecutor | None = None, lookahead: int = 1):
+                 thread: ThreadPoolExecutor | None = None, lookahead: int = 1, layers_per_read: int = 1):
         """thread: where the loader reads ahead (the executor's own I/O thread); None: inline."""
-        self.store, self.num_layers = store, num_layers
+        self.store, self.num_layers, self.layers_per_read = store, num_layers, layers_per_read
         self.spans = [s for s in spans if s.load.numel()]
         self.threaded = thread is not None and bool(self.spans)
         self.read_seconds = 0.0
@@ -107,17 +115,22 @@ class LayerLoader:
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
         self._layers: list[tuple[torch.Tensor, torch.Tensor] | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(max(1, lookahead))
-        self._whole: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # span -> its layers, read at once
+        # span -> (first layer, keys, values) of the layers read at once with the last read of it
+        self._ahead: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
         self._closed = False
         if self.threaded:
             thread.submit(self._run)
 
     def _read(self, index: int, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer` of span `index`: read now, or taken from its layers read at once (`read_whole`)."""
-        if span.read_whole and layer > span.from_layer:
-            k, v = self._whole[index]
-            return k[layer - span.from_layer], v[layer - span.from_layer]
-        layers = range(layer, self.num_layers if span.read_whole else layer + 1)
+        """Layer `layer` of span `index`: taken from the layers read with an earlier one, or read now with the
+        next ones."""
+        if index in self._ahead:
+            first, k, v = self._ahead[index]
+            if layer < first + len(k):
+                return k[layer - first], v[layer - first]
+            del self._ahead[index]
+        stop = self.num_layers if span.read_whole else min(self.num_layers, layer + self.layers_per_read)
+        layers = range(layer, stop)
         start = time.perf_counter()
         if span.reads_whole_entry:
             kv = self.store.get_layers(span.key, layers.start, layers.stop)
@@ -127,8 +140,8 @@ class LayerLoader:
             raise StoredKVMissing(span.key)
         seconds = time.perf_counter() - start
         self.read_seconds_by_key[span.key] = self.read_seconds_by_key.get(span.key, 0.0) + seconds
-        if span.read_whole:
-            self._whole[index] = kv
+        if len(layers) > 1:
+            self._ahead[index] = (layer, *kv)
         return kv[0][0], kv[1][0]
 
     def _read_layer(self, layer: int) -> None:
@@ -140,9 +153,10 @@ class LayerLoader:
             self.bytes_read += meter.bytes
             self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
             del kv
+            ahead = max((first + len(k) - 1 - layer for first, k, _ in self._ahead.values()), default=0)
             with self._lock:
                 self._held += 1
-                self.peak_layers_held = max(self.peak_layers_held, self._held)
+                self.peak_layers_held = max(self.peak_layers_held, self._held + ahead)
         except BaseException as e:  # handed to the consumer, which raises it on its own thread
             self._layers[layer] = e
         self.read_seconds += time.perf_counter() - start
@@ -279,7 +293,8 @@ class FusionExecutor:
         # A prefix restored layer-wise is read from its first stored layer on while the layers below compute.
         lookahead = model.num_layers if any(s.from_layer for s in plan.reused) else 1
         loader = LayerLoader(self.store, plan.reused, model.num_layers,
-                             self.io_thread() if overlap_loads else None, lookahead)
+                             self.io_thread() if overlap_loads else None, lookahead,
+                             1 if overlap_loads else INLINE_LAYERS_PER_READ)
         try:
             rows = PlanRows(model, plan, cache, token_ids, loader, observer)
             model.run_layers(range(model.num_layers), rows)

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvreuse.fusion.executor import LayerLoader
+from kvreuse.fusion.executor import INLINE_LAYERS_PER_READ, LayerLoader
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request, SegmentKind
 from kvreuse.store.spec import open_store
@@ -90,8 +90,29 @@ def test_reading_inline_or_on_a_slow_loader_thread_does_not_change_results(slow_
         store.read_delay = 0.0
         assert torch.equal(inline.logits, threaded.logits), method
         assert (inline.stats.loads_overlapped, threaded.stats.loads_overlapped) == (False, True)
-        # the executor never holds more than one layer of stored KV beyond the request's own cache
-        assert inline.stats.peak_stored_layers_held == threaded.stats.peak_stored_layers_held == 1
+        # Beyond the request's own cache the executor holds one layer of stored KV reading ahead on its thread,
+        # and the layers of one read inline (several per read: each read pays a call's cost)
+        layers = engine.model.num_layers
+        assert inline.stats.peak_stored_layers_held == min(INLINE_LAYERS_PER_READ, layers) > 1
+        assert threaded.stats.peak_stored_layers_held == 1
+
+
+def test_an_inline_run_reads_each_stored_span_a_few_layers_at_a_time(tiny_model, make_engine, rag_request,
+                                                                     monkeypatch):
+    reads = []
+    engine = make_engine(tiny_model, open_store("memory:64MB"))
+    request = rag_request()
+    engine.compile(request)
+    for name in ("get_layers", "get_rows"):
+        read = getattr(engine.store, name)
+        monkeypatch.setattr(engine.store, name, lambda *args, read=read: reads.append(args) or read(*args))
+    plan, _ = engine.plan_on_tiers(request, "naive")
+    expected = engine.executor.run(plan, request.token_ids, overlap_loads=True).logits
+    per_layer = len(reads)
+    reads.clear()
+    assert torch.equal(engine.executor.run(plan, request.token_ids, overlap_loads=False).logits, expected)
+    spans, layers = per_layer // tiny_model.num_layers, tiny_model.num_layers
+    assert per_layer == spans * layers and len(reads) == spans * -(-layers // INLINE_LAYERS_PER_READ)
 
 
 def test_every_overlapped_run_reads_on_the_executor_s_one_loader_thread(tiny_model, make_engine, rag_request,
