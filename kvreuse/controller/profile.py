@@ -119,7 +119,7 @@ class MachineProfile:
 # runs (2: projections in oneDNN, bf16 attention blocked; 3: a final run of queries attends by diagonal calls; 4:
 # fp32 attention of several queries in the native prefill kernel; 5: that kernel 4-9% faster, and bf16's decoding
 # attention and pointwise steps native; 6: bf16 attention of several queries in the native prefill kernel where
-# built with AVX512-BF16), so it reads as missing and is measured again.
+# built, in the bf16 dot-product instruction with AVX512-BF16), so it reads as missing and is measured again.
 RUNTIME_REVISION = 6
 
 

@@ -7,10 +7,11 @@ prefill kernel, 1.4-1.8x torch's fused SDPA on a causal prompt and 2.6-2.9x on r
 them (no C compiler), fp32 runs torch's fused SDPA kernel as `attention_calls` plans, which also describe the
 work of an attention to the cost model.
 One bf16 query runs the native decoding kernel too, which reads bf16 keys and values and sums in fp32. More bf16
-queries run the native prefill kernel where it was built with AVX512-BF16 (both products in the bf16
-dot-product instruction: 15 ms for SmolLM2's 2048 causal rows, against 26 ms for the fp32 kernel and for
-`blocked_attention`), else `blocked_attention`, two batched matrix products per block of queries, whose bf16
-products use those instructions through oneDNN where torch's fused kernel computes bf16 at fp32's speed.
+queries run the native prefill kernel too: with AVX512-BF16 both its products run in the bf16 dot-product
+instruction (15 ms for SmolLM2's 2048 causal rows, against 26 ms for the fp32 kernel and for `blocked_attention`),
+elsewhere on the bf16 widened to fp32 (26 ms, where `blocked_attention` took 80 ms with oneDNN limited to AVX-512
+without BF16 and 4.3 s limited to AVX2). Without a C compiler bf16 runs `blocked_attention`, two batched matrix
+products per block of queries: torch's fused kernel computes bf16 at fp32's speed.
 """
 
 from __future__ import annotations
@@ -139,8 +140,8 @@ def _query_groups(q_pos: torch.Tensor, window: int | None) -> list[AttentionCall
     return calls if sum(c.scores for c in calls) < GROUPS_MUST_SAVE * one.scores else [one]
 
 
-# Dtypes attended by `blocked_attention` instead of the fused kernel, where the native one does not take them
-# (see the module's docstring).
+# Dtypes attended by `blocked_attention` instead of the fused kernel, where the native one is not built (see the
+# module's docstring).
 BLOCKED_DTYPES = (torch.bfloat16,)
 # Queries per block: their scores over every visible key ([kv heads, 64 x query groups, keys]) stay small
 # enough to be cached between the two products; 32-256 measured 1.1-1.4x slower than 64 at 1-4K tokens.

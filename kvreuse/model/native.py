@@ -51,9 +51,8 @@ _SIGNATURES = {
                          _INT],
     "prefill_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT64,
                           _INT64, _INT64, _INT64, ctypes.c_float, _INT64, _POINTER, _POINTER, _INT, _INT],
-    "prefill_attention_scratch": [_INT64, _INT64, _INT64, _INT64, _INT64, _INT],
+    "prefill_attention_scratch": [_INT64, _INT64, _INT64, _INT64, _INT64, _INT, _INT],
     "prefill_attention_vector_width": [],
-    "prefill_attention_takes_bf16": [],
     "rms_norm": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _INT, _INT],
     "silu_mul": [_POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT, _INT],
     "rope": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT, _INT],
@@ -61,7 +60,7 @@ _SIGNATURES = {
 # Kernels native.c builds only where the CPU has AVX512-BF16.
 _BUILT_WITH_BF16_DOT = {"few_rows_dot"}
 _RESULTS = {"few_rows_takes_bf16_rows": _INT, "prefill_attention_scratch": _INT64,
-            "prefill_attention_vector_width": _INT, "prefill_attention_takes_bf16": _INT}
+            "prefill_attention_vector_width": _INT}
 
 
 class NativeBuildError(RuntimeError):
@@ -147,8 +146,8 @@ def _cpu_identity() -> str:
 
 
 # What the kernels read and write besides fp32: bf16, widened as read, summed in fp32 and rounded as written. On
-# CPUs with AVX512-BF16, `prefill_attention` (which takes bf16 only there) and `few_rows` of bf16 rows multiply
-# bf16 as it is, in the bf16 dot-product instruction (exact products, fp32 sums).
+# CPUs with AVX512-BF16, `prefill_attention` and `few_rows` of bf16 rows multiply bf16 as it is, in the bf16
+# dot-product instruction (exact products, fp32 sums).
 FP32_OR_BF16 = (torch.float32, torch.bfloat16)
 
 
@@ -236,16 +235,10 @@ def prefill_attention_takes(dim: int) -> bool:
     return dim % library().prefill_attention_vector_width() == 0
 
 
-def prefill_attention_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes `prefill_attention` takes: fp32, and bf16 where the library was built with AVX512-BF16 (its
-    products run in the bf16 dot-product instruction; widened to fp32 they would run no faster than torch's)."""
-    return FP32_OR_BF16 if library().prefill_attention_takes_bf16() else (torch.float32,)
-
-
 def prefill_attention_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
-    """Whether `prefill_attention` takes these: one of its dtypes for all three, on the CPU, heads it runs, and
-    the library built."""
-    return (available() and len({q.dtype, keys.dtype, values.dtype}) == 1 and q.dtype in prefill_attention_dtypes()
+    """Whether `prefill_attention` takes these: one dtype of FP32_OR_BF16 for all three, on the CPU, heads it
+    runs, and the library built."""
+    return (available() and len({q.dtype, keys.dtype, values.dtype}) == 1 and q.dtype in FP32_OR_BF16
             and all(t.device.type == "cpu" for t in (q, keys, values)) and prefill_attention_takes(q.shape[-1]))
 
 
@@ -253,17 +246,17 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
                       k_pos: torch.Tensor, window: int | None, scale: float) -> torch.Tensor:
     """Queries q [n, Hq, D] of one sequence at positions q_pos over keys and values [m, Hkv, D] (rows of contiguous
     heads at any row stride: a request's cache) at positions k_pos, any order on both sides: a query sees the keys
-    at or before its position (and within `window` of it, if given). Returns [n, Hq * D] in their dtype: fp32, or
-    bf16 where `prefill_attention_dtypes` has it."""
+    at or before its position (and within `window` of it, if given). Returns [n, Hq * D] in their dtype, fp32 or
+    bf16 (multiplied as bf16 where the CPU has AVX512-BF16, else widened to fp32)."""
     n, q_heads, dim = q.shape
     m, heads = keys.shape[:2]
     if (keys.shape != values.shape or keys.stride() != values.stride() or not heads_in_rows(keys)
             or keys.shape[-1] != dim or q_heads % heads or len({q.dtype, keys.dtype, values.dtype}) != 1
-            or q.dtype not in prefill_attention_dtypes()):
+            or q.dtype not in FP32_OR_BF16):
         raise ValueError(f"prefill_attention: queries {tuple(q.shape)} {q.dtype} over keys {tuple(keys.shape)} "
                          f"{keys.stride()} {keys.dtype} and values {tuple(values.shape)} {values.stride()} "
                          f"{values.dtype}: keys and values must share a layout of contiguous heads of the queries' "
-                         f"dim, their heads divide the queries', all one of {prefill_attention_dtypes()}")
+                         f"dim, their heads divide the queries', all one of {FP32_OR_BF16}")
     if q_pos.shape != (n,) or k_pos.shape != (m,) or q_pos.dtype != torch.long or k_pos.dtype != torch.long:
         raise ValueError(f"prefill_attention: {n} queries and {m} keys need as many int64 positions, got "
                          f"{tuple(q_pos.shape)} {q_pos.dtype} and {tuple(k_pos.shape)} {k_pos.dtype}")
@@ -276,12 +269,13 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
     block = max(1, min(n, BLOCK_ROWS // groups))  # a few queries are one block, not padded to a full one
     threads = torch.get_num_threads()
     lib = library()
-    scratch = _scratch(lib.prefill_attention_scratch(m, heads, groups, dim, block, threads))
+    bf16 = q.dtype == torch.bfloat16
+    scratch = _scratch(lib.prefill_attention_scratch(m, heads, groups, dim, block, threads, bf16))
     out = q.new_empty((n, q_heads * dim))
     if n:
         lib.prefill_attention(q.data_ptr(), q.stride(0), q_pos.data_ptr(), n, keys.data_ptr(), values.data_ptr(),
                               keys.stride(0), k_pos.data_ptr(), m, heads, groups, dim, window or 0, scale, block,
-                              scratch.data_ptr(), out.data_ptr(), threads, q.dtype == torch.bfloat16)
+                              scratch.data_ptr(), out.data_ptr(), threads, bf16)
     return out
 
 

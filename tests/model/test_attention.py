@@ -75,8 +75,8 @@ def test_kernels_equal_dense_attention_in_fp32(kernel, layout, window):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_bf16_attends_within_bf16_rounding(layout):
     """One bf16 query (decoding) attends in the native decoding kernel where it is built, which sums the same bf16
-    inputs in fp32 and rounds once. Several attend in the native prefill kernel where it takes bf16 (AVX512-BF16),
-    else in blocked products."""
+    inputs in fp32 and rounds once. Several attend in the native prefill kernel where it is built, else in blocked
+    products."""
     q_pos, k_pos = _layout(layout)
     q, keys, values = _inputs(q_pos, k_pos, torch.bfloat16)
     out = attend(q, q_pos, keys, values, k_pos, 24, SCALE)
@@ -84,8 +84,8 @@ def test_bf16_attends_within_bf16_rounding(layout):
     if len(q_pos) == 1 and native.available():
         fp32 = attend(q.float(), q_pos, keys.float(), values.float(), k_pos, 24, SCALE)
         assert torch.equal(out, fp32.bfloat16())
-    elif native.available() and torch.bfloat16 in native.prefill_attention_dtypes():
-        # Its scores are exact and only its weights are rounded before the values: about the output's own
+    elif native.available():
+        # Its scores are exact and at most its weights are rounded before the values: about the output's own
         # rounding (mean 8e-4 here, blocked products 2.5e-3).
         assert error.max() < 0.03 and error.mean() < 1.5e-3, (error.max(), error.mean())
     else:

@@ -313,10 +313,9 @@ def test_one_query_attends_in_the_decoding_kernel_and_several_in_the_prefill_ker
     attend(torch.randn(1, 4, 16).bfloat16(), positions[-1:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
     assert calls == {"decode_attention": 2, "prefill_attention": 1}  # one bf16 query reads bf16 KV in the kernel
     attend(torch.randn(3, 4, 16).bfloat16(), positions[-3:], keys.bfloat16(), values.bfloat16(), positions, None, 0.25)
-    bf16 = torch.bfloat16 in native.prefill_attention_dtypes()  # built with AVX512-BF16
-    assert calls == {"decode_attention": 2, "prefill_attention": 1 + bf16}
+    assert calls == {"decode_attention": 2, "prefill_attention": 2}  # bf16 queries too
     attend(torch.randn(3, 4, 12), positions[-3:], keys[..., :12], values[..., :12], positions, None, 0.25)
-    assert calls == {"decode_attention": 2, "prefill_attention": 1 + bf16}  # heads not whole vectors: torch's
+    assert calls == {"decode_attention": 2, "prefill_attention": 2}  # heads not whole vectors: torch's
 
 
 def _reference_prefill(q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
@@ -363,19 +362,14 @@ def test_prefill_attention_equals_masked_softmax_attention(threads, heads, group
             assert got[0].eq(0).all()
 
 
-needs_bf16_attention = pytest.mark.skipif(
-    not native.available() or torch.bfloat16 not in native.prefill_attention_dtypes(),
-    reason="the prefill kernel takes bf16 only where built with AVX512-BF16")
-
-
 @needs_compiler
-@needs_bf16_attention
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads, groups, dim", [(3, 3, 64), (2, 1, 16), (1, 4, 256), (2, 8, 128)])
 @pytest.mark.parametrize("window", [None, 37])
 def test_bf16_prefill_attention_rounds_only_its_weights_and_its_output(threads, heads, groups, dim, window):
-    """bf16 queries, keys and values: scores exact up to fp32 summation, the weights rounded to bf16 for the
-    product with the values, the output rounded once. Against fp64 attention of the same bf16 inputs that is
+    """bf16 queries, keys and values (multiplied in the bf16 dot-product instruction here, with AVX512-BF16):
+    scores exact up to fp32 summation, the weights rounded to bf16 for the product with the values, the output
+    rounded once. Against fp64 attention of the same bf16 inputs that is
     about the output's own rounding (mean 8e-4 here); torch's bf16 products, which round the scores too, are
     three times as far, and a key masked wrongly moves an output by tenths."""
     generator = torch.Generator().manual_seed(heads * groups * dim)
@@ -397,7 +391,7 @@ def test_bf16_prefill_attention_rounds_only_its_weights_and_its_output(threads, 
 
 
 @needs_compiler
-@pytest.mark.parametrize("dtype", [torch.float32, pytest.param(torch.bfloat16, marks=needs_bf16_attention)])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_prefill_attention_never_reads_scratch_it_has_not_written(monkeypatch, dtype):
     """The kernel's scratch comes uninitialised. Filled with NaN instead, it changes nothing: the tiles past the
     last key are zeros the kernel wrote, not whatever the memory held (a masked weight of 0 times a NaN is a NaN)."""
@@ -429,14 +423,16 @@ def test_prefill_attention_follows_a_maximum_that_keeps_growing(step):
 
 
 @needs_compiler
-def test_prefill_attention_is_exact_with_half_as_wide_vectors(tmp_path, monkeypatch):
-    """Built without AVX-512 (vectors of 8 floats, as on an AVX2 machine), the kernel gives the same results."""
-    monkeypatch.setattr(native, "COMPILE_FLAGS", [*native.COMPILE_FLAGS, "-mno-avx512f"])
+@pytest.mark.parametrize("flag, width", [("-mno-avx512f", 8), ("-mno-avx512bf16", 16)])
+def test_prefill_attention_is_exact_on_cpus_with_fewer_instructions(tmp_path, monkeypatch, flag, width):
+    """Built without AVX-512 (vectors of 8 floats, as on an AVX2 machine) or without AVX512-BF16, the kernel gives
+    the same fp32 results, and takes bf16 widened to fp32: within the output's own rounding of fp64 attention."""
+    monkeypatch.setattr(native, "COMPILE_FLAGS", [*native.COMPILE_FLAGS, flag])
     monkeypatch.setattr(native, "cache_root", lambda: tmp_path)
     native.library.cache_clear()
     try:
-        assert native.library().prefill_attention_vector_width() == 8
-        assert native.prefill_attention_dtypes() == (torch.float32,)  # no AVX512-BF16 without AVX-512
+        assert native.library().prefill_attention_vector_width() == width
+        assert not native.library().few_rows_takes_bf16_rows()  # no bf16 dot-product instruction built
         generator = torch.Generator().manual_seed(8)
         for q_pos, k_pos in _prefill_layouts(generator).values():
             keys, values = torch.randn(2, k_pos.numel(), 3, 64, generator=generator)
@@ -444,6 +440,11 @@ def test_prefill_attention_is_exact_with_half_as_wide_vectors(tmp_path, monkeypa
             got = native.prefill_attention(q, q_pos, keys, values, k_pos, 37, 0.125)
             expected = _reference_prefill(q, q_pos, keys, values, k_pos, 37, 0.125)
             torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+            q, keys, values = q.bfloat16(), keys.bfloat16(), values.bfloat16()
+            got = native.prefill_attention(q, q_pos, keys, values, k_pos, 37, 0.125)
+            assert got.dtype == torch.bfloat16
+            exact = _reference_prefill(q, q_pos, keys, values, k_pos, 37, 0.125)
+            _assert_matches(got, exact.bfloat16())
     finally:
         native.library.cache_clear()
 
@@ -474,7 +475,7 @@ def test_prefill_attention_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="divide the queries"):
         native.prefill_attention(torch.randn(4, 5, 64), positions[:4], keys, keys, positions, None, 1.0)
     with pytest.raises(ValueError, match="all one of"):
-        native.prefill_attention(q.bfloat16(), positions[:4], keys, keys, positions, None, 1.0)
+        native.prefill_attention(q.bfloat16(), positions[:4], keys, keys, positions, None, 1.0)  # mixed
     with pytest.raises(ValueError, match="all one of"):
         native.prefill_attention(q.half(), positions[:4], keys.half(), keys.half(), positions, None, 1.0)
     with pytest.raises(ValueError, match="whole vectors"):
