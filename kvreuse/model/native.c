@@ -2,8 +2,7 @@
    -march=native and loads it with ctypes). Plain C with OpenMP: the compiler vectorises the loops marked simd
    for whatever vector width the CPU has, and the prefill attention's inner products are written with GCC's
    vector types (`vec`: 16 floats with AVX-512, 8 without) so that their sums stay in registers. Tensors are
-   fp32 or bf16 (positions and lengths int64),
-   read through the strides given, with contiguous rows. */
+   fp32 or bf16 (positions and lengths int64), read through the strides given, with contiguous rows. */
 
 #include <immintrin.h>
 #include <math.h>
@@ -176,9 +175,9 @@ static inline int any_above(vec a, vec b) {
 /* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag
    behind by HEADROOM), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the
    6th power (relative error ~3e-7). Inline: a call to the vector maths library saves and restores the registers
-   the tiles live in, and libm's expf held 30% of the decoding kernel's time. Scores are not
-   taken to base 2 before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding.
-   Below e^-87 it returns 2^-126, which adds nothing to a sum that holds a 1. */
+   the tiles live in, and libm's expf held 30% of the decoding kernel's time. Scores are not taken to base 2
+   before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding. Below e^-87 it
+   returns 2^-126, which adds nothing to a sum that holds a 1. */
 static inline vec exp_of_score(vec x) {
     x = larger(x * 1.4426950408889634f, splat(-126.f));
     veci n = rounded(x);
@@ -465,15 +464,14 @@ static inline __attribute__((always_inline)) void softmax_tile(float *scores, fl
     store(total, sum);
 }
 
-/* bf16 attention on CPUs with AVX512-BF16 (elsewhere it is WIDENED): both products in vdpbf16ps, which multiplies pairs of bf16 exactly and
-   adds them to fp32 sums at twice the rate of fp32 FMAs. Queries and keys are taken as they come (each score is
-   exact up to fp32 summation, as the fp32 kernel's); the softmax weights, fp32 like the fp32 kernel's, are rounded
-   to bf16 for the product with the values, which is where torch's bf16 attention rounds them too (its scores are
-   rounded to bf16 as well; these are not). Operands are laid out as the instruction pairs them: keys as
-   [dim / 2, KEY_TILE] pairs of neighbouring dims of one key, values as [KEY_TILE / 2, dim] pairs of two
-   neighbouring keys' same dim, weights as pairs of neighbouring keys. */
+/* bf16 attention on CPUs with AVX512-BF16 (elsewhere it is WIDENED): both products in vdpbf16ps, which
+   multiplies pairs of bf16 exactly and adds them to fp32 sums at twice the rate of fp32 FMAs. Queries and keys
+   are taken as they come (each score is exact up to fp32 summation, as the fp32 kernel's); the softmax weights,
+   fp32 like the fp32 kernel's, are rounded to bf16 for the product with the values, which is where torch's bf16
+   attention rounds them too (its scores are rounded to bf16 as well; these are not). Operands are laid out as the
+   instruction pairs them: keys as [dim / 2, KEY_TILE] pairs of neighbouring dims of one key, values as
+   [KEY_TILE / 2, dim] pairs of two neighbouring keys' same dim, weights as pairs of neighbouring keys. */
 #if BF16_DOT
-
 static inline __m512bh pairs_at(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 static inline __m512bh pair_splat(uint32_t pair) { return (__m512bh)_mm512_set1_epi32((int)pair); }
 
@@ -566,6 +564,18 @@ int prefill_attention_vector_width(void) { return VW; }
    (pairs), running maximum and sums by lanes. */
 #define FLOATS_PER_ROW(dim) (2 * (dim) + KEY_TILE + KEY_TILE / 2 + 1 + VW)
 
+/* A key tile of one head (`valid` rows from element `from`, row_stride apart; fp32, or bf16 widened) transposed
+   into `to` [dim, KEY_TILE], a row of the tile at a time (its writes are one vector store), zeros past the keys
+   (masked anyway). */
+static inline __attribute__((always_inline)) void transpose_tile(const void *keys, int64_t from, int64_t row_stride,
+        int64_t valid, int64_t dim, float *to, const int bf16) {
+    for (int64_t d = 0; d < dim; d++) {
+        #pragma omp simd
+        for (int64_t j = 0; j < valid; j++) to[d * KEY_TILE + j] = stored(keys, from + j * row_stride + d, bf16);
+        for (int64_t j = valid; j < KEY_TILE; j++) to[d * KEY_TILE + j] = 0.f;
+    }
+}
+
 /* bf16 attention where the bf16 dot-product instruction is not built: widened to fp32 as the tiles are laid out
    (keys transposed, values in rows of their own), then the fp32 kernel's products. */
 #define WIDENED(bf16) ((bf16) && !BF16_DOT)
@@ -615,32 +625,22 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
         #pragma omp for schedule(static)
         for (int64_t task = 0; task < heads * tiles; task++) {
             int64_t h = task / tiles, tile = task % tiles, first = tile * KEY_TILE;
-            int64_t valid = m - first < KEY_TILE ? m - first : KEY_TILE;
+            int64_t valid = m - first < KEY_TILE ? m - first : KEY_TILE, from = first * row_stride + h * dim;
 #if BF16_DOT
             if (bf16) {  /* the keys' pairs in the first half of the block, the values' in the second */
                 uint32_t *packed = (uint32_t *)(transposed + task * dim * KEY_TILE / 2);
-                pack_tile_bf16((const uint16_t *)keys + first * row_stride + h * dim,
-                               (const uint16_t *)values + first * row_stride + h * dim, row_stride, valid, dim, packed,
-                               (uint16_t *)(packed + heads * tiles * dim * KEY_TILE / 2));
+                pack_tile_bf16((const uint16_t *)keys + from, (const uint16_t *)values + from, row_stride, valid, dim,
+                               packed, (uint16_t *)(packed + heads * tiles * dim * KEY_TILE / 2));
             } else
 #endif
             if (WIDENED(bf16)) {
-                float *to = transposed + task * dim * KEY_TILE, *values_to = widened + task * KEY_TILE * dim;
-                int64_t from = first * row_stride + h * dim;
-                for (int64_t d = 0; d < dim; d++)
-                    for (int64_t j = 0; j < KEY_TILE; j++)
-                        to[d * KEY_TILE + j] = j < valid ? stored(keys, from + j * row_stride + d, 1) : 0.f;
+                transpose_tile(keys, from, row_stride, valid, dim, transposed + task * dim * KEY_TILE, 1);
+                float *values_to = widened + task * KEY_TILE * dim;
                 for (int64_t j = 0; j < valid; j++)
                     for (int64_t d = 0; d < dim; d++)
                         values_to[j * dim + d] = stored(values, from + j * row_stride + d, 1);
             } else {
-                float *to = transposed + task * dim * KEY_TILE;
-                const float *from = (const float *)keys + first * row_stride + h * dim;
-                for (int64_t d = 0; d < dim; d++) {  /* a row of the tile at a time: its writes are one vector store */
-                    #pragma omp simd
-                    for (int64_t j = 0; j < valid; j++) to[d * KEY_TILE + j] = from[j * row_stride + d];
-                    for (int64_t j = valid; j < KEY_TILE; j++) to[d * KEY_TILE + j] = 0.f;  /* past the keys: masked */
-                }
+                transpose_tile(keys, from, row_stride, valid, dim, transposed + task * dim * KEY_TILE, 0);
             }
             if (h == 0) {
                 int64_t lo = INT64_MAX, hi = INT64_MIN;

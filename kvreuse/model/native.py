@@ -238,8 +238,7 @@ def prefill_attention_takes(dim: int) -> bool:
 def prefill_attention_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether `prefill_attention` takes these: one dtype of FP32_OR_BF16 for all three, on the CPU, heads it
     runs, and the library built."""
-    return (available() and len({q.dtype, keys.dtype, values.dtype}) == 1 and q.dtype in FP32_OR_BF16
-            and all(t.device.type == "cpu" for t in (q, keys, values)) and prefill_attention_takes(q.shape[-1]))
+    return runs_fp32_or_bf16(q, keys, values) and prefill_attention_takes(q.shape[-1])
 
 
 def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -251,8 +250,7 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
     n, q_heads, dim = q.shape
     m, heads = keys.shape[:2]
     if (keys.shape != values.shape or keys.stride() != values.stride() or not heads_in_rows(keys)
-            or keys.shape[-1] != dim or q_heads % heads or len({q.dtype, keys.dtype, values.dtype}) != 1
-            or q.dtype not in FP32_OR_BF16):
+            or keys.shape[-1] != dim or q_heads % heads or not _one_dtype_of_fp32_or_bf16((q, keys, values))):
         raise ValueError(f"prefill_attention: queries {tuple(q.shape)} {q.dtype} over keys {tuple(keys.shape)} "
                          f"{keys.stride()} {keys.dtype} and values {tuple(values.shape)} {values.stride()} "
                          f"{values.dtype}: keys and values must share a layout of contiguous heads of the queries' "
