@@ -158,15 +158,25 @@ static inline vec pick(veci m, vec a, vec b) {
     return r.f;
 }
 
-/* what GCC's vector types do not spell: a lane-wise maximum, rounding to the nearest integer (cvtps2dq, one
-   instruction), and whether any lane of a is above b's */
+/* what GCC's vector types do not spell: a lane-wise maximum, rounding to the nearest whole number, a times 2^n for
+   whole numbers n (AVX-512's scalef, one instruction where the shift into an exponent takes three), and whether any
+   lane of a is above b's */
 #if VW == 16
 static inline vec larger(vec a, vec b) { return (vec)_mm512_max_ps((__m512)a, (__m512)b); }
-static inline veci rounded(vec a) { return (veci)_mm512_cvtps_epi32((__m512)a); }
+static inline vec rounded(vec a) {
+    return (vec)_mm512_roundscale_ps((__m512)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec times_two_to(vec a, vec n) { return (vec)_mm512_scalef_ps((__m512)a, (__m512)n); }
 static inline int any_above(vec a, vec b) { return _mm512_cmp_ps_mask((__m512)a, (__m512)b, _CMP_GT_OQ) != 0; }
 #else
 static inline vec larger(vec a, vec b) { return (vec)_mm256_max_ps((__m256)a, (__m256)b); }
-static inline veci rounded(vec a) { return (veci)_mm256_cvtps_epi32((__m256)a); }
+static inline vec rounded(vec a) {
+    return (vec)_mm256_round_ps((__m256)a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+static inline vec times_two_to(vec a, vec n) {  /* n in [-126, 127]: 2^n built as an fp32 */
+    union { veci i; vec f; } two_n = {.i = (__builtin_convertvector(n, veci) + 127) << 23};
+    return a * two_n.f;
+}
 static inline int any_above(vec a, vec b) {
     return _mm256_movemask_ps(_mm256_cmp_ps((__m256)a, (__m256)b, _CMP_GT_OQ)) != 0;
 }
@@ -180,13 +190,11 @@ static inline int any_above(vec a, vec b) {
    returns 2^-126, which adds nothing to a sum that holds a 1. */
 static inline vec exp_of_score(vec x) {
     x = larger(x * 1.4426950408889634f, splat(-126.f));
-    veci n = rounded(x);
-    vec f = x - __builtin_convertvector(n, vec);
+    vec n = rounded(x), f = x - n;
     vec p = splat(1.5403530393381606e-4f);
     p = p * f + 1.3333558146428443e-3f; p = p * f + 9.618129107628477e-3f; p = p * f + 5.550410866482158e-2f;
     p = p * f + 0.2402265069591007f; p = p * f + 0.6931471805599453f; p = p * f + 1.f;
-    union { veci i; vec f; } two_n = {.i = (n + 127) << 23};
-    return p * two_n.f;
+    return times_two_to(p, n);
 }
 
 #define HIDDEN (-3.0e38f)  /* a masked score; finite, as -ffast-math assumes no infinities */
@@ -379,24 +387,43 @@ void rope(const void *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim
 #define SCORE_VECTORS 2
 #endif
 
-/* scores [TILE_ROWS, KEY_TILE] (row stride KEY_TILE): queries q [TILE_ROWS, dim] times the transposed keys
-   kt [dim, ...] (row stride kt_stride), SCORE_VECTORS vectors of keys at a time, their sums in registers */
-static inline __attribute__((always_inline)) void scores_tile(const float *q, int64_t dim, const float *kt,
-        int64_t kt_stride, float *scores) {
-    for (int j = 0; j < KEY_TILE; j += SCORE_VECTORS * VW) {
-        vec sums[TILE_ROWS][SCORE_VECTORS];
-        for (int r = 0; r < TILE_ROWS; r++)
-            for (int i = 0; i < SCORE_VECTORS; i++) sums[r][i] = (vec){};
-        for (int64_t d = 0; d < dim; d++) {
-            vec k[SCORE_VECTORS];
-            for (int i = 0; i < SCORE_VECTORS; i++) k[i] = load(kt + d * kt_stride + j + i * VW);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                vec qd = splat(q[r * dim + d]);
-                for (int i = 0; i < SCORE_VECTORS; i++) sums[r][i] += qd * k[i];
-            }
+/* scores [TILE_ROWS, KEY_TILE] (row stride KEY_TILE) of `vectors` vectors of keys from key j: queries
+   q [TILE_ROWS, dim] times the transposed keys kt [dim, ...] (row stride kt_stride), their sums in registers */
+static inline __attribute__((always_inline)) void scores_vectors(const float *q, int64_t dim, const float *kt,
+        int64_t kt_stride, float *scores, int j, const int vectors) {
+    vec sums[TILE_ROWS][SCORE_VECTORS];  /* vectors <= SCORE_VECTORS */
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int i = 0; i < vectors; i++) sums[r][i] = (vec){};
+    for (int64_t d = 0; d < dim; d++) {
+        vec k[SCORE_VECTORS];
+        for (int i = 0; i < vectors; i++) k[i] = load(kt + d * kt_stride + j + i * VW);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            vec qd = splat(q[r * dim + d]);
+            for (int i = 0; i < vectors; i++) sums[r][i] += qd * k[i];
         }
-        for (int r = 0; r < TILE_ROWS; r++)
-            for (int i = 0; i < SCORE_VECTORS; i++) store(scores + r * KEY_TILE + j + i * VW, sums[r][i]);
+    }
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int i = 0; i < vectors; i++) store(scores + r * KEY_TILE + j + i * VW, sums[r][i]);
+}
+
+/* Vectors of keys a score tile sums from key j of the first `count`: SCORE_VECTORS, or what is left */
+static inline int vectors_from(int j, int64_t count) {
+    int64_t left = (count - j + VW - 1) / VW;
+    return left < SCORE_VECTORS ? (int)left : SCORE_VECTORS;
+}
+
+/* the scores of a key tile's first `count` keys (whole vectors of them; the rest of the row is left as it was) */
+static inline __attribute__((always_inline)) void scores_tile(const float *q, int64_t dim, const float *kt,
+        int64_t kt_stride, float *scores, int64_t count) {
+    for (int j = 0; j < count; j += SCORE_VECTORS * VW) {
+        switch (vectors_from(j, count)) {  /* a constant in each call, so that the sums stay in registers */
+            case 1: scores_vectors(q, dim, kt, kt_stride, scores, j, 1); break;
+#if SCORE_VECTORS == 4
+            case 2: scores_vectors(q, dim, kt, kt_stride, scores, j, 2); break;
+            case 3: scores_vectors(q, dim, kt, kt_stride, scores, j, 3); break;
+#endif
+            default: scores_vectors(q, dim, kt, kt_stride, scores, j, SCORE_VECTORS);
+        }
     }
 }
 
@@ -475,39 +502,50 @@ static inline __attribute__((always_inline)) void softmax_tile(float *scores, fl
 static inline __m512bh pairs_at(const uint32_t *p) { return (__m512bh)_mm512_loadu_si512(p); }
 static inline __m512bh pair_splat(uint32_t pair) { return (__m512bh)_mm512_set1_epi32((int)pair); }
 
-/* scores [TILE_ROWS, KEY_TILE] = scale * queries [TILE_ROWS, dim / 2 pairs] times a tile's keys kt [dim / 2, KEY_TILE]
-   pairs, SCORE_VECTORS vectors of keys at a time, their sums in registers */
-static inline __attribute__((always_inline)) void scores_tile_bf16(const uint32_t *q, int64_t dim_pairs,
-        const uint32_t *kt, float scale, float *scores) {
-    for (int j = 0; j < KEY_TILE; j += SCORE_VECTORS * VW) {
-        __m512 sums[TILE_ROWS][SCORE_VECTORS];
-        for (int r = 0; r < TILE_ROWS; r++)
-            for (int i = 0; i < SCORE_VECTORS; i++) sums[r][i] = _mm512_setzero_ps();
-        for (int64_t p = 0; p < dim_pairs; p++) {
-            __m512bh k[SCORE_VECTORS];
-            for (int i = 0; i < SCORE_VECTORS; i++) k[i] = pairs_at(kt + p * KEY_TILE + j + i * VW);
-            for (int r = 0; r < TILE_ROWS; r++) {
-                __m512bh qp = pair_splat(q[r * dim_pairs + p]);
-                for (int i = 0; i < SCORE_VECTORS; i++) sums[r][i] = _mm512_dpbf16_ps(sums[r][i], qp, k[i]);
-            }
+/* scores [TILE_ROWS, KEY_TILE] of `vectors` vectors of keys from key j: scale * queries [TILE_ROWS, dim / 2 pairs]
+   times a tile's keys kt [dim / 2, KEY_TILE] pairs, their sums in registers */
+static inline __attribute__((always_inline)) void scores_vectors_bf16(const uint32_t *q, int64_t dim_pairs,
+        const uint32_t *kt, float scale, float *scores, int j, const int vectors) {
+    __m512 sums[TILE_ROWS][SCORE_VECTORS];  /* vectors <= SCORE_VECTORS */
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int i = 0; i < vectors; i++) sums[r][i] = _mm512_setzero_ps();
+    for (int64_t p = 0; p < dim_pairs; p++) {
+        __m512bh k[SCORE_VECTORS];
+        for (int i = 0; i < vectors; i++) k[i] = pairs_at(kt + p * KEY_TILE + j + i * VW);
+        for (int r = 0; r < TILE_ROWS; r++) {
+            __m512bh qp = pair_splat(q[r * dim_pairs + p]);
+            for (int i = 0; i < vectors; i++) sums[r][i] = _mm512_dpbf16_ps(sums[r][i], qp, k[i]);
         }
-        __m512 by = _mm512_set1_ps(scale);
-        for (int r = 0; r < TILE_ROWS; r++)
-            for (int i = 0; i < SCORE_VECTORS; i++)
-                _mm512_storeu_ps(scores + r * KEY_TILE + j + i * VW, _mm512_mul_ps(sums[r][i], by));
+    }
+    __m512 by = _mm512_set1_ps(scale);
+    for (int r = 0; r < TILE_ROWS; r++)
+        for (int i = 0; i < vectors; i++)
+            _mm512_storeu_ps(scores + r * KEY_TILE + j + i * VW, _mm512_mul_ps(sums[r][i], by));
+}
+
+/* `scores_tile` in bf16 pairs */
+static inline __attribute__((always_inline)) void scores_tile_bf16(const uint32_t *q, int64_t dim_pairs,
+        const uint32_t *kt, float scale, float *scores, int64_t count) {
+    for (int j = 0; j < count; j += SCORE_VECTORS * VW) {
+        switch (vectors_from(j, count)) {
+            case 1: scores_vectors_bf16(q, dim_pairs, kt, scale, scores, j, 1); break;
+            case 2: scores_vectors_bf16(q, dim_pairs, kt, scale, scores, j, 2); break;
+            case 3: scores_vectors_bf16(q, dim_pairs, kt, scale, scores, j, 3); break;
+            default: scores_vectors_bf16(q, dim_pairs, kt, scale, scores, j, SCORE_VECTORS);
+        }
     }
 }
 
 /* out [TILE_ROWS, dim] += weights [TILE_ROWS, KEY_TILE / 2] pairs times a tile's values [KEY_TILE / 2, dim] pairs,
-   4 * VW columns at a time; dim is a multiple of VW */
+   the first `pairs` of them, 4 * VW columns at a time; dim is a multiple of VW */
 static inline __attribute__((always_inline)) void values_tile_bf16(const uint32_t *weights, const uint32_t *values,
-        float *out, int64_t dim) {
+        int64_t pairs, float *out, int64_t dim) {
     int64_t d = 0;
     for (; d + 4 * VW <= dim; d += 4 * VW) {
         __m512 sums[TILE_ROWS][4];
         for (int r = 0; r < TILE_ROWS; r++)
             for (int i = 0; i < 4; i++) sums[r][i] = _mm512_loadu_ps(out + r * dim + d + i * VW);
-        for (int p = 0; p < KEY_TILE / 2; p++) {
+        for (int64_t p = 0; p < pairs; p++) {
             const uint32_t *v = values + p * dim + d;
             __m512bh v0 = pairs_at(v), v1 = pairs_at(v + VW), v2 = pairs_at(v + 2 * VW), v3 = pairs_at(v + 3 * VW);
             for (int r = 0; r < TILE_ROWS; r++) {
@@ -522,7 +560,7 @@ static inline __attribute__((always_inline)) void values_tile_bf16(const uint32_
     for (; d < dim; d += VW) {
         __m512 sums[TILE_ROWS];
         for (int r = 0; r < TILE_ROWS; r++) sums[r] = _mm512_loadu_ps(out + r * dim + d);
-        for (int p = 0; p < KEY_TILE / 2; p++) {
+        for (int64_t p = 0; p < pairs; p++) {
             __m512bh v = pairs_at(values + p * dim + d);
             for (int r = 0; r < TILE_ROWS; r++)
                 sums[r] = _mm512_dpbf16_ps(sums[r], pair_splat(weights[r * KEY_TILE / 2 + p]), v);
@@ -684,25 +722,33 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
                 if (lo > highest || (window > 0 && hi <= lowest - window)) continue;  /* seen by none */
                 int64_t valid = m - j0 < KEY_TILE ? m - j0 : KEY_TILE;
                 int whole = valid == KEY_TILE && hi <= lowest && (window <= 0 || lo > highest - window);
+                /* Keys after the last one a query of the block sees are neither scored nor weighed: on the diagonal
+                   of causal attention, about half a tile. lo <= highest, so one key at least is seen. */
+                int64_t seen = valid;
+                if (!whole)
+                    while (kpos[j0 + seen - 1] > highest) seen--;
 #if BF16_DOT
                 const uint32_t *packed = (const uint32_t *)(transposed + (h * tiles + tile) * dim * KEY_TILE / 2);
                 if (bf16)
                     for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
                         scores_tile_bf16((const uint32_t *)block_q + r * dim / 2, dim / 2, packed, scale,
-                                         scores + r * KEY_TILE);
+                                         scores + r * KEY_TILE, seen);
                 else
 #endif
                 for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
                     scores_tile(block_q + r * dim, dim, transposed + (h * tiles + tile) * dim * KEY_TILE, KEY_TILE,
-                                scores + r * KEY_TILE);
+                                scores + r * KEY_TILE, seen);
                 for (int64_t r = 0; r < block_rows; r++) {
                     float *row = scores + r * KEY_TILE;
                     if (!whole) {
                         int64_t p = row_pos[r];
-                        for (int64_t j = 0; j < KEY_TILE; j++) {
-                            int visible = j < valid && kpos[j0 + j] <= p && (window <= 0 || kpos[j0 + j] > p - window);
+                        const int64_t *tile_pos = kpos + j0;
+                        #pragma omp simd
+                        for (int64_t j = 0; j < seen; j++) {
+                            int visible = tile_pos[j] <= p && (window <= 0 || tile_pos[j] > p - window);
                             row[j] = visible ? row[j] : HIDDEN;
                         }
+                        for (int64_t j = seen; j < KEY_TILE; j++) row[j] = HIDDEN;
                     }
                     if (whole) softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim, 1);
                     else softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim, 0);
@@ -714,17 +760,17 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
                 if (bf16)
                     for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
                         values_tile_bf16(weights + r * KEY_TILE / 2, packed + heads * tiles * dim * KEY_TILE / 2,
-                                         block_out + r * dim, dim);
+                                         (seen + 1) / 2, block_out + r * dim, dim);
                 else
 #endif
                 if (WIDENED(bf16))
                     for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
-                        values_tile(scores + r * KEY_TILE, widened + (h * tiles + tile) * KEY_TILE * dim, dim, valid,
+                        values_tile(scores + r * KEY_TILE, widened + (h * tiles + tile) * KEY_TILE * dim, dim, seen,
                                     block_out + r * dim, dim);
                 else
                     for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
                         values_tile(scores + r * KEY_TILE, (const float *)values + j0 * row_stride + h * dim,
-                                    row_stride, valid, block_out + r * dim, dim);
+                                    row_stride, seen, block_out + r * dim, dim);
             }
             for (int64_t r = 0; r < count * groups; r++) {
                 float sum = 0.f;
