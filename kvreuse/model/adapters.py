@@ -51,12 +51,14 @@ class LlamaAdapter:
         qkv = linear(x, *projections).split([p.out_features for p in projections], -1)
         return tuple(part.view(x.shape[0], -1, attn.head_dim) for part in qkv)
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`."""
+    def mlp(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
+        """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`
+        (`plus` added to its output, as `linear` adds it)."""
         gate, up = linear(x, *_gate_up(mlp)).split(mlp.gate_proj.out_features, -1)
         if isinstance(mlp.act_fn, SILU) and native.runs_fp32_or_bf16(gate):
-            return linear(native.silu_mul(gate, up), mlp.down_proj)
-        return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj)  # in place: one buffer fewer to allocate and fill
+            return linear(native.silu_mul(gate, up), mlp.down_proj, plus=plus)
+        # in place: one buffer fewer to allocate and fill
+        return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj, plus=plus)
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`norm(x)` for rows [n, hidden]: in the native kernel when it is Llama's RMSNorm."""
@@ -66,8 +68,8 @@ class LlamaAdapter:
 
     def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP of the attended rows."""
-        hidden = residual + linear(attn_out, block.self_attn.o_proj)
-        return hidden + self.mlp(block.mlp, self.norm(block.post_attention_layernorm, hidden))
+        hidden = linear(attn_out, block.self_attn.o_proj, plus=residual)
+        return self.mlp(block.mlp, self.norm(block.post_attention_layernorm, hidden), plus=hidden)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits

@@ -51,16 +51,26 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(rows: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
+def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
-    [n, sum of their out_features], as one product."""
+    [n, sum of their out_features], as one product; `plus` (of that shape: a residual) added to it if given."""
     if rows.shape[0] <= native.FEW_ROWS and _native_few_rows(rows, layers):
-        return _few_rows(rows, layers)
+        return _plus(_few_rows(rows, layers), plus)
     if not _packs(layers[0].weight):
         outputs = [nn.functional.linear(rows, layer.weight, layer.bias) for layer in layers]
-        return outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1)
+        return _plus(outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1), plus)
     packed = _packed_weights(layers)
-    return torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.weight, packed.bias, "none", [], "")
+    if plus is not None and rows.dtype == torch.float32:
+        # Added to the fp32 sums as oneDNN writes them: the same sum as after, with no pass over the output.
+        # (bf16 adds after, to a product rounded to bf16, as transformers' modules do.)
+        return torch.ops.mkldnn._linear_pointwise.binary(rows.contiguous(), plus.contiguous(), packed.weight,
+                                                         packed.bias, "add")
+    return _plus(torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.weight, packed.bias, "none", [], ""),
+                 plus)
+
+
+def _plus(product: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
+    return product if plus is None else product.add_(plus)  # in place: no output to allocate
 
 
 def _native_few_rows(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> bool:

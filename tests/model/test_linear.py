@@ -45,6 +45,25 @@ def test_a_weight_changed_or_replaced_is_packed_again():
         torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16, 600])
+@pytest.mark.parametrize("bias", [False, True])
+@torch.inference_mode()
+def test_plus_adds_a_residual_exactly_as_adding_after(rows, bias):
+    layer = nn.Linear(24, 40, bias=bias)
+    x, residual = torch.randn(rows, 24), torch.randn(rows, 40)
+    kept = residual.clone()
+    # fp32: oneDNN adds it as it writes the product, and the sums are the same as adding after
+    assert torch.equal(linear(x, layer, plus=residual), residual + linear(x, layer))
+    assert torch.equal(residual, kept)  # the residual itself is left as it was
+
+
+@torch.inference_mode()
+def test_bf16_plus_adds_to_the_product_rounded_to_bf16():
+    layer = nn.Linear(64, 48).to(torch.bfloat16)
+    x, residual = torch.randn(20, 64, dtype=torch.bfloat16), torch.randn(20, 48, dtype=torch.bfloat16)
+    assert torch.equal(linear(x, layer, plus=residual), residual + linear(x, layer))
+
+
 @torch.inference_mode()
 def test_non_contiguous_rows():
     layer = nn.Linear(16, 8)
