@@ -18,6 +18,11 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 from kvreuse.model import native
 from kvreuse.model.linear import linear
 
+# Bytes of the gate and up products' output (2 x intermediate values a row) one pass through the MLP makes: more
+# rows run in passes of this many bytes, so that the activation and the down product read that output from the
+# last-level cache, not memory. On a 2-core Zen 4 EPYC (32 MB L3), SmolLM2's fp32 prefill of 8192 tokens ran
+# 1.03x faster in passes of 2048 rows, of 4096 tokens 1.00-1.02x (its MLP 1.02x); 2048 rows are one pass.
+MLP_PASS_BYTES = 24 << 20
 # Norms computing weight * x / rms(x) as Llama's does (each family's own copy of the class), which the native kernel
 # runs in one pass; any other norm (Gemma's 1 + weight, for one) runs as its module.
 PLAIN_RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
@@ -53,7 +58,15 @@ class LlamaAdapter:
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`
-        (`plus` added to its output, as `linear` adds it)."""
+        (`plus` added to its output, as `linear` adds it), in passes of at most MLP_PASS_BYTES of intermediate
+        values."""
+        rows = max(1, MLP_PASS_BYTES // (2 * mlp.gate_proj.out_features * x.element_size()))
+        if x.shape[0] <= rows:
+            return self._mlp_pass(mlp, x, plus)
+        return torch.cat([self._mlp_pass(mlp, x[s : s + rows], None if plus is None else plus[s : s + rows])
+                          for s in range(0, x.shape[0], rows)])
+
+    def _mlp_pass(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
         gate, up = linear(x, *_gate_up(mlp)).split(mlp.gate_proj.out_features, -1)
         if isinstance(mlp.act_fn, SILU) and native.runs_fp32_or_bf16(gate):
             return linear(native.silu_mul(gate, up), mlp.down_proj, plus=plus)
