@@ -84,8 +84,9 @@ class FusionResult:
 
 
 class LayerLoader:
-    """Fetches each layer's stored KV for all reused spans (chunks and an exact prefix's blocks alike) as one
-    tensor pair whose rows follow the spans' order (the plan's `loaded_rows_at(layer)`).
+    """Fetches each layer's stored KV for all reused spans (chunks and an exact prefix's blocks alike): each span's
+    keys and values, in the spans' order (the plan's `loaded_rows_at(layer)`), which the model places in one pass
+    without joining them.
 
     Threaded, it reads `lookahead` layers ahead of the compute: layer i+1 once the consumer has placed layer i
     in the request's KV cache (`placed`), so the read waits while layer i computes; a prefix restored
@@ -113,7 +114,7 @@ class LayerLoader:
         self._held = 0
         self._lock = threading.Lock()
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
-        self._layers: list[tuple[torch.Tensor, torch.Tensor] | BaseException | None] = [None] * num_layers
+        self._layers: list[tuple[list[torch.Tensor], list[torch.Tensor]] | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(max(1, lookahead))
         # span -> (first layer, keys, values) of the layers read at once with the last read of it
         self._ahead: dict[int, tuple[int, torch.Tensor, torch.Tensor]] = {}
@@ -151,7 +152,7 @@ class LayerLoader:
             with metered() as meter:
                 kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.from_layer <= layer]
             self.bytes_read += meter.bytes
-            self._layers[layer] = (torch.cat([k for k, _ in kv]), torch.cat([v for _, v in kv]))
+            self._layers[layer] = ([k for k, _ in kv], [v for _, v in kv])
             del kv
             ahead = max((first + len(k) - 1 - layer for first, k, _ in self._ahead.values()), default=0)
             with self._lock:
@@ -175,7 +176,7 @@ class LayerLoader:
             if isinstance(self._layers[layer], BaseException):
                 return
 
-    def take(self, layer: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def take(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
         if not self.reads(layer):
             return None
         if not self.threaded:

@@ -375,6 +375,26 @@ void rope(const void *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim
     }
 }
 
+/* Stored KV of a layer, in parts, placed in a cache in one pass (no joined copy first): row i of the parts in turn
+   (part p: counts[p] rows of keys and of values [count, heads, dim], each contiguous) goes to cache row to[i] (or
+   first + i if to is NULL; rows row_stride apart), its keys rotated by table row i as `rope` turns them, its values
+   copied. */
+void place_parts(int64_t parts, const void *const *keys, const void *const *values, const int64_t *counts,
+                 int64_t heads, int64_t dim, const void *cos, const void *sin, int64_t table_stride, const int64_t *to,
+                 int64_t first, void *cache_keys, void *cache_values, int64_t row_stride, int threads, int bf16) {
+    int64_t total = 0, width = heads * dim, bytes = width * (bf16 ? 2 : 4);
+    for (int64_t p = 0; p < parts; p++) total += counts[p];
+    #pragma omp parallel for num_threads(total * width >= 4096 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < total; i++) {
+        int64_t p = 0, row = i;
+        while (row >= counts[p]) row -= counts[p++];
+        int64_t at = (to ? to[i] : first + i) * row_stride;
+        if (bf16) rope_row(keys[p], row * width, heads, dim, cos, sin, i * table_stride, cache_keys, at, 1);
+        else rope_row(keys[p], row * width, heads, dim, cos, sin, i * table_stride, cache_keys, at, 0);
+        memcpy((char *)cache_values + at * (bf16 ? 2 : 4), (const char *)values[p] + row * bytes, bytes);
+    }
+}
+
 /* ---- prefill attention ------------------------------------------------------------------------------------ */
 
 #define KEY_TILE 64   /* keys per tile: one row of scores is KEY_TILE / VW vectors */

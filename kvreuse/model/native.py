@@ -26,7 +26,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -56,6 +56,8 @@ _SIGNATURES = {
     "rms_norm": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _INT, _INT],
     "silu_mul": [_POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT, _INT],
     "rope": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT, _INT],
+    "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
+                    _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
 # Kernels native.c builds only where the CPU has AVX512-BF16.
 _BUILT_WITH_BF16_DOT = {"few_rows_dot"}
@@ -347,3 +349,35 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     library().rope(x.data_ptr(), x.stride(0), n, heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                    out.data_ptr(), out.stride(0), torch.get_num_threads(), bf16)
     return out
+
+
+def place_parts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
+                rows: slice | torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Tensor) -> None:
+    """Stored KV in parts (keys before RoPE and values [n_p, heads, dim] of part p, each contiguous) written at
+    `rows` of a cache layer [capacity, heads, dim] (rows of contiguous heads) in one pass: the parts' rows in turn
+    go to `rows` (a slice or int64 indices), keys rotated by the matching rows of cos and sin [n, dim] as `rope`
+    turns them. fp32 or bf16, one dtype for all."""
+    counts = [k.shape[0] for k in keys]
+    n, (_, heads, dim) = sum(counts), cache_keys.shape
+    if (len(keys) != len(values) or any(k.shape != (c, heads, dim) or v.shape != k.shape or not k.is_contiguous()
+                                        or not v.is_contiguous() for k, v, c in zip(keys, values, counts))
+            or cache_values.shape != cache_keys.shape or cache_values.stride() != cache_keys.stride()
+            or not heads_in_rows(cache_keys) or cos.shape != (n, dim) or sin.shape != (n, dim)
+            or cos.stride() != sin.stride() or not _rows(cos) or dim % 2):
+        raise ValueError(f"place_parts: parts {[tuple(k.shape) for k in keys]} and {[tuple(v.shape) for v in values]} "
+                         f"into a cache {tuple(cache_keys.shape)} with tables {tuple(cos.shape)}: contiguous parts of "
+                         f"the cache's heads, tables [n, dim] for their n rows")
+    bf16 = _is_bf16("place_parts", *keys, *values, cos, sin, cache_keys, cache_values)
+    if isinstance(rows, slice):
+        to, first = None, rows.start or 0
+        if len(range(*rows.indices(cache_keys.shape[0]))) != n or (rows.step or 1) != 1:
+            raise ValueError(f"place_parts: {n} rows into cache rows {rows}")
+    else:
+        to, first = rows.to(torch.long).contiguous(), 0
+        if to.shape != (n,) or (n and (int(to.min()) < 0 or int(to.max()) >= cache_keys.shape[0])):
+            raise ValueError(f"place_parts: {n} rows into cache rows {tuple(to.shape)} of {cache_keys.shape[0]}")
+    pointers = ctypes.c_void_p * len(keys)
+    library().place_parts(len(keys), pointers(*(k.data_ptr() for k in keys)), pointers(*(v.data_ptr() for v in values)),
+                          (ctypes.c_int64 * len(counts))(*counts), heads, dim, cos.data_ptr(), sin.data_ptr(),
+                          cos.stride(0), None if to is None else to.data_ptr(), first, cache_keys.data_ptr(),
+                          cache_values.data_ptr(), cache_keys.stride(0), torch.get_num_threads(), bf16)

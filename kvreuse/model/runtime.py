@@ -244,10 +244,23 @@ class LayerwiseModel:
         allowed = attention_mask(q_pos, k_pos, self.windows[layer])
         return scores.masked_fill(~allowed, float("-inf")).softmax(-1)
 
-    def place(self, cache: KVCache, layer: int, rows: slice | torch.Tensor, keys: torch.Tensor,
-              values: torch.Tensor, rotary: Rotary) -> None:
+    def place(self, cache: KVCache, layer: int, rows: slice | torch.Tensor,
+              keys: torch.Tensor | Sequence[torch.Tensor], values: torch.Tensor | Sequence[torch.Tensor],
+              rotary: Rotary) -> None:
         """The one KV placer: stored-form KV (keys before RoPE, any device and dtype) moved to the model's
-        device and dtype, keys rotated to the rows' positions, written at `rows` of `cache`."""
+        device and dtype, keys rotated to the rows' positions, written at `rows` of `cache`. Keys and values come
+        whole or in parts (a loaded layer's spans), whose rows in turn are `rows`: parts in the model's dtype go
+        into the cache in one native pass, never joined into a copy first."""
+        if isinstance(keys, torch.Tensor):
+            keys, values = [keys], [values]
+        kind = self._rope_kind_of_layer[layer]
+        cos, sin = rotary.cos[kind][:, 0], rotary.sin[kind][:, 0]
+        if (native.runs_fp32_or_bf16(cos, *keys, *values, cache.keys[layer])
+                and all(t.is_contiguous() for t in (*keys, *values))):
+            native.place_parts(keys, values, cos, sin, rows, cache.keys[layer], cache.values[layer])
+            return
+        keys = torch.cat(keys) if len(keys) > 1 else keys[0]
+        values = torch.cat(values) if len(values) > 1 else values[0]
         keys = keys.to(device=self.device, dtype=self.dtype)
         values = values.to(device=self.device, dtype=self.dtype)
         if isinstance(rows, slice):  # rotated straight into the cache's memory: no temporary to copy

@@ -561,6 +561,40 @@ def test_rope_equals_the_rotation_by_halves_into_rows_of_another_tensor(dtype):
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("scattered", [False, True])
+def test_place_parts_writes_each_part_s_rows_rotated_where_rope_of_them_joined_would(dtype, scattered):
+    """A layer's stored KV in parts of several sizes, placed at cache rows (a slice, or indices in any order): the
+    keys as `rope` turns the joined keys, the values copied, every other cache row untouched."""
+    counts = [5, 1, 12, 7]
+    keys = [torch.randn(c, 3, 16).to(dtype) for c in counts]
+    values = [torch.randn(c, 3, 16).to(dtype) for c in counts]
+    angles = torch.randn(sum(counts), 8)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    rows = torch.randperm(40)[: sum(counts)] if scattered else slice(6, 6 + sum(counts))
+    cache_keys, cache_values = torch.zeros(40, 3, 16, dtype=dtype), torch.zeros(40, 3, 16, dtype=dtype)
+    native.place_parts(keys, values, cos, sin, rows, cache_keys, cache_values)
+    expected_keys, expected_values = torch.zeros_like(cache_keys), torch.zeros_like(cache_values)
+    expected_keys[rows] = native.rope(torch.cat(keys), cos, sin)
+    expected_values[rows] = torch.cat(values)
+    assert torch.equal(cache_keys, expected_keys) and torch.equal(cache_values, expected_values)
+
+
+@needs_compiler
+def test_place_parts_refuses_what_it_cannot_take():
+    keys, cos = [torch.randn(4, 2, 16), torch.randn(3, 2, 16)], torch.randn(7, 16)
+    cache = torch.zeros(10, 2, 16)
+    with pytest.raises(ValueError, match="place_parts"):
+        native.place_parts(keys, keys, cos[:6], cos[:6], slice(0, 6), cache, cache.clone())
+    with pytest.raises(ValueError, match="7 rows into cache rows"):
+        native.place_parts(keys, keys, cos, cos, slice(5, 12), cache, cache.clone())
+    with pytest.raises(ValueError, match="7 rows into cache rows"):
+        native.place_parts(keys, keys, cos, cos, torch.tensor([0, 1, 2, 3, 4, 5, 10]), cache, cache.clone())
+    with pytest.raises(ValueError, match="all must be one of"):
+        native.place_parts(keys, keys, cos, cos, slice(0, 7), cache.bfloat16(), cache.bfloat16())
+
+
+@needs_compiler
 def test_pointwise_kernels_refuse_what_they_cannot_take():
     x = torch.randn(4, 2, 16)
     cos = torch.randn(4, 16)

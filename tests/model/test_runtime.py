@@ -81,6 +81,18 @@ def test_place_rotates_stored_keys_and_converts_them_to_the_model_s_dtype(tiny_m
     torch.testing.assert_close(cache.values[0][rows], (k + 1).to(tiny_model.dtype), atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("rows", [slice(5, 17), torch.arange(5, 17).flip(0)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the model's dtype (native, one pass) or not
+def test_place_in_parts_equals_placing_them_joined(tiny_model, rows, dtype):
+    k = torch.randn(12, tiny_model.num_kv_heads, tiny_model.head_dim, dtype=dtype)
+    rotary = tiny_model.rotary(torch.arange(30, 42))
+    joined, in_parts = tiny_model.new_cache(20), tiny_model.new_cache(20)
+    tiny_model.place(joined, 1, rows, k, k + 1, rotary)
+    tiny_model.place(in_parts, 1, rows, list(k.split([3, 1, 8])), list((k + 1).split([3, 1, 8])), rotary)
+    assert torch.equal(in_parts.keys[1][rows], joined.keys[1][rows])
+    assert torch.equal(in_parts.values[1][rows], joined.values[1][rows])
+
+
 @torch.inference_mode()
 def test_scattered_query_rows_see_only_earlier_positions(tiny_model, prompt_ids):
     """Recompute a scattered, shuffled subset of rows against the full K/V: each must equal the full prefill's
