@@ -210,8 +210,7 @@ class LayerwiseModel:
         transformers' apply_rotary_pos_emb, x * cos + rotate_half(x) * sin with rotate_half(x) = [-x2, x1]: in one
         native pass where it runs, else a half at a time so that rotate_half(x) is never built (a copy and a
         negation of every row)."""
-        kind = self._rope_kind_of_layer[layer]
-        cos, sin = rotary.cos[kind], rotary.sin[kind]
+        cos, sin = self._rope_tables(layer, rotary)
         tensors = [t for t in (x, out) if t is not None]
         if native.runs_fp32_or_bf16(cos, *tensors) and all(native.heads_in_rows(t) for t in tensors):
             return native.rope(x, cos[:, 0], sin[:, 0], out)
@@ -220,6 +219,11 @@ class LayerwiseModel:
         out[..., :half].addcmul_(x[..., half:], sin[..., :half], value=-1)
         out[..., half:].addcmul_(x[..., :half], sin[..., half:])
         return out
+
+    def _rope_tables(self, layer: int, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the kind of RoPE `layer` uses, [n, 1, head_dim] each."""
+        kind = self._rope_kind_of_layer[layer]
+        return rotary.cos[kind], rotary.sin[kind]
 
     def attend(
         self,
@@ -253,8 +257,7 @@ class LayerwiseModel:
         into the cache in one native pass, never joined into a copy first."""
         if isinstance(keys, torch.Tensor):
             keys, values = [keys], [values]
-        kind = self._rope_kind_of_layer[layer]
-        cos, sin = rotary.cos[kind][:, 0], rotary.sin[kind][:, 0]
+        cos, sin = (table[:, 0] for table in self._rope_tables(layer, rotary))
         if (native.runs_fp32_or_bf16(cos, *keys, *values, cache.keys[layer])
                 and all(t.is_contiguous() for t in (*keys, *values))):
             native.place_parts(keys, values, cos, sin, rows, cache.keys[layer], cache.values[layer])
