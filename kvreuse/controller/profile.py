@@ -119,8 +119,9 @@ class MachineProfile:
 # runs (2: projections in oneDNN, bf16 attention blocked; 3: a final run of queries attends by diagonal calls; 4:
 # fp32 attention of several queries in the native prefill kernel; 5: that kernel 4-9% faster, and bf16's decoding
 # attention and pointwise steps native; 6: bf16 attention of several queries in the native prefill kernel where
-# built, in the bf16 dot-product instruction with AVX512-BF16), so it reads as missing and is measured again.
-RUNTIME_REVISION = 6
+# built, in the bf16 dot-product instruction with AVX512-BF16; 7: the diagonal's unseen keys skipped, residuals
+# added in the products, stored KV placed without a joined copy), so it reads as missing and is measured again.
+RUNTIME_REVISION = 7
 
 
 def profile_path(model: str, dtype: str) -> Path:
