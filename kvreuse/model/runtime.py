@@ -254,18 +254,16 @@ class LayerwiseModel:
         """The one KV placer: stored-form KV (keys before RoPE, any device and dtype) moved to the model's
         device and dtype, keys rotated to the rows' positions, written at `rows` of `cache`. Keys and values come
         whole or in parts (a loaded layer's spans), whose rows in turn are `rows`: parts in the model's dtype go
-        into the cache in one native pass, never joined into a copy first."""
+        into the cache in one native pass (each part converted first if it must be), never joined into a copy."""
         if isinstance(keys, torch.Tensor):
             keys, values = [keys], [values]
+        keys, values = ([t.to(device=self.device, dtype=self.dtype) for t in parts] for parts in (keys, values))
         cos, sin = (table[:, 0] for table in self._rope_tables(layer, rotary))
         if (native.runs_fp32_or_bf16(cos, *keys, *values, cache.keys[layer])
                 and all(t.is_contiguous() for t in (*keys, *values))):
             native.place_parts(keys, values, cos, sin, rows, cache.keys[layer], cache.values[layer])
             return
-        keys = torch.cat(keys) if len(keys) > 1 else keys[0]
-        values = torch.cat(values) if len(values) > 1 else values[0]
-        keys = keys.to(device=self.device, dtype=self.dtype)
-        values = values.to(device=self.device, dtype=self.dtype)
+        keys, values = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (keys, values))
         if isinstance(rows, slice):  # rotated straight into the cache's memory: no temporary to copy
             self.rope(layer, keys, rotary, out=cache.keys[layer][rows])
             cache.values[layer][rows] = values
