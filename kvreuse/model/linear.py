@@ -7,9 +7,12 @@ at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill`
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
-One to three rows in fp32 (a decoding step of a few sequences, a prefill's logits) are read-bound: every weight
-is read for very few products. kvreuse.model.native's kernel reads the plain weights at close to the memory's
-rate, where oneDNN's product of so few rows does not.
+Up to native.PANEL_ROWS rows in fp32 (a decoding step of up to 48 sequences, a prefill's logits) run in
+kvreuse.model.native's `panel_rows`, over another copy of each weight laid out in panels of outputs: every weight
+is read from memory once per step, in order, while the products run close to the FMA units' rate, where oneDNN's
+product of so few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's projections 1.25-1.35x faster at 16 rows,
+and 1.25-1.37x faster at 1-3 rows than dot products over the plain weights). That copy is another 0.54 GB for
+SmolLM2 in fp32. A bf16 layer's 1-3 rows go to native's `few_rows`, over the plain weights.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form
@@ -39,7 +42,8 @@ class _Packed:
     # The weights and biases it was made from, to notice one replaced or changed in place.
     sources: tuple[torch.Tensor | None, ...]
     versions: tuple[int | None, ...]
-    weight: torch.Tensor
+    onednn: torch.Tensor | None  # the stacked weight in oneDNN's layout (fp32, bf16)
+    panels: torch.Tensor | None  # the stacked weight in native.panel_rows' layout (fp32)
     bias: torch.Tensor | None
 
 
@@ -54,18 +58,22 @@ def onednn_available() -> bool:
 def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
     [n, sum of their out_features], as one product; `plus` (of that shape: a residual) added to it if given."""
-    if rows.shape[0] <= native.FEW_ROWS and _native_few_rows(rows, layers):
+    n = rows.shape[0]
+    if 0 < n <= native.PANEL_ROWS and rows.dtype == torch.float32 and _in_panels(layers[0].weight):
+        packed = _packed_weights(layers)
+        return native.panel_rows(rows, packed.panels, sum(layer.out_features for layer in layers), packed.bias, plus)
+    if n <= native.FEW_ROWS and _native_few_rows(rows, layers):
         return _plus(_few_rows(rows, layers), plus)
-    if not _packs(layers[0].weight):
+    if not _in_onednn(layers[0].weight):
         outputs = [nn.functional.linear(rows, layer.weight, layer.bias) for layer in layers]
         return _plus(outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1), plus)
     packed = _packed_weights(layers)
     if plus is not None and rows.dtype == torch.float32:
         # Added to the fp32 sums as oneDNN writes them: the same sum as after, with no pass over the output.
         # (bf16 adds after, to a product rounded to bf16, as transformers' modules do.)
-        return torch.ops.mkldnn._linear_pointwise.binary(rows.contiguous(), plus.contiguous(), packed.weight,
+        return torch.ops.mkldnn._linear_pointwise.binary(rows.contiguous(), plus.contiguous(), packed.onednn,
                                                          packed.bias, "add")
-    return _plus(torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.weight, packed.bias, "none", [], ""),
+    return _plus(torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.onednn, packed.bias, "none", [], ""),
                  plus)
 
 
@@ -74,8 +82,9 @@ def _plus(product: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
 
 
 def _native_few_rows(rows: torch.Tensor, layers: Sequence[nn.Linear]) -> bool:
-    """Whether native.few_rows takes these: rows and every weight and bias of one dtype it reads (fp32, bf16)."""
-    return (rows.shape[0] > 0 and rows.device.type == "cpu" and all(layer.weight.is_contiguous() for layer in layers)
+    """Whether native.few_rows takes these: bf16 rows through bf16 layers, every weight contiguous."""
+    return (rows.shape[0] > 0 and rows.dtype == torch.bfloat16 and rows.device.type == "cpu"
+            and all(layer.weight.is_contiguous() for layer in layers)
             and native.runs_fp32_or_bf16(rows, *(t for layer in layers for t in (layer.weight, layer.bias)
                                               if t is not None)))
 
@@ -95,24 +104,31 @@ def pack_weights(groups: Iterable[Sequence[nn.Linear]]) -> None:
     """Pack every group of projections now (each group stacked as `linear` runs it), so that the first request
     does not pay for it (about 0.25 s for SmolLM2)."""
     for layers in groups:
-        if _packs(layers[0].weight):
+        if _in_onednn(layers[0].weight) or _in_panels(layers[0].weight):
             _packed_weights(tuple(layers))
 
 
-def _packs(weight: torch.Tensor) -> bool:
+def _in_onednn(weight: torch.Tensor) -> bool:
     return _ONEDNN and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+
+
+def _in_panels(weight: torch.Tensor) -> bool:
+    return weight.device.type == "cpu" and weight.dtype == torch.float32 and native.available()
 
 
 def _packed_weights(layers: Sequence[nn.Linear]) -> _Packed:
     sources = tuple(t for layer in layers for t in (layer.weight, layer.bias))
     versions = tuple(_version(t) for t in sources)
     packed = _packed.get(layers[0])
+    first = layers[0].weight
     if packed is None or len(packed.sources) != len(sources) or packed.versions != versions or any(
-            old is not new for old, new in zip(packed.sources, sources)):
+            old is not new for old, new in zip(packed.sources, sources)) or (
+            packed.panels is None and _in_panels(first)):  # packed while the native kernels were switched off
         with torch.no_grad():
-            weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
-            packed = _Packed(sources, versions, torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS),
-                             _stacked_bias(layers))
+            weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else first
+            onednn = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_FOR_ROWS) if _in_onednn(first) else None
+            panels = native.panels(weight) if _in_panels(first) else None
+            packed = _Packed(sources, versions, onednn, panels, _stacked_bias(layers))
         _packed[layers[0]] = packed
     return packed
 

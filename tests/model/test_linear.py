@@ -1,5 +1,5 @@
-"""The runtime's matrix product (oneDNN on packed weights) equals nn.Linear's, stacked projections equal each one
-alone, and a changed weight is followed."""
+"""The runtime's matrix product (oneDNN on packed weights; a few fp32 rows over weights in panels) equals
+nn.Linear's, stacked projections equal each one alone, and a changed weight is followed."""
 
 from __future__ import annotations
 
@@ -7,11 +7,12 @@ import pytest
 import torch
 from torch import nn
 
+from kvreuse.model import native
 from kvreuse.model.linear import linear
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 16, 600])
+@pytest.mark.parametrize("rows", [1, 3, 16, native.PANEL_ROWS, native.PANEL_ROWS + 1, 600])
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_linear_equals_nn_linear(threads, rows, bias):
@@ -45,14 +46,14 @@ def test_a_weight_changed_or_replaced_is_packed_again():
         torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, 600])
+@pytest.mark.parametrize("rows", [1, 3, 16, native.PANEL_ROWS + 1, 600])
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_plus_adds_a_residual_exactly_as_adding_after(rows, bias):
     layer = nn.Linear(24, 40, bias=bias)
     x, residual = torch.randn(rows, 24), torch.randn(rows, 40)
     kept = residual.clone()
-    # fp32: oneDNN adds it as it writes the product, and the sums are the same as adding after
+    # fp32: oneDNN and the panels' kernel add it as they write the product: the same sums as adding after
     assert torch.equal(linear(x, layer, plus=residual), residual + linear(x, layer))
     assert torch.equal(residual, kept)  # the residual itself is left as it was
 
@@ -114,3 +115,17 @@ def test_the_runtime_packs_every_projection_when_it_loads(make_tiny):
     LayerwiseModel(hf_model)
     packed = {id(t) for packed in linear_module._packed.values() for t in packed.sources}
     assert weights <= packed
+
+
+@pytest.mark.skipif(not native.available(), reason="no native kernels")
+@torch.inference_mode()
+def test_a_weight_packed_while_the_native_kernels_were_off_gets_its_panels_when_they_are_on(monkeypatch):
+    layer = nn.Linear(16, 8)
+    x = torch.randn(4, 16)
+    with native.disabled():
+        torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
+    calls = []
+    kernel = native.panel_rows
+    monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
+    torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
+    assert len(calls) == 1

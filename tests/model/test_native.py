@@ -102,28 +102,57 @@ def test_the_kernels_can_be_switched_off_for_a_while():
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3])
-@pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1, 1), (1000, 576), (5, 1537)])
+@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, native.PANEL_ROWS])
+@pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1, 1), (1000, 576), (64, 1537)])
 @pytest.mark.parametrize("bias", [False, True])
-def test_few_rows_equal_torch(threads, rows, shape, bias):
+@pytest.mark.parametrize("plus", [False, True])
+def test_panel_rows_equal_torch(threads, rows, shape, bias, plus):
     out_features, in_features = shape
     weight, x = torch.randn(shape), torch.randn(rows, in_features)
     b = torch.randn(out_features) if bias else None
-    out = torch.full((rows, out_features + 3), float("nan"))  # columns of a wider output
+    residual = torch.randn(rows, out_features) if plus else None
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        native.few_rows(x, weight, b, out[:, 1 : 1 + out_features])
+        got = native.panel_rows(x, native.panels(weight), out_features, b, residual)
     finally:
         torch.set_num_threads(before)
-    expected = x.double() @ weight.double().T + (b.double() if bias else 0)  # fp32 sums differ by their order
-    torch.testing.assert_close(out[:, 1 : 1 + out_features].double(), expected, atol=5e-5, rtol=1e-5)
-    assert out[:, 0].isnan().all() and out[:, -2:].isnan().all()  # nothing written outside its columns
+    expected = x.double() @ weight.double().T + (b.double() if bias else 0) + (residual.double() if plus else 0)
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # fp32 sums in another order: one running sum per output over up to 1537 products of unit scale
+    torch.testing.assert_close(got.double(), expected, atol=2e-4, rtol=1e-5)
+
+
+@needs_compiler
+def test_panels_lay_a_weight_out_in_zero_padded_panels_of_outputs():
+    weight = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)  # 5 outputs of 3 inputs
+    width = native.library().panel_width()
+    laid = native.panels(weight)
+    assert laid.shape == (1, 3, width) and laid.is_contiguous()
+    assert torch.equal(laid[0, :, :5], weight.T) and not laid[0, :, 5:].any()
+
+
+@needs_compiler
+def test_panel_rows_refuses_what_it_cannot_take():
+    weight = torch.randn(8, 4)
+    laid = native.panels(weight)
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 5), laid, 8)  # rows of another width
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 4), laid, 8 + laid.shape[2])  # more outputs than the panels hold
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 4), laid, 8, bias=torch.randn(7))
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 4), laid, 8, plus=torch.randn(3, 8))
+    with pytest.raises(ValueError, match="takes fp32"):
+        native.panel_rows(torch.randn(2, 4).bfloat16(), laid, 8)
+    with pytest.raises(ValueError, match="panels"):
+        native.panels(weight.bfloat16())
 
 
 @needs_compiler
 def test_few_rows_refuses_what_it_cannot_take():
-    weight = torch.randn(8, 4)
+    weight = torch.randn(8, 4).bfloat16()
     with pytest.raises(ValueError, match="few_rows"):
         native.few_rows(torch.randn(native.FEW_ROWS + 1, 4), weight, None, torch.empty(native.FEW_ROWS + 1, 8))
     with pytest.raises(ValueError, match="few_rows"):
@@ -133,7 +162,9 @@ def test_few_rows_refuses_what_it_cannot_take():
     with pytest.raises(ValueError, match="few_rows"):
         native.few_rows(torch.randn(2, 4), weight, torch.randn(7), torch.empty(2, 8))
     with pytest.raises(ValueError, match="all must be one of"):
-        native.few_rows(torch.randn(2, 4), weight.bfloat16(), None, torch.empty(2, 8))
+        native.few_rows(torch.randn(2, 4), weight, None, torch.empty(2, 8))  # fp32 out of a bf16 layer
+    with pytest.raises(ValueError, match="takes bf16 layers"):
+        native.few_rows(torch.randn(2, 4), weight.float(), None, torch.empty(2, 8))
 
 
 @needs_compiler
@@ -183,20 +214,35 @@ class _Recording:
 
 @needs_compiler
 @torch.inference_mode()
-@pytest.mark.parametrize("dtype", DTYPES)
-def test_a_few_rows_through_stacked_projections_run_the_kernel_once_per_projection(monkeypatch, dtype):
-    layers = [nn.Linear(24, 32, bias=False, dtype=dtype), nn.Linear(24, 8, dtype=dtype),
-              nn.Linear(24, 8, bias=False, dtype=dtype)]
+def test_a_few_rows_through_stacked_bf16_projections_run_the_kernel_once_per_projection(monkeypatch):
+    layers = [nn.Linear(24, 32, bias=False, dtype=torch.bfloat16), nn.Linear(24, 8, dtype=torch.bfloat16),
+              nn.Linear(24, 8, bias=False, dtype=torch.bfloat16)]
     calls = []
     kernel = native.few_rows
     monkeypatch.setattr(native, "few_rows", lambda *args: calls.append(args) or kernel(*args))
     for rows in range(1, native.FEW_ROWS + 1):
-        x = torch.randn(rows, 24, dtype=dtype)
+        x = torch.randn(rows, 24, dtype=torch.bfloat16)
         got = linear(x, *layers)
         assert len(calls) == 3 * rows
         _assert_matches(got, torch.cat([layer(x) for layer in layers], -1))
-    linear(torch.randn(native.FEW_ROWS + 1, 24, dtype=dtype), *layers)  # more rows are a matrix product: oneDNN's
+    linear(torch.randn(native.FEW_ROWS + 1, 24, dtype=torch.bfloat16), *layers)  # more rows: oneDNN's product
     assert len(calls) == 3 * native.FEW_ROWS
+
+
+@needs_compiler
+@torch.inference_mode()
+def test_up_to_panel_rows_through_stacked_fp32_projections_run_one_panel_product(monkeypatch):
+    layers = [nn.Linear(24, 32, bias=False), nn.Linear(24, 8), nn.Linear(24, 8, bias=False)]
+    calls = []
+    kernel = native.panel_rows
+    monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
+    for count, rows in enumerate((1, 16, native.PANEL_ROWS), start=1):
+        x = torch.randn(rows, 24)
+        got = linear(x, *layers)
+        assert len(calls) == count
+        _assert_matches(got, torch.cat([layer(x) for layer in layers], -1))
+    linear(torch.randn(native.PANEL_ROWS + 1, 24), *layers)  # more rows: oneDNN's product
+    assert len(calls) == 3
 
 
 def _reference_attention(q, keys, values, positions, lengths, q_pos, window, scale):
