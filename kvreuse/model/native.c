@@ -11,7 +11,7 @@
 #include <string.h>
 
 /* The bf16 dot-product instruction (vdpbf16ps: pairs of bf16 multiplied exactly, added to fp32 sums), on CPUs
-   with AVX512-BF16: `few_rows_dot` and the bf16 prefill attention's products are built only there. */
+   with AVX512-BF16: `panel_rows_bf16` and the bf16 prefill attention's products are built only there. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define BF16_DOT 1
 #else
@@ -87,51 +87,8 @@ void few_rows(const float *x, int64_t rows, int64_t in, const void *w, int64_t o
     }
 }
 
-/* `few_rows` of bf16 rows through a bf16 layer, on CPUs with AVX512-BF16: each weight row's pairs times the rows'
-   pairs in vdpbf16ps (exact products, fp32 sums), the weight streamed once for all M rows. Widened to fp32 first,
-   the weights were read at 30 GB/s at one row and 24 at three; here at the memory's rate for up to 3 rows. From 4
-   rows on oneDNN's product is as fast or faster in the runtime's decoding step (2-core Zen 4 EPYC: 0.85-0.94x at
-   4-8 rows, 0.96-1.07x with the M rows' horizontal sums taken together). */
-#if BF16_DOT
-static inline __attribute__((always_inline)) void one_output_dot(const uint16_t *x, int64_t in, const uint16_t *w,
-        int64_t o, const uint16_t *b, uint16_t *y, int64_t y_stride, const int M) {
-    __m512 sums[3];  /* M <= 3; a variable size would be allocated on the stack at every call */
-    for (int m = 0; m < M; m++) sums[m] = _mm512_setzero_ps();
-    const uint16_t *row = w + o * in;
-    int64_t i = 0;
-    for (; i + 32 <= in; i += 32) {
-        __m512bh weights = (__m512bh)_mm512_loadu_si512(row + i);
-        for (int m = 0; m < M; m++)
-            sums[m] = _mm512_dpbf16_ps(sums[m], (__m512bh)_mm512_loadu_si512(x + m * in + i), weights);
-    }
-    if (i < in) {  /* the last in % 32 columns, the rest of the vector zeros */
-        __mmask32 tail = (__mmask32)((1ull << (in - i)) - 1);
-        __m512bh weights = (__m512bh)_mm512_maskz_loadu_epi16(tail, row + i);
-        for (int m = 0; m < M; m++)
-            sums[m] = _mm512_dpbf16_ps(sums[m], (__m512bh)_mm512_maskz_loadu_epi16(tail, x + m * in + i), weights);
-    }
-    for (int m = 0; m < M; m++) {
-        float sum = _mm512_reduce_add_ps(sums[m]);
-        keep(y, m * y_stride + o, b ? sum + stored(b, o, 1) : sum, 1);
-    }
-}
-
-#define ONE_OUTPUT_DOT(M) one_output_dot(x, in, w, o, b, y, y_stride, M)
-void few_rows_dot(const uint16_t *x, int64_t rows, int64_t in, const uint16_t *w, int64_t out, const uint16_t *b,
-                  uint16_t *y, int64_t y_stride, int threads) {  /* rows <= 3 */
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t o = 0; o < out; o++) {
-        switch (rows) {
-            case 1: ONE_OUTPUT_DOT(1); break;
-            case 2: ONE_OUTPUT_DOT(2); break;
-            case 3: ONE_OUTPUT_DOT(3); break;
-        }
-    }
-}
-#endif
-
-/* Whether `few_rows_dot` is built (AVX512-BF16). */
-int few_rows_takes_bf16_rows(void) { return BF16_DOT; }
+/* Whether the kernels that multiply bf16 in vdpbf16ps are built (AVX512-BF16). */
+int has_bf16_dot(void) { return BF16_DOT; }
 
 /* ---- vectors ------------------------------------------------------------------------------------------
    GCC's vector types (`vec`: 16 floats with AVX-512, 8 without), for the attention kernels' softmax and the
@@ -180,16 +137,16 @@ static inline int any_above(vec a, vec b) {
 }
 #endif
 
-/* ---- fp32 products of a few rows ---------------------------------------------------------------------
+/* ---- products of a few rows, over weights laid out in panels -------------------------------------------
    A decoding step's projections: a few rows (up to kvreuse.model.native.PANEL_ROWS) through every weight of the
    model, which streams from memory once per step. oneDNN's product of so few rows reaches neither the memory's
    rate nor the FMA units' (16 rows of SmolLM2's projections at ~120 GFLOP/s, a third of the step, on a 2-core
    Zen 4 EPYC). Here the weight is laid out once in panels of PANEL_WIDTH outputs, [out / PANEL_WIDTH][in]
    [PANEL_WIDTH] (the last zero padded), so that each thread streams its panels in order: an input column's
    PANEL_WIDTH weights are two vectors, multiplied by each row's value of that column (a broadcast) into a register
-   tile of PANEL_TILE_ROWS rows x 2 vectors of sums. More rows take the panel again from L2. On that EPYC: SmolLM2's
-   projections at 1-3 rows 1.25-1.37x faster than the plain weights' dot products, at 16 rows 1.25-1.35x faster than
-   oneDNN's, at 48 1.18x; from 64 rows on they are level. */
+   tile of PANEL_TILE_ROWS rows x 2 vectors of sums. More rows take the panel again from L2. On that EPYC, SmolLM2's
+   fp32 projections at 1-3 rows ran 1.25-1.37x faster than the plain weights' dot products, at 16 rows 1.25-1.35x
+   faster than oneDNN's, at 48 1.18x; from 64 rows on they are level. */
 
 #define PANEL_WIDTH (2 * VW)
 #define PANEL_TILE_ROWS (VW == 16 ? 8 : 6)  /* 2 x rows sums, 2 weights and a broadcast in 32 (or 16) registers */
@@ -243,6 +200,67 @@ void panel_rows(const float *x, int64_t rows, int64_t in, const float *panels, i
         }
     }
 }
+
+#if BF16_DOT
+/* bf16 rows through a bf16 weight in panels of pairs, [out / PANEL_WIDTH][in / 2][PANEL_WIDTH][2] (inputs 2k and
+   2k + 1 of an output side by side; an odd `in` has a zero column added, as the rows do): a pair of each row
+   broadcast, times two vectors of pairs in vdpbf16ps (exact products, fp32 sums). Each output is rounded to bf16
+   once, with its bias added in fp32; `plus` is added after, to that rounded product, as torch adds a residual to
+   a bf16 layer's output. On the Zen 4 EPYC, SmolLM2's bf16 projections at 16 rows ran 1.30x faster than oneDNN's,
+   at 4 1.65x, at 48 1.4x; at 1-3 rows 1.06-1.37x faster than the plain weights' dot products. */
+static inline __attribute__((always_inline)) void panel_tile_bf16(const uint16_t *x, int64_t x_stride,
+        int64_t pairs, const uint32_t *panel, const float *bias, const uint16_t *plus, uint16_t *y, int64_t y_stride,
+        int64_t columns, const int R) {
+    __m512 sums[PANEL_TILE_ROWS][2];
+    for (int r = 0; r < R; r++) sums[r][0] = _mm512_loadu_ps(bias), sums[r][1] = _mm512_loadu_ps(bias + VW);
+    #pragma GCC unroll 4
+    for (int64_t k = 0; k < pairs; k++) {
+        __m512bh w0 = (__m512bh)_mm512_loadu_si512(panel + k * PANEL_WIDTH);
+        __m512bh w1 = (__m512bh)_mm512_loadu_si512(panel + k * PANEL_WIDTH + VW);
+        for (int r = 0; r < R; r++) {
+            __m512bh xr = (__m512bh)_mm512_set1_epi32((int)((const uint32_t *)(x + r * x_stride))[k]);
+            sums[r][0] = _mm512_dpbf16_ps(sums[r][0], xr, w0);
+            sums[r][1] = _mm512_dpbf16_ps(sums[r][1], xr, w1);
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        float row[PANEL_WIDTH];
+        _mm512_storeu_ps(row, sums[r][0]);
+        _mm512_storeu_ps(row + VW, sums[r][1]);
+        for (int64_t j = 0; j < columns; j++) {
+            int64_t at = r * y_stride + j;
+            keep(y, at, plus ? rounded_to(row[j], 1) + stored(plus, at, 1) : row[j], 1);
+        }
+    }
+}
+
+/* y [rows, out] bf16 (row stride y_stride; plus, if given, has the same layout) = x [rows, 2 * pairs] bf16 (row
+   stride x_stride) through a bf16 weight in panels of pairs (kvreuse.model.native.panels) and bias b [out] or
+   NULL. */
+void panel_rows_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t pairs, const uint32_t *panels,
+                     int64_t out, const uint16_t *b, const uint16_t *plus, uint16_t *y, int64_t y_stride,
+                     int threads) {
+    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < count; p++) {
+        int64_t first = p * PANEL_WIDTH, columns = out - first < PANEL_WIDTH ? out - first : PANEL_WIDTH;
+        float bias[PANEL_WIDTH] = {0};
+        for (int64_t j = 0; b && j < columns; j++) bias[j] = stored(b, first + j, 1);
+        for (int64_t m = 0; m < rows; m += PANEL_TILE_ROWS) {
+            int R = rows - m < PANEL_TILE_ROWS ? (int)(rows - m) : PANEL_TILE_ROWS;
+            const uint16_t *xm = x + m * x_stride, *pm = plus ? plus + m * y_stride + first : 0;
+            const uint32_t *panel = panels + p * pairs * PANEL_WIDTH;
+            uint16_t *ym = y + m * y_stride + first;
+            switch (R) {
+#define PANEL_TILE_BF16(R) \
+                case R: panel_tile_bf16(xm, x_stride, pairs, panel, bias, pm, ym, y_stride, columns, R); break;
+                PANEL_TILE_BF16(1) PANEL_TILE_BF16(2) PANEL_TILE_BF16(3) PANEL_TILE_BF16(4)
+                PANEL_TILE_BF16(5) PANEL_TILE_BF16(6) PANEL_TILE_BF16(7) PANEL_TILE_BF16(8)
+            }
+        }
+    }
+}
+#endif
 
 /* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag
    behind by HEADROOM), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the

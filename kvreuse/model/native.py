@@ -1,5 +1,5 @@
 """Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly: at decoding's sizes, the product
-of a few rows (`panel_rows` through an fp32 weight laid out in panels, `few_rows` through a bf16 one) and the
+of a few rows (`panel_rows`, through a weight laid out in panels; `few_rows`, through a plain bf16 one) and the
 attention of one query per sequence (`decode_attention`, over fp32 or bf16 KV); the attention of many queries at
 any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones); and a layer's pointwise
 steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16), where torch runs several ops.
@@ -44,10 +44,11 @@ DISABLE_VARIABLE = "KVREUSE_NATIVE"
 _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
-    "few_rows_dot": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
-    "few_rows_takes_bf16_rows": [],
+    "has_bf16_dot": [],
     "panel_width": [],
     "panel_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT],
+    "panel_rows_bf16": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64,
+                        _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
                          _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER,
                          _INT],
@@ -62,8 +63,8 @@ _SIGNATURES = {
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
 # Kernels native.c builds only where the CPU has AVX512-BF16.
-_BUILT_WITH_BF16_DOT = {"few_rows_dot"}
-_RESULTS = {"few_rows_takes_bf16_rows": _INT, "panel_width": _INT, "prefill_attention_scratch": _INT64,
+_BUILT_WITH_BF16_DOT = {"panel_rows_bf16"}
+_RESULTS = {"has_bf16_dot": _INT, "panel_width": _INT, "prefill_attention_scratch": _INT64,
             "prefill_attention_vector_width": _INT}
 
 
@@ -110,7 +111,7 @@ def library() -> ctypes.CDLL | None:
         log.warning("native kernels unavailable, using torch's: %s", error)
         return None
     for name, argtypes in _SIGNATURES.items():
-        if name in _BUILT_WITH_BF16_DOT and not lib.few_rows_takes_bf16_rows():
+        if name in _BUILT_WITH_BF16_DOT and not lib.has_bf16_dot():
             continue
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = _RESULTS.get(name)
@@ -150,76 +151,90 @@ def _cpu_identity() -> str:
 
 
 # What the kernels read and write besides fp32: bf16, widened as read, summed in fp32 and rounded as written. On
-# CPUs with AVX512-BF16, `prefill_attention` and `few_rows` of bf16 rows multiply bf16 as it is, in the bf16
+# CPUs with AVX512-BF16, `prefill_attention` and `panel_rows` of bf16 rows multiply bf16 as it is, in the bf16
 # dot-product instruction (exact products, fp32 sums).
 FP32_OR_BF16 = (torch.float32, torch.bfloat16)
 
 
-# The most rows `few_rows` takes (a bf16 layer's): from 4 rows on, oneDNN's product is as fast.
+# The most rows `few_rows` takes (a bf16 layer's where `panel_rows` does not run bf16): from 4 rows on, oneDNN's
+# product is as fast.
 FEW_ROWS = 3
 
 
 def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> None:
     """out [n, out_features] = rows [n, in_features] @ weight.T (+ bias), n <= FEW_ROWS, through a bf16 layer
-    (weight, bias and out bf16; fp32 layers take `panel_rows`), summed in fp32: contiguous CPU tensors (the caller
-    checks), but `out` may be columns of a wider output (stacked projections side by side). bf16 rows multiply as
-    they are in the bf16 dot-product instruction where it is built; fp32 rows, and bf16 rows elsewhere, widened."""
+    (weight, bias and out bf16), the rows (fp32 or bf16) widened and summed in fp32: contiguous CPU tensors (the
+    caller checks), but `out` may be columns of a wider output (stacked projections side by side). On CPUs with
+    AVX512-BF16 a bf16 layer's rows go through `panel_rows`; fp32 layers' always do."""
     if (not 1 <= rows.shape[0] <= FEW_ROWS or rows.shape[1] != weight.shape[1] or out.stride(-1) != 1
             or out.shape != (rows.shape[0], weight.shape[0]) or (bias is not None and bias.shape != out.shape[1:])):
         raise ValueError(f"few_rows: {tuple(rows.shape)} rows into {tuple(out.shape)} (stride {out.stride()}) "
                          f"over a weight {tuple(weight.shape)}")
     if not _is_bf16("few_rows", weight, out, *([] if bias is None else [bias])):
         raise ValueError("few_rows: takes bf16 layers; an fp32 layer's rows go through panel_rows")
-    lib, threads = library(), torch.get_num_threads()
-    bias_pointer = None if bias is None else bias.data_ptr()
-    if rows.dtype == torch.bfloat16 and lib.few_rows_takes_bf16_rows():
-        x = rows.contiguous()  # held until the call returns
-        lib.few_rows_dot(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0], bias_pointer,
-                         out.data_ptr(), out.stride(0), threads)
-        return
     x = rows.float().contiguous()
-    lib.few_rows(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0], bias_pointer,
-                 out.data_ptr(), out.stride(0), threads)
+    library().few_rows(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
+                       None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
+                       torch.get_num_threads())
 
 
-# The most rows `linear` sends through `panel_rows` (an fp32 layer's): on a 2-core Zen 4 EPYC, SmolLM2's
-# projections ran 1.18x faster than oneDNN's at 48 rows, level from 64 on.
+# The most rows `linear` sends through `panel_rows`: on a 2-core Zen 4 EPYC, SmolLM2's fp32 projections ran 1.18x
+# faster than oneDNN's at 48 rows and level from 64 on; bf16's 1.4x at 48.
 PANEL_ROWS = 48
 
 
+def panels_take(dtype: torch.dtype) -> bool:
+    """Whether `panels` lays out weights of `dtype`: fp32, and bf16 where the bf16 dot-product kernel is built."""
+    return available() and (dtype == torch.float32 or (dtype == torch.bfloat16 and bool(library().has_bf16_dot())))
+
+
 def panels(weight: torch.Tensor) -> torch.Tensor:
-    """An fp32 weight [out, in] laid out for `panel_rows`: [ceil(out / w), in, w] for the library's panel width w,
-    the outputs past `out` zeros."""
-    if weight.dim() != 2 or weight.dtype != torch.float32 or weight.device.type != "cpu":
-        raise ValueError(f"panels: takes an fp32 CPU weight [out, in], got {tuple(weight.shape)} {weight.dtype} "
-                         f"on {weight.device}")
+    """A weight [out, in] laid out for `panel_rows` in panels of w outputs (the library's panel width), the outputs
+    past `out` zeros: fp32 as [ceil(out / w), in, w]; bf16 as [ceil(out / w), ceil(in / 2), w, 2], inputs in pairs
+    (an odd `in` with a zero column added)."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or not panels_take(weight.dtype):
+        raise ValueError(f"panels: takes an fp32 (or, with AVX512-BF16, bf16) CPU weight [out, in], got "
+                         f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     width, (out_features, in_features) = library().panel_width(), weight.shape
-    padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % width))
-    return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+    if weight.dtype == torch.float32:
+        padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % width))
+        return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
+    padded = torch.nn.functional.pad(weight.detach(), (0, in_features % 2, 0, -out_features % width))
+    return padded.view(-1, width, (in_features + 1) // 2, 2).transpose(1, 2).contiguous()
 
 
 def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
                plus: torch.Tensor | None = None) -> torch.Tensor:
-    """rows [n, in] (fp32) @ weight.T (+ bias [out_features]) (+ plus [n, out_features]: a residual, added as the
-    sums are written) for a weight given as its `panels`: [n, out_features], summed in fp32."""
-    count, in_features, width = weight_panels.shape
-    n = rows.shape[0]
-    if (rows.dim() != 2 or rows.shape[1] != in_features or count != -(-out_features // width)
+    """rows [n, in] @ weight.T (+ bias [out_features]) (+ plus [n, out_features]: a residual) for a weight given as
+    its `panels`: [n, out_features], summed in fp32. All fp32, or all bf16: then the product plus bias is rounded
+    to bf16 once, and `plus` added to that, as torch adds a residual to a bf16 layer's output."""
+    bf16 = weight_panels.dtype == torch.bfloat16
+    shapes = (f"panel_rows: rows {tuple(rows.shape)} into {out_features} outputs over panels "
+              f"{tuple(weight_panels.shape)}, bias {None if bias is None else tuple(bias.shape)}, plus "
+              f"{None if plus is None else tuple(plus.shape)}")
+    if rows.dim() != 2 or weight_panels.dim() != (4 if bf16 else 3):
+        raise ValueError(shapes)
+    (n, in_features), (count, depth, width) = rows.shape, weight_panels.shape[:3]
+    if (depth != ((in_features + 1) // 2 if bf16 else in_features) or count != -(-out_features // width)
             or width != library().panel_width() or not weight_panels.is_contiguous()
             or (bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()))
             or (plus is not None and plus.shape != (n, out_features))):
-        raise ValueError(f"panel_rows: rows {tuple(rows.shape)} into {out_features} outputs over panels "
-                         f"{tuple(weight_panels.shape)}, bias {None if bias is None else tuple(bias.shape)}, plus "
-                         f"{None if plus is None else tuple(plus.shape)}")
+        raise ValueError(shapes)
     given = [t for t in (rows, weight_panels, bias, plus) if t is not None]
-    if any(t.dtype != torch.float32 or t.device.type != "cpu" for t in given):
-        raise ValueError(f"panel_rows: takes fp32 CPU tensors, got {sorted({str(t.dtype) for t in given})}")
-    x = rows.contiguous()
+    if len({t.dtype for t in given}) != 1 or not panels_take(rows.dtype) or any(t.device.type != "cpu" for t in given):
+        raise ValueError(f"panel_rows: takes CPU tensors all fp32, or all bf16 with AVX512-BF16; got "
+                         f"{sorted({str(t.dtype) for t in given})}")
+    out = torch.empty(n, out_features, dtype=rows.dtype)
     added = None if plus is None else plus.contiguous()
-    out = torch.empty(n, out_features)
-    library().panel_rows(x.data_ptr(), n, in_features, weight_panels.data_ptr(), out_features,
-                         None if bias is None else bias.data_ptr(), None if added is None else added.data_ptr(),
-                         out.data_ptr(), out_features, torch.get_num_threads())
+    plus_pointer, bias_pointer = (None if t is None else t.data_ptr() for t in (added, bias))
+    if bf16:
+        x = rows.contiguous() if in_features % 2 == 0 else torch.nn.functional.pad(rows, (0, 1))
+        library().panel_rows_bf16(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features,
+                                  bias_pointer, plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
+    else:
+        x = rows.contiguous()
+        library().panel_rows(x.data_ptr(), n, in_features, weight_panels.data_ptr(), out_features, bias_pointer,
+                             plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
     return out
 
 

@@ -15,6 +15,8 @@ from kvreuse.model.attention import attention_mask
 from kvreuse.model.linear import linear
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
+needs_bf16_dot = pytest.mark.skipif(not native.panels_take(torch.bfloat16),
+                                    reason="bf16 panels are built only with AVX512-BF16")
 
 
 def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
@@ -27,6 +29,21 @@ def _assert_matches(got: torch.Tensor, expected: torch.Tensor) -> None:
         return
     torch.testing.assert_close(got.float(), expected.float(), atol=1e-30, rtol=2**-6)
     assert got.eq(expected).float().mean() > 0.98, got.eq(expected).float().mean()
+
+
+def _assert_bf16_product(got, x, weight, bias=None, residual=None) -> None:
+    """A bf16 layer's output: the fp32 sum of the exact products, plus the bias, rounded once to bf16; a residual
+    added to that rounded product and rounded again, as torch adds one to a bf16 layer's output. Checked within two
+    roundings of the terms' scale, plus fp32's sums in another order (which can land a rounding on the other side,
+    and matter beside an output that nearly cancels); most outputs equal, so that a rounding done at the wrong place
+    or not at all fails."""
+    product = (x.double() @ weight.double().T + (0 if bias is None else bias.double())).bfloat16()
+    expected = product if residual is None else product + residual
+    assert got.dtype == torch.bfloat16
+    scale = product.double().abs() + (0 if residual is None else residual.double().abs())
+    terms = x.double().abs() @ weight.double().abs().T + (0 if bias is None else bias.double().abs())
+    assert ((got.double() - expected.double()).abs() <= scale * 2**-6 + terms * 2**-16).all()
+    assert got.eq(expected).float().mean() > 0.98
 
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -132,6 +149,31 @@ def test_panels_lay_a_weight_out_in_zero_padded_panels_of_outputs():
     assert torch.equal(laid[0, :, :5], weight.T) and not laid[0, :, 5:].any()
 
 
+@needs_bf16_dot
+def test_bf16_panels_hold_each_outputs_inputs_in_pairs():
+    weight = torch.arange(5 * 3, dtype=torch.float32).view(5, 3).bfloat16()  # 5 outputs of 3 inputs: 2 pairs
+    width = native.library().panel_width()
+    laid = native.panels(weight)
+    assert laid.shape == (1, 2, width, 2) and laid.is_contiguous()
+    assert torch.equal(laid[0, 0, :5], weight[:, 0:2]) and torch.equal(laid[0, 1, :5, 0], weight[:, 2])
+    assert not laid[0, 1, :, 1].any() and not laid[0, :, 5:].any()  # the odd input's pair and the outputs past 5
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("rows", [1, 3, 9, native.PANEL_ROWS])
+@pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1000, 576), (64, 1537)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("plus", [False, True])
+def test_bf16_panel_rows_round_the_product_once_and_add_the_residual_after(rows, shape, bias, plus):
+    out_features, in_features = shape
+    generator = torch.Generator().manual_seed(rows * 10_000 + out_features)
+    weight, x = (torch.randn(size, generator=generator).bfloat16() for size in (shape, (rows, in_features)))
+    b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
+    residual = torch.randn(rows, out_features, generator=generator).bfloat16() if plus else None
+    _assert_bf16_product(native.panel_rows(x, native.panels(weight), out_features, b, residual), x, weight, b,
+                         residual)
+
+
 @needs_compiler
 def test_panel_rows_refuses_what_it_cannot_take():
     weight = torch.randn(8, 4)
@@ -144,10 +186,12 @@ def test_panel_rows_refuses_what_it_cannot_take():
         native.panel_rows(torch.randn(2, 4), laid, 8, bias=torch.randn(7))
     with pytest.raises(ValueError, match="panel_rows"):
         native.panel_rows(torch.randn(2, 4), laid, 8, plus=torch.randn(3, 8))
-    with pytest.raises(ValueError, match="takes fp32"):
+    with pytest.raises(ValueError, match="all fp32, or all bf16"):
         native.panel_rows(torch.randn(2, 4).bfloat16(), laid, 8)
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 4), laid[..., None], 8)  # panels of another layout
     with pytest.raises(ValueError, match="panels"):
-        native.panels(weight.bfloat16())
+        native.panels(weight.half())
 
 
 @needs_compiler
@@ -174,47 +218,21 @@ def test_few_rows_refuses_what_it_cannot_take():
 @pytest.mark.parametrize("rows_dtype", DTYPES)
 def test_few_rows_of_a_bf16_layer_sum_in_fp32_and_round_once(rows, bias, in_features, rows_dtype):
     """A bf16 model's weights, bias and output: the fp32 sum of the products (exact in fp32), plus the bias,
-    rounded once to bf16. bf16 rows multiply as they are (the dot-product kernel, where built), fp32 rows are not
-    rounded to bf16 on the way."""
-    weight = torch.randn(1000, in_features).bfloat16()
-    x = torch.randn(rows, in_features).to(rows_dtype)
-    b = torch.randn(1000).bfloat16() if bias else None
+    rounded once to bf16. Rows of either dtype are widened, fp32 rows not rounded to bf16 on the way."""
+    generator = torch.Generator().manual_seed(rows * 1000 + in_features)
+    weight = torch.randn(1000, in_features, generator=generator).bfloat16()
+    x = torch.randn(rows, in_features, generator=generator).to(rows_dtype)
+    b = torch.randn(1000, generator=generator).bfloat16() if bias else None
     out = torch.full((rows, 1003), float("nan"), dtype=torch.bfloat16)  # columns of a wider output
     native.few_rows(x, weight, b, out[:, 1:1001])
-    exact = x.double() @ weight.double().T + (b.double() if bias else 0)
-    _assert_matches(out[:, 1:1001], exact.bfloat16())
+    _assert_bf16_product(out[:, 1:1001], x, weight, b)
     assert out[:, 0].isnan().all() and out[:, -2:].isnan().all()  # nothing written outside its columns
 
 
 @needs_compiler
-@pytest.mark.skipif(not native.available() or not native.library().few_rows_takes_bf16_rows(),
-                    reason="the bf16 dot-product kernel is built only with AVX512-BF16")
-def test_bf16_rows_through_a_bf16_layer_run_the_dot_product_kernel(monkeypatch):
-    calls = []
-    lib = native.library()
-    monkeypatch.setattr(native, "library", lambda: _Recording(lib, calls))
-    weight, out = torch.randn(8, 64).bfloat16(), torch.empty(2, 8, dtype=torch.bfloat16)
-    native.few_rows(torch.randn(2, 64).bfloat16(), weight, None, out)
-    native.few_rows(torch.randn(2, 64), weight, None, out)
-    assert calls == ["few_rows_dot", "few_rows"]
-
-
-class _Recording:
-    """A library whose kernel calls are recorded by name."""
-
-    def __init__(self, lib, calls: list[str]):
-        self.lib, self.calls = lib, calls
-
-    def __getattr__(self, name):
-        kernel = getattr(self.lib, name)
-        if not name.startswith("few_rows") or name == "few_rows_takes_bf16_rows":
-            return kernel
-        return lambda *args: self.calls.append(name) or kernel(*args)
-
-
-@needs_compiler
 @torch.inference_mode()
-def test_a_few_rows_through_stacked_bf16_projections_run_the_kernel_once_per_projection(monkeypatch):
+def test_without_the_bf16_dot_product_a_few_bf16_rows_run_the_kernel_once_per_projection(monkeypatch):
+    monkeypatch.setattr(native, "panels_take", lambda dtype: dtype == torch.float32)  # as without AVX512-BF16
     layers = [nn.Linear(24, 32, bias=False, dtype=torch.bfloat16), nn.Linear(24, 8, dtype=torch.bfloat16),
               nn.Linear(24, 8, bias=False, dtype=torch.bfloat16)]
     calls = []
@@ -231,17 +249,21 @@ def test_a_few_rows_through_stacked_bf16_projections_run_the_kernel_once_per_pro
 
 @needs_compiler
 @torch.inference_mode()
-def test_up_to_panel_rows_through_stacked_fp32_projections_run_one_panel_product(monkeypatch):
-    layers = [nn.Linear(24, 32, bias=False), nn.Linear(24, 8), nn.Linear(24, 8, bias=False)]
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_up_to_panel_rows_through_stacked_projections_run_one_panel_product(monkeypatch, dtype):
+    if not native.panels_take(dtype):
+        pytest.skip(f"no panels of {dtype} on this CPU")
+    layers = [nn.Linear(24, 32, bias=False, dtype=dtype), nn.Linear(24, 8, dtype=dtype),
+              nn.Linear(24, 8, bias=False, dtype=dtype)]
     calls = []
     kernel = native.panel_rows
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
     for count, rows in enumerate((1, 16, native.PANEL_ROWS), start=1):
-        x = torch.randn(rows, 24)
+        x = torch.randn(rows, 24, dtype=dtype)
         got = linear(x, *layers)
         assert len(calls) == count
         _assert_matches(got, torch.cat([layer(x) for layer in layers], -1))
-    linear(torch.randn(native.PANEL_ROWS + 1, 24), *layers)  # more rows: oneDNN's product
+    linear(torch.randn(native.PANEL_ROWS + 1, 24, dtype=dtype), *layers)  # more rows: oneDNN's product
     assert len(calls) == 3
 
 
@@ -478,7 +500,10 @@ def test_prefill_attention_is_exact_on_cpus_with_fewer_instructions(tmp_path, mo
     native.library.cache_clear()
     try:
         assert native.library().prefill_attention_vector_width() == width
-        assert not native.library().few_rows_takes_bf16_rows()  # no bf16 dot-product instruction built
+        assert not native.library().has_bf16_dot()  # no bf16 dot-product instruction built
+        assert native.library().panel_width() == 2 * width
+        weight, x = torch.randn(40, 24), torch.randn(11, 24)
+        torch.testing.assert_close(native.panel_rows(x, native.panels(weight), 40), x @ weight.T, atol=1e-5, rtol=1e-5)
         generator = torch.Generator().manual_seed(8)
         for q_pos, k_pos in _prefill_layouts(generator).values():
             keys, values = torch.randn(2, k_pos.numel(), 3, 64, generator=generator)
