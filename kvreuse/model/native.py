@@ -25,6 +25,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -185,7 +186,21 @@ PANEL_ROWS = 48
 
 def panels_take(dtype: torch.dtype) -> bool:
     """Whether `panels` lays out weights of `dtype`: fp32, and bf16 where the bf16 dot-product kernel is built."""
-    return available() and (dtype == torch.float32 or (dtype == torch.bfloat16 and bool(library().has_bf16_dot())))
+    return available() and (dtype == torch.float32 or (dtype == torch.bfloat16 and _built(library()).bf16_dot))
+
+
+@dataclass(frozen=True)
+class _Built:
+    """What a build of the library was compiled with, asked once (each ctypes call costs about a microsecond, and a
+    decoding step runs a product through `panel_rows` about 120 times)."""
+
+    panel_width: int
+    bf16_dot: bool
+
+
+@functools.cache
+def _built(lib: ctypes.CDLL) -> _Built:
+    return _Built(lib.panel_width(), bool(lib.has_bf16_dot()))
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:
@@ -195,7 +210,7 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     if weight.dim() != 2 or weight.device.type != "cpu" or not panels_take(weight.dtype):
         raise ValueError(f"panels: takes an fp32 (or, with AVX512-BF16, bf16) CPU weight [out, in], got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
-    width, (out_features, in_features) = library().panel_width(), weight.shape
+    width, (out_features, in_features) = _built(library()).panel_width, weight.shape
     if weight.dtype == torch.float32:
         padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % width))
         return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
@@ -208,34 +223,43 @@ def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: in
     """rows [n, in] @ weight.T (+ bias [out_features]) (+ plus [n, out_features]: a residual) for a weight given as
     its `panels`: [n, out_features], summed in fp32. All fp32, or all bf16: then the product plus bias is rounded
     to bf16 once, and `plus` added to that, as torch adds a residual to a bf16 layer's output."""
-    bf16 = weight_panels.dtype == torch.bfloat16
-    shapes = (f"panel_rows: rows {tuple(rows.shape)} into {out_features} outputs over panels "
-              f"{tuple(weight_panels.shape)}, bias {None if bias is None else tuple(bias.shape)}, plus "
-              f"{None if plus is None else tuple(plus.shape)}")
-    if rows.dim() != 2 or weight_panels.dim() != (4 if bf16 else 3):
-        raise ValueError(shapes)
-    (n, in_features), (count, depth, width) = rows.shape, weight_panels.shape[:3]
-    if (depth != ((in_features + 1) // 2 if bf16 else in_features) or count != -(-out_features // width)
-            or width != library().panel_width() or not weight_panels.is_contiguous()
-            or (bias is not None and (bias.shape != (out_features,) or not bias.is_contiguous()))
-            or (plus is not None and plus.shape != (n, out_features))):
-        raise ValueError(shapes)
-    given = [t for t in (rows, weight_panels, bias, plus) if t is not None]
-    if len({t.dtype for t in given}) != 1 or not panels_take(rows.dtype) or any(t.device.type != "cpu" for t in given):
-        raise ValueError(f"panel_rows: takes CPU tensors all fp32, or all bf16 with AVX512-BF16; got "
-                         f"{sorted({str(t.dtype) for t in given})}")
+    bf16, lib = weight_panels.dtype == torch.bfloat16, library()
+    if not _panel_rows_take(rows, weight_panels, out_features, bias, plus, bf16, _built(lib).panel_width):
+        raise ValueError(f"panel_rows: rows {tuple(rows.shape)} {rows.dtype} into {out_features} outputs over panels "
+                         f"{tuple(weight_panels.shape)} {weight_panels.dtype}, bias "
+                         f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, plus "
+                         f"{None if plus is None else (tuple(plus.shape), plus.dtype)}: CPU tensors all fp32, or all "
+                         f"bf16 with AVX512-BF16, panels as `panels` lays them out")
+    n, in_features = rows.shape
+    depth = weight_panels.shape[1]
     out = torch.empty(n, out_features, dtype=rows.dtype)
     added = None if plus is None else plus.contiguous()
     plus_pointer, bias_pointer = (None if t is None else t.data_ptr() for t in (added, bias))
     if bf16:
         x = rows.contiguous() if in_features % 2 == 0 else torch.nn.functional.pad(rows, (0, 1))
-        library().panel_rows_bf16(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features,
-                                  bias_pointer, plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
+        lib.panel_rows_bf16(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features, bias_pointer,
+                            plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
     else:
         x = rows.contiguous()
-        library().panel_rows(x.data_ptr(), n, in_features, weight_panels.data_ptr(), out_features, bias_pointer,
-                             plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
+        lib.panel_rows(x.data_ptr(), n, in_features, weight_panels.data_ptr(), out_features, bias_pointer,
+                       plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
     return out
+
+
+def _panel_rows_take(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
+                     plus: torch.Tensor | None, bf16: bool, width: int) -> bool:
+    dtype = weight_panels.dtype
+    if (rows.dim() != 2 or weight_panels.dim() != 3 + bf16 or rows.dtype != dtype or not panels_take(dtype)
+            or rows.device.type != "cpu" or weight_panels.device.type != "cpu" or not weight_panels.is_contiguous()):
+        return False
+    n, in_features = rows.shape
+    count, depth, panel_width = weight_panels.shape[:3]
+    return (depth == ((in_features + 1) // 2 if bf16 else in_features) and count == -(-out_features // width)
+            and panel_width == width
+            and (bias is None or (bias.shape == (out_features,) and bias.dtype == dtype and bias.is_contiguous()
+                                  and bias.device.type == "cpu"))
+            and (plus is None or (plus.shape == (n, out_features) and plus.dtype == dtype
+                                  and plus.device.type == "cpu")))
 
 
 def decode_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:
