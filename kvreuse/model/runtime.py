@@ -186,10 +186,10 @@ class LayerwiseModel:
     def _rotary_rows(self, needed: int) -> Rotary:
         """The table of positions [0, n) for some n >= needed."""
         table = self._rotary_table
-        if table is None or table.cos.shape[0] < needed:
+        if table is None or table.cos.shape[1] < needed:
             # Doubling keeps a growing conversation from rebuilding the table every turn. Each angle is one
             # product of position and frequency, so a table row equals what a call for that position alone gives.
-            rows = max(needed, 2 * table.cos.shape[0] if table is not None else 1024)
+            rows = max(needed, 2 * table.cos.shape[1] if table is not None else 1024)
             table = self._rotary_table = self._rotary_of(torch.arange(rows, device=self.device))
         return table
 

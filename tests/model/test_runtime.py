@@ -50,6 +50,21 @@ def test_rotary_table_rows_equal_tables_built_per_call(tiny_model):
                 torch.testing.assert_close(cached.sin[i, row, 0], sin[0, 0], atol=0, rtol=0)
 
 
+@torch.inference_mode()
+def test_the_rotary_table_is_built_once_and_doubled_as_positions_grow(tiny_model, monkeypatch):
+    """A decoding step asks for the next position's row: the table must serve it, not be built again each call."""
+    built = []
+    build = tiny_model._rotary_of
+    monkeypatch.setattr(tiny_model, "_rotary_of", lambda positions: built.append(len(positions)) or build(positions))
+    tiny_model._rotary_table = None
+    for position in range(500, 520):
+        tiny_model.rotary(torch.tensor([position]))
+    tiny_model.rotary(range(0, 1000))
+    assert built == [1024]
+    tiny_model.rotary(torch.tensor([1500]))
+    assert built == [1024, 2048]
+
+
 def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny):
     """Dynamic scaling changes a position's angles with the longest position in the call: no shared table."""
     hf_model = make_tiny("llama")
