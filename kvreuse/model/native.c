@@ -54,8 +54,8 @@ static inline void keep(void *base, int64_t i, float v, const int bf16) {
 }
 
 /* A few rows x [M, in] (fp32) through a plain row-major bf16 weight w [out, in] (and bias b [out], or NULL) into
-   bf16 y: y[m, o] = w[o] . x[m] + b[o], row m of y at y + m * y_stride, summed in fp32. (fp32 layers take
-   `panel_rows`.)
+   bf16 y: y[m, o] = w[o] . x[m] + b[o], row m of y at y + m * y_stride, summed in fp32: a bf16 layer's rows
+   where the CPU lacks AVX512-BF16 (fp32 layers, and bf16 ones with it, take `panel_rows`).
 
    A decoding step of a few sequences is a read of every weight: oneDNN's product of one row reads them at
    25-33 GB/s on a 2-core Zen 4 EPYC, where a sum over the same bytes runs at 40-58. Here each thread streams

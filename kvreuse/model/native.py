@@ -223,15 +223,14 @@ def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: in
     """rows [n, in] @ weight.T (+ bias [out_features]) (+ plus [n, out_features]: a residual) for a weight given as
     its `panels`: [n, out_features], summed in fp32. All fp32, or all bf16: then the product plus bias is rounded
     to bf16 once, and `plus` added to that, as torch adds a residual to a bf16 layer's output."""
-    bf16, lib = weight_panels.dtype == torch.bfloat16, library()
-    if not _panel_rows_take(rows, weight_panels, out_features, bias, plus, bf16, _built(lib).panel_width):
+    if not _panel_rows_take(rows, weight_panels, out_features, bias, plus):
         raise ValueError(f"panel_rows: rows {tuple(rows.shape)} {rows.dtype} into {out_features} outputs over panels "
                          f"{tuple(weight_panels.shape)} {weight_panels.dtype}, bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, plus "
                          f"{None if plus is None else (tuple(plus.shape), plus.dtype)}: CPU tensors all fp32, or all "
                          f"bf16 with AVX512-BF16, panels as `panels` lays them out")
-    n, in_features = rows.shape
-    depth = weight_panels.shape[1]
+    (n, in_features), depth = rows.shape, weight_panels.shape[1]
+    bf16, lib = weight_panels.dtype == torch.bfloat16, library()
     out = torch.empty(n, out_features, dtype=rows.dtype)
     added = None if plus is None else plus.contiguous()
     plus_pointer, bias_pointer = (None if t is None else t.data_ptr() for t in (added, bias))
@@ -247,15 +246,15 @@ def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: in
 
 
 def _panel_rows_take(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
-                     plus: torch.Tensor | None, bf16: bool, width: int) -> bool:
+                     plus: torch.Tensor | None) -> bool:
     dtype = weight_panels.dtype
+    bf16 = dtype == torch.bfloat16
     if (rows.dim() != 2 or weight_panels.dim() != 3 + bf16 or rows.dtype != dtype or not panels_take(dtype)
             or rows.device.type != "cpu" or weight_panels.device.type != "cpu" or not weight_panels.is_contiguous()):
         return False
-    n, in_features = rows.shape
-    count, depth, panel_width = weight_panels.shape[:3]
+    (n, in_features), (count, depth, width) = rows.shape, weight_panels.shape[:3]
     return (depth == ((in_features + 1) // 2 if bf16 else in_features) and count == -(-out_features // width)
-            and panel_width == width
+            and width == _built(library()).panel_width
             and (bias is None or (bias.shape == (out_features,) and bias.dtype == dtype and bias.is_contiguous()
                                   and bias.device.type == "cpu"))
             and (plus is None or (plus.shape == (n, out_features) and plus.dtype == dtype
