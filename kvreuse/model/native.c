@@ -11,7 +11,7 @@
 #include <string.h>
 
 /* The bf16 dot-product instruction (vdpbf16ps: pairs of bf16 multiplied exactly, added to fp32 sums), on CPUs
-   with AVX512-BF16: `panel_rows_bf16` and the bf16 prefill attention's products are built only there. */
+   with AVX512-BF16: `panel_rows` of bf16 and the bf16 prefill attention's products are built only there. */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define BF16_DOT 1
 #else
@@ -153,15 +153,16 @@ static inline int any_above(vec a, vec b) {
 
 int panel_width(void) { return PANEL_WIDTH; }
 
-static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t in, const float *panel,
-        const float *bias, const float *plus, float *y, int64_t y_stride, int64_t columns, const int R) {
+static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t x_stride, int64_t in,
+        const float *panel, const float *bias, const float *plus, float *y, int64_t y_stride, int64_t columns,
+        const int R) {
     vec sums[PANEL_TILE_ROWS][2];  /* starting from the bias, so that `plus` is the one addition after */
     for (int r = 0; r < R; r++) sums[r][0] = load(bias), sums[r][1] = load(bias + VW);
     #pragma GCC unroll 4
     for (int64_t k = 0; k < in; k++) {
         vec w0 = load(panel + k * PANEL_WIDTH), w1 = load(panel + k * PANEL_WIDTH + VW);
         for (int r = 0; r < R; r++) {
-            vec xr = splat(x[r * in + k]);
+            vec xr = splat(x[r * x_stride + k]);
             sums[r][0] += xr * w0;
             sums[r][1] += xr * w1;
         }
@@ -172,32 +173,6 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
         store(row + VW, sums[r][1]);
         for (int64_t j = 0; j < columns; j++)
             y[r * y_stride + j] = plus ? row[j] + plus[r * y_stride + j] : row[j];
-    }
-}
-
-/* y [rows, out] (row stride y_stride; plus, if given, has the same layout and is added) = x [rows, in] through a
-   weight in panels (pack: kvreuse.model.native.panels) and bias b [out] or NULL. */
-void panel_rows(const float *x, int64_t rows, int64_t in, const float *panels, int64_t out, const float *b,
-                const float *plus, float *y, int64_t y_stride, int threads) {
-    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH;
-    #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t p = 0; p < count; p++) {
-        int64_t first = p * PANEL_WIDTH, columns = out - first < PANEL_WIDTH ? out - first : PANEL_WIDTH;
-        float bias[PANEL_WIDTH] = {0};  /* the panel's, zeros past `out` */
-        for (int64_t j = 0; b && j < columns; j++) bias[j] = b[first + j];
-        for (int64_t m = 0; m < rows; m += PANEL_TILE_ROWS) {
-            int R = rows - m < PANEL_TILE_ROWS ? (int)(rows - m) : PANEL_TILE_ROWS;
-            const float *xm = x + m * in, *pm = plus ? plus + m * y_stride + first : 0;
-            float *ym = y + m * y_stride + first;
-            switch (R) {  /* R a constant in each call: the tile's loops unroll and its sums stay in registers */
-#define PANEL_TILE(R) \
-                case R: panel_tile(xm, in, panels + p * in * PANEL_WIDTH, bias, pm, ym, y_stride, columns, R); break;
-                PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6)
-#if VW == 16
-                PANEL_TILE(7) PANEL_TILE(8)
-#endif
-            }
-        }
     }
 }
 
@@ -233,34 +208,48 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(const uint16_t
         }
     }
 }
+#endif
 
-/* y [rows, out] bf16 (row stride y_stride; plus, if given, has the same layout) = x [rows, 2 * pairs] bf16 (row
-   stride x_stride) through a bf16 weight in panels of pairs (kvreuse.model.native.panels) and bias b [out] or
-   NULL. */
-void panel_rows_bf16(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t pairs, const uint32_t *panels,
-                     int64_t out, const uint16_t *b, const uint16_t *plus, uint16_t *y, int64_t y_stride,
-                     int threads) {
-    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH;
+/* y [rows, out] (row stride y_stride; plus, if given, has the same layout and is added) = x [rows, ...] (row stride
+   x_stride) through a weight in panels (kvreuse.model.native.panels: `depth` inputs a panel row, or pairs of them
+   if bf16) and bias b [out] or NULL; all fp32, or all bf16 (taken only where BF16_DOT is built). */
+void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels, int64_t out,
+                const void *b, const void *plus, void *y, int64_t y_stride, int threads, int bf16) {
+    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH, size = bf16 ? 2 : 4;
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < count; p++) {
         int64_t first = p * PANEL_WIDTH, columns = out - first < PANEL_WIDTH ? out - first : PANEL_WIDTH;
-        float bias[PANEL_WIDTH] = {0};
-        for (int64_t j = 0; b && j < columns; j++) bias[j] = stored(b, first + j, 1);
+        float bias[PANEL_WIDTH] = {0};  /* the panel's, zeros past `out` */
+        for (int64_t j = 0; b && j < columns; j++) bias[j] = stored(b, first + j, bf16);
+        const float *panel = (const float *)panels + p * depth * PANEL_WIDTH;  /* 4 bytes an entry: fp32, or a pair */
         for (int64_t m = 0; m < rows; m += PANEL_TILE_ROWS) {
             int R = rows - m < PANEL_TILE_ROWS ? (int)(rows - m) : PANEL_TILE_ROWS;
-            const uint16_t *xm = x + m * x_stride, *pm = plus ? plus + m * y_stride + first : 0;
-            const uint32_t *panel = panels + p * pairs * PANEL_WIDTH;
-            uint16_t *ym = y + m * y_stride + first;
+            const char *xm = (const char *)x + m * x_stride * size;
+            const char *pm = plus ? (const char *)plus + (m * y_stride + first) * size : 0;
+            char *ym = (char *)y + (m * y_stride + first) * size;
+            /* R a constant in each call: the tile's loops unroll and its sums stay in registers */
+#if BF16_DOT
+#define PANEL_TILE_BF16(R) case R: panel_tile_bf16((const uint16_t *)xm, x_stride, depth, \
+                (const uint32_t *)panel, bias, (const uint16_t *)pm, (uint16_t *)ym, y_stride, columns, R); break;
+            if (bf16) {
+                switch (R) {
+                    PANEL_TILE_BF16(1) PANEL_TILE_BF16(2) PANEL_TILE_BF16(3) PANEL_TILE_BF16(4)
+                    PANEL_TILE_BF16(5) PANEL_TILE_BF16(6) PANEL_TILE_BF16(7) PANEL_TILE_BF16(8)
+                }
+                continue;
+            }
+#endif
+#define PANEL_TILE(R) case R: panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, \
+                                         (float *)ym, y_stride, columns, R); break;
             switch (R) {
-#define PANEL_TILE_BF16(R) \
-                case R: panel_tile_bf16(xm, x_stride, pairs, panel, bias, pm, ym, y_stride, columns, R); break;
-                PANEL_TILE_BF16(1) PANEL_TILE_BF16(2) PANEL_TILE_BF16(3) PANEL_TILE_BF16(4)
-                PANEL_TILE_BF16(5) PANEL_TILE_BF16(6) PANEL_TILE_BF16(7) PANEL_TILE_BF16(8)
+                PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6)
+#if VW == 16
+                PANEL_TILE(7) PANEL_TILE(8)
+#endif
             }
         }
     }
 }
-#endif
 
 /* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag
    behind by HEADROOM), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the

@@ -47,9 +47,8 @@ _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
     "has_bf16_dot": [],
     "panel_width": [],
-    "panel_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT],
-    "panel_rows_bf16": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64,
-                        _INT],
+    "panel_rows": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT,
+                   _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
                          _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER,
                          _INT],
@@ -63,8 +62,6 @@ _SIGNATURES = {
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
-# Kernels native.c builds only where the CPU has AVX512-BF16.
-_BUILT_WITH_BF16_DOT = {"panel_rows_bf16"}
 _RESULTS = {"has_bf16_dot": _INT, "panel_width": _INT, "prefill_attention_scratch": _INT64,
             "prefill_attention_vector_width": _INT}
 
@@ -112,8 +109,6 @@ def library() -> ctypes.CDLL | None:
         log.warning("native kernels unavailable, using torch's: %s", error)
         return None
     for name, argtypes in _SIGNATURES.items():
-        if name in _BUILT_WITH_BF16_DOT and not lib.has_bf16_dot():
-            continue
         getattr(lib, name).argtypes = argtypes
         getattr(lib, name).restype = _RESULTS.get(name)
     return lib
@@ -211,11 +206,10 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
         raise ValueError(f"panels: takes an fp32 (or, with AVX512-BF16, bf16) CPU weight [out, in], got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     width, (out_features, in_features) = _built(library()).panel_width, weight.shape
-    if weight.dtype == torch.float32:
-        padded = torch.nn.functional.pad(weight.detach(), (0, 0, 0, -out_features % width))
-        return padded.view(-1, width, in_features).transpose(1, 2).contiguous()
-    padded = torch.nn.functional.pad(weight.detach(), (0, in_features % 2, 0, -out_features % width))
-    return padded.view(-1, width, (in_features + 1) // 2, 2).transpose(1, 2).contiguous()
+    pair = 2 if weight.dtype == torch.bfloat16 else 1
+    padded = torch.nn.functional.pad(weight.detach(), (0, -in_features % pair, 0, -out_features % width))
+    laid = padded.view(-1, width, -(-in_features // pair), pair).transpose(1, 2).contiguous()
+    return laid if pair == 2 else laid.squeeze(-1)
 
 
 def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
@@ -230,18 +224,14 @@ def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: in
                          f"{None if plus is None else (tuple(plus.shape), plus.dtype)}: CPU tensors all fp32, or all "
                          f"bf16 with AVX512-BF16, panels as `panels` lays them out")
     (n, in_features), depth = rows.shape, weight_panels.shape[1]
-    bf16, lib = weight_panels.dtype == torch.bfloat16, library()
+    bf16 = rows.dtype == torch.bfloat16
     out = torch.empty(n, out_features, dtype=rows.dtype)
     added = None if plus is None else plus.contiguous()
-    plus_pointer, bias_pointer = (None if t is None else t.data_ptr() for t in (added, bias))
-    if bf16:
-        x = rows.contiguous() if in_features % 2 == 0 else torch.nn.functional.pad(rows, (0, 1))
-        lib.panel_rows_bf16(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features, bias_pointer,
-                            plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
-    else:
-        x = rows.contiguous()
-        lib.panel_rows(x.data_ptr(), n, in_features, weight_panels.data_ptr(), out_features, bias_pointer,
-                       plus_pointer, out.data_ptr(), out_features, torch.get_num_threads())
+    # bf16 rows of an odd width get the zero column their panels have
+    x = torch.nn.functional.pad(rows, (0, 1)) if bf16 and in_features % 2 else rows.contiguous()
+    library().panel_rows(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features,
+                         None if bias is None else bias.data_ptr(), None if added is None else added.data_ptr(),
+                         out.data_ptr(), out_features, torch.get_num_threads(), bf16)
     return out
 
 
