@@ -7,12 +7,12 @@ at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill`
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
-Up to native.PANEL_ROWS rows (a decoding step of up to 48 sequences, a prefill's logits) run in
-kvreuse.model.native's `panel_rows`, over another copy of each weight laid out in panels of outputs: every weight
-is read from memory once per step, in order, while the products run close to the FMA units' rate, where oneDNN's
-product of so few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32 projections 1.25-1.35x faster at 16
-rows, and 1.25-1.37x faster at 1-3 rows than dot products over the plain weights; bf16 1.3x at 16 rows). That
-copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in bf16). bf16 takes it where the CPU has AVX512-BF16; elsewhere
+Up to native.PANEL_ROWS (1024) rows (a decoding step, a prefill's logits, the rows a reuse method recomputes) run
+in kvreuse.model.native's `panel_rows`, over another copy of each weight laid out in panels of outputs: every
+weight is read from memory once per step, in order, while the products run close to the FMA units' rate, where
+oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32 projections 1.25-1.35x faster
+at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot products over the plain weights;
+bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in bf16). bf16 takes it where the CPU has AVX512-BF16; elsewhere
 a bf16 layer's 1-3 rows go to native's `few_rows`, over the plain weights.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights

@@ -174,9 +174,12 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                        torch.get_num_threads())
 
 
-# The most rows `linear` sends through `panel_rows`: on a 2-core Zen 4 EPYC, SmolLM2's fp32 projections ran 1.18x
-# faster than oneDNN's at 48 rows and level from 64 on; bf16's 1.4x at 48.
-PANEL_ROWS = 48
+# The most rows `linear` sends through `panel_rows`. On a 2-core Zen 4 EPYC, SmolLM2's projections (30 layers, both
+# kernels in turns in one process) took 0.81x of oneDNN's time at 48 rows in fp32, 0.92x at 96, 0.97-0.98x at 256,
+# 0.99-1.01x at 1024 and 1.01x at 2048; bf16 0.77x at 48, 0.89x at 96, 0.94x at 256, 0.99x at 2048. The reuse
+# methods' products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's
+# recomputed ones (docs/RESULTS.md, "Products of up to 1024 rows in panels").
+PANEL_ROWS = 1024
 
 
 def panels_take(dtype: torch.dtype) -> bool:
