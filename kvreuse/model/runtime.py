@@ -25,6 +25,7 @@ from torch import nn
 
 from kvreuse.model import native
 from kvreuse.model.adapters import adapter_for
+from kvreuse.model.allocator import keep_freed_memory
 from kvreuse.model.attention import attend, attention_mask
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.kv_pool import KVPool, PooledStep
@@ -162,6 +163,7 @@ class LayerwiseModel:
         pack_weights([group for block in self.layers for group in self.adapter.products(block)]
                      + [(hf_model.lm_head,)])
         native.available()  # builds the C kernels now (the first time on this CPU), not in the first request
+        keep_freed_memory()  # requests reuse the memory earlier ones freed, not fresh pages
 
     # ---- primitives -------------------------------------------------------------------------------------
 
