@@ -134,7 +134,7 @@ class LayerLoader:
         layers = range(layer, stop)
         start = time.perf_counter()
         if span.reads_whole_entry:
-            kv = self.store.get_layers(span.key, layers.start, layers.stop)
+            kv = self.store.view_layers(span.key, layers.start, layers.stop)  # placed, never written
         else:
             kv = self.store.get_rows(span.key, span.load, layers)
         if kv is None or kv[0].shape[:2] != (len(layers), span.load.numel()):  # missing, or not the planned entry

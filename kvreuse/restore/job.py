@@ -153,7 +153,7 @@ class PrefixJob:
         length = local.stop - local.start
         with self.channels[block.tier]:
             if length == block.stored_tokens:
-                kv = self.store.get_layers(block.key, layers.start, layers.stop)
+                kv = self.store.view_layers(block.key, layers.start, layers.stop)  # placed, never written
             else:  # part of a block: the rest was computed, or the last prompt token lies in it
                 kv = self.store.get_rows(block.key, torch.arange(local.start, local.stop), layers)
         if kv is None or kv[0].shape[:2] != (len(layers), length):

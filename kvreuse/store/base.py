@@ -46,6 +46,11 @@ class KVStore(ABC):
     def get_layers(self, key: str, start: int, stop: int) -> KV | None:
         """K and V of layers [start, stop)."""
 
+    def view_layers(self, key: str, start: int, stop: int) -> KV | None:
+        """`get_layers` for a caller that only reads them (and must not write them): a tier that keeps tensors
+        hands out its own, not a copy."""
+        return self.get_layers(key, start, stop)
+
     @abstractmethod
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         """K and V of token `rows` (in the order given), for `layers` (default all)."""

@@ -53,11 +53,17 @@ class MemoryTier(Tier):
         return copy
 
     def get_layers(self, key: str, start: int, stop: int) -> KV | None:
+        kv = self.view_layers(key, start, stop)
+        return None if kv is None else (copy_tensor(kv[0]), copy_tensor(kv[1]))
+
+    def view_layers(self, key: str, start: int, stop: int) -> KV | None:
+        # The entry's own tensors: nothing writes a stored entry's tensors (a put keeps a copy, or tensors handed
+        # over), and one evicted meanwhile lives on in the caller's views.
         entry = self._lookup(key)
         if entry is None:
             return None
         check_layers(range(start, stop), entry.meta.num_layers)
-        return self._served((copy_tensor(entry.k[start:stop]), copy_tensor(entry.v[start:stop])))
+        return self._served((entry.k[start:stop], entry.v[start:stop]))
 
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         entry = self._lookup(key)

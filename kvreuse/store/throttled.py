@@ -63,6 +63,9 @@ class ThrottledTier(KVStore):
     def get_layers(self, key: str, start: int, stop: int) -> KV | None:
         return self._throttled(lambda: self.inner.get_layers(key, start, stop), nbytes_of)
 
+    def view_layers(self, key: str, start: int, stop: int) -> KV | None:
+        return self._throttled(lambda: self.inner.view_layers(key, start, stop), nbytes_of)
+
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         return self._throttled(lambda: self.inner.get_rows(key, rows, layers), nbytes_of)
 

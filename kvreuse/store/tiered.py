@@ -170,6 +170,9 @@ class TieredStore(KVStore):
     def get_layers(self, key: str, start: int, stop: int) -> KV | None:
         return self._partial(key, lambda t: t.get_layers(key, start, stop))
 
+    def view_layers(self, key: str, start: int, stop: int) -> KV | None:
+        return self._partial(key, lambda t: t.view_layers(key, start, stop))
+
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         return self._partial(key, lambda t: t.get_rows(key, rows, layers))
 

@@ -30,6 +30,10 @@ class SlowStore:
         time.sleep(self.read_delay)
         return None if key in self.lost else self.inner.get_layers(key, start, stop)
 
+    def view_layers(self, key, start, stop):
+        time.sleep(self.read_delay)
+        return None if key in self.lost else self.inner.view_layers(key, start, stop)
+
     def get_rows(self, key, rows, layers=None):
         time.sleep(self.read_delay)
         return None if key in self.lost else self.inner.get_rows(key, rows, layers)
@@ -97,13 +101,26 @@ def test_reading_inline_or_on_a_slow_loader_thread_does_not_change_results(slow_
         assert threaded.stats.peak_stored_layers_held == 1
 
 
+@pytest.mark.parametrize("method", ["naive", "cacheblend:0.3", "legolink:2", "cachetune:0.5"])
+def test_a_run_from_the_memory_tier_leaves_its_entries_as_they_were(tiny_model, make_engine, rag_request, method):
+    """The executor places stored KV from the memory tier's own tensors (view_layers): it must never write them."""
+    engine = make_engine(tiny_model, open_store("memory:64MB"))
+    request = rag_request()
+    engine.compile(request, [method])
+    memory = engine.store.tiers[0]
+    before = {key: (entry.k.clone(), entry.v.clone()) for key, entry in memory.entries.items()}
+    engine.prefill(request, method)
+    assert before and all(torch.equal(memory.entries[key].k, k) and torch.equal(memory.entries[key].v, v)
+                          for key, (k, v) in before.items())
+
+
 def test_an_inline_run_reads_each_stored_span_a_few_layers_at_a_time(tiny_model, make_engine, rag_request,
                                                                      monkeypatch):
     reads = []
     engine = make_engine(tiny_model, open_store("memory:64MB"))
     request = rag_request()
     engine.compile(request)
-    for name in ("get_layers", "get_rows"):
+    for name in ("view_layers", "get_rows"):
         read = getattr(engine.store, name)
         monkeypatch.setattr(engine.store, name, lambda *args, read=read: reads.append(args) or read(*args))
     plan, _ = engine.plan_on_tiers(request, "naive")
@@ -112,7 +129,7 @@ def test_an_inline_run_reads_each_stored_span_a_few_layers_at_a_time(tiny_model,
     reads.clear()
     assert torch.equal(engine.executor.run(plan, request.token_ids, overlap_loads=False).logits, expected)
     spans, layers = per_layer // tiny_model.num_layers, tiny_model.num_layers
-    assert per_layer == spans * layers and len(reads) == spans * -(-layers // INLINE_LAYERS_PER_READ)
+    assert spans > 0 and per_layer == spans * layers and len(reads) == spans * -(-layers // INLINE_LAYERS_PER_READ)
 
 
 def test_every_overlapped_run_reads_on_the_executor_s_one_loader_thread(tiny_model, make_engine, rag_request,

@@ -32,6 +32,7 @@ def test_contains_delete_and_miss(tier, make_entry):
     assert not tier.contains(entry.key)
     assert tier.get(entry.key) is None
     assert tier.get_layers(entry.key, 0, 1) is None
+    assert tier.view_layers(entry.key, 0, 1) is None
     assert tier.get_rows(entry.key, [0]) is None
     tier.put(entry)
     assert tier.contains(entry.key)
@@ -42,10 +43,11 @@ def test_contains_delete_and_miss(tier, make_entry):
 
 
 @pytest.mark.parametrize("start,stop", [(0, 4), (1, 3), (3, 4), (2, 2)])
-def test_get_layers_returns_exactly_that_range(tier, start, stop, make_entry):
+@pytest.mark.parametrize("read", ["get_layers", "view_layers"])
+def test_get_and_view_layers_return_exactly_that_range(tier, read, start, stop, make_entry):
     entry = make_entry()
     tier.put(entry)
-    k, v = tier.get_layers(entry.key, start, stop)
+    k, v = getattr(tier, read)(entry.key, start, stop)
     assert_same(k, entry.k[start:stop])
     assert_same(v, entry.v[start:stop])
 
@@ -66,6 +68,8 @@ def test_partial_reads_reject_bad_ranges(tier, make_entry):
     tier.put(entry)
     with pytest.raises(ValueError, match="layer range"):
         tier.get_layers(entry.key, 2, 9)
+    with pytest.raises(ValueError, match="layer range"):
+        tier.view_layers(entry.key, 2, 9)
     with pytest.raises(ValueError, match="token rows"):
         tier.get_rows(entry.key, [100])
     with pytest.raises(ValueError, match="layer range"):

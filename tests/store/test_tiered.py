@@ -73,7 +73,8 @@ def test_get_promotes_from_a_lower_tier(mem_disk, make_entry):
     assert torch.equal(store.get(entry.key).k, entry.k) and store.stats()["hits_by_tier"] == [1, 1]
 
 
-@pytest.mark.parametrize("read", [lambda s, key: s.get_layers(key, 1, 2), lambda s, key: s.get_rows(key, [3, 4])])
+@pytest.mark.parametrize("read", [lambda s, key: s.get_layers(key, 1, 2), lambda s, key: s.view_layers(key, 1, 2),
+                                  lambda s, key: s.get_rows(key, [3, 4])])
 def test_partial_hit_below_promotes_in_the_background(mem_disk, make_entry, read):
     store, memory, disk = mem_disk
     entry = make_entry()
@@ -193,6 +194,23 @@ def test_a_probe_walks_the_tiers_once_and_asks_a_tier_only_for_keys_not_found_ab
     assert torch.equal(found[top.key].meta.ranking, top.meta.ranking)  # extras read where asked
     assert sorted(asked["memory"]) == sorted([top.key, below.key, both.key, nowhere])  # each key once
     assert sorted(asked["disk"]) == sorted([below.key, nowhere])  # only what the memory tier lacked
+
+
+def test_view_layers_lends_the_memory_tier_s_own_tensors_and_get_layers_copies(mem_disk, make_entry):
+    store, memory, disk = mem_disk
+    entry = make_entry()
+    store.put(entry)
+    store.flush()
+    stored = memory.entries[entry.key]
+    viewed, copied = store.view_layers(entry.key, 1, 3), store.get_layers(entry.key, 1, 3)
+    for got, kept in zip(viewed, (stored.k, stored.v)):
+        assert got.untyped_storage().data_ptr() == kept.untyped_storage().data_ptr()
+        assert torch.equal(got, kept[1:3])
+    for got, kept in zip(copied, (stored.k, stored.v)):
+        assert got.untyped_storage().data_ptr() != kept.untyped_storage().data_ptr()
+        assert torch.equal(got, kept[1:3])
+    memory.delete(entry.key)  # evicted meanwhile: the views live on
+    assert torch.equal(viewed[0], entry.k[1:3])
 
 
 def test_a_handed_over_entry_is_kept_as_is_and_any_other_as_a_copy(mem_disk, make_entry):
