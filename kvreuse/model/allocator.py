@@ -7,8 +7,8 @@ buffers then come back as fresh pages, each one faulted in and zeroed by the ker
 On a 2-core Zen 4 EPYC (SmolLM2, fp32, 2K-token hotpotqa prompts) that was 15-52 thousand page faults per full
 prefill and 10-13 thousand per CacheBlend one; placing stored KV into a cache layer whose pages fault in took 0.9
 ms instead of 0.2. Kept, there were none, and full prefill took 2895 / 2860 ms instead of 3069 / 2908 (two runs),
-CacheBlend 716 / 696 instead of 764 / 715 (docs/RESULTS.md, "Freed memory kept mapped"). A server holds its peak
-memory anyway, as vLLM does with its preallocated KV blocks.
+CacheBlend 716 / 696 instead of 764 / 715 (docs/RESULTS.md, "Products of up to 1024 rows in panels, freed memory
+kept mapped, ..."). A server holds its peak memory anyway, as vLLM does with its preallocated KV blocks.
 """
 
 from __future__ import annotations

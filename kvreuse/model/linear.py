@@ -12,8 +12,8 @@ in kvreuse.model.native's `panel_rows`, over another copy of each weight laid ou
 weight is read from memory once per step, in order, while the products run close to the FMA units' rate, where
 oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32 projections 1.25-1.35x faster
 at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot products over the plain weights;
-bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in bf16). bf16 takes it where the CPU has AVX512-BF16; elsewhere
-a bf16 layer's 1-3 rows go to native's `few_rows`, over the plain weights.
+bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in bf16). bf16 takes it where the
+CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`, over the plain weights.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form

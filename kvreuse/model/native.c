@@ -141,12 +141,13 @@ static inline int any_above(vec a, vec b) {
    A decoding step's projections: a few rows through every weight of the model, which streams from memory once per
    step. oneDNN's product of so few rows reaches neither the memory's rate nor the FMA units' (16 rows of SmolLM2's
    projections at ~120 GFLOP/s, a third of the step, on a 2-core Zen 4 EPYC), and up to a thousand rows (a reuse
-   method's recomputed ones) it stays below this kernel's. Here the weight is laid out once in panels of PANEL_WIDTH outputs, [out / PANEL_WIDTH][in]
-   [PANEL_WIDTH] (the last zero padded), so that each thread streams its panels in order: an input column's
-   PANEL_WIDTH weights are two vectors, multiplied by each row's value of that column (a broadcast) into a register
-   tile of PANEL_TILE_ROWS rows x 2 vectors of sums. More rows take the panel again from L2. On that EPYC, SmolLM2's
-   fp32 projections at 1-3 rows ran 1.25-1.37x faster than the plain weights' dot products, at 16 rows 1.25-1.35x
-   faster than oneDNN's, at 48 1.23x, at 96 1.09x; from 1024 rows on they are level. */
+   method's recomputed ones) it stays below this kernel's. Here the weight is laid out once in panels of
+   PANEL_WIDTH outputs, [out / PANEL_WIDTH][in][PANEL_WIDTH] (the last zero padded), so that each thread streams
+   its panels in order: an input column's PANEL_WIDTH weights are two vectors, multiplied by each row's value of
+   that column (a broadcast) into a register tile of PANEL_TILE_ROWS rows x 2 vectors of sums. More rows take the
+   panel again from L2. On that EPYC, SmolLM2's fp32 projections at 1-3 rows ran 1.25-1.37x faster than the plain
+   weights' dot products, at 16 rows 1.25-1.35x faster than oneDNN's, at 48 1.23x, at 96 1.09x; from 1024 rows on
+   they are level. */
 
 #define PANEL_WIDTH (2 * VW)
 #define PANEL_TILE_ROWS (VW == 16 ? 8 : 6)  /* 2 x rows sums, 2 weights and a broadcast in 32 (or 16) registers */
