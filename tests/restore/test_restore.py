@@ -80,6 +80,21 @@ def test_every_split_point_gives_full_prefill(tiny_model, axis):
             assert_matches_full(tiny_model, result, token_ids)
 
 
+@pytest.mark.parametrize("strategy", ["load", "layerwise"])
+def test_whole_blocks_are_read_as_the_memory_tier_s_own_tensors_and_left_as_they_were(tiny_model, strategy,
+                                                                                         monkeypatch):
+    token_ids = ids_of(45)
+    restorer = restorer_with(tiny_model, token_ids[:40])
+    memory = restorer.store.tiers[0]
+    before = {key: (entry.k.clone(), entry.v.clone()) for key, entry in memory.entries.items()}
+    views = []
+    view_layers = restorer.store.view_layers
+    monkeypatch.setattr(restorer.store, "view_layers", lambda *args: views.append(args) or view_layers(*args))
+    assert_matches_full(tiny_model, restorer.restore(token_ids, strategy, cache_capacity=50), token_ids)
+    assert views and before and all(torch.equal(memory.entries[key].k, k) and torch.equal(memory.entries[key].v, v)
+                                    for key, (k, v) in before.items())
+
+
 def test_write_back_stores_the_computed_blocks(tiny_model):
     token_ids = ids_of(45)
     restorer = restorer_with(tiny_model, token_ids[:16])

@@ -6,6 +6,15 @@ from kvreuse.store.memory import MemoryTier
 from kvreuse.store.throttled import Device, ThrottledTier
 
 
+def test_view_layers_lends_the_inner_tier_s_own_tensors(make_entry):
+    memory = MemoryTier(None)
+    tier = ThrottledTier(memory, Device("fast", read_gbps=100.0, latency_ms=0.0))
+    entry = make_entry()
+    tier.put(entry)
+    k, _ = tier.view_layers(entry.key, 1, 2)
+    assert k.untyped_storage().data_ptr() == memory.entries[entry.key].k.untyped_storage().data_ptr()
+
+
 def test_reads_take_at_least_latency_plus_size_over_bandwidth(make_entry):
     device = Device("slow", read_gbps=0.01, latency_ms=2.0)  # 10 MB/s
     tier = ThrottledTier(MemoryTier(None), device)
