@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvreuse.model.linear import linear, onednn_available
+from kvreuse.model.linear import linear, onednn_dtypes
 from kvreuse.model.runtime import LayerwiseModel
 
 BANDWIDTH_BYTES = 256 << 20  # large enough that no cache holds it
@@ -79,7 +79,7 @@ def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> Machin
     # Each route runs the layer's products as the runtime groups them (projections sharing an input stacked).
     groups = model.adapter.products(model.layers[0])
     routes = {"torch": lambda x, group: [nn.functional.linear(x, m.weight, m.bias) for m in group]}
-    if onednn_available():
+    if model.dtype in onednn_dtypes():
         routes["onednn-packed"] = lambda x, group: linear(x, *group)
 
     def layer_matmuls(product) -> Callable[[], None]:

@@ -110,7 +110,7 @@ def pack_weights(groups: Iterable[Sequence[nn.Linear]]) -> None:
 
 
 def _in_onednn(weight: torch.Tensor) -> bool:
-    return _ONEDNN and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES
+    return weight.device.type == "cpu" and weight.dtype in _ONEDNN_DTYPES
 
 
 def _in_panels(weight: torch.Tensor) -> bool:
@@ -146,4 +146,12 @@ def _version(tensor: torch.Tensor | None) -> int | None:
     return None if tensor is None or tensor.is_inference() else tensor._version
 
 
-_ONEDNN = onednn_available()
+def onednn_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes oneDNN packs and multiplies on this CPU: its bf16 path needs AVX512 (BW, VL, DQ) or AVX-NE-CONVERT,
+    and refuses to pack bf16 weights elsewhere (a Zen 3 EPYC, AVX2 only), where torch's own product takes them."""
+    if not onednn_available():
+        return ()
+    return tuple(d for d in PACKED_DTYPES if d != torch.bfloat16 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+_ONEDNN_DTYPES = onednn_dtypes()

@@ -129,3 +129,27 @@ def test_a_weight_packed_while_the_native_kernels_were_off_gets_its_panels_when_
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
     torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
     assert len(calls) == 1
+
+
+def test_onednn_takes_bf16_only_where_its_bf16_path_runs(monkeypatch):
+    """oneDNN refuses to pack bf16 weights on CPUs without AVX512 (BW, VL, DQ) or AVX-NE-CONVERT (a Zen 3 EPYC):
+    there bf16 is not among its dtypes, and a bf16 layer's products go through torch's own."""
+    from kvreuse.model import linear as linear_module
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    assert torch.bfloat16 not in linear_module.onednn_dtypes()
+    monkeypatch.setattr(linear_module, "_ONEDNN_DTYPES", linear_module.onednn_dtypes())
+
+    def refuse(*args):
+        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    with torch.inference_mode():
+        for rows in (1, 3, 16, native.PANEL_ROWS + 1):
+            layers = [nn.Linear(64, 48).to(torch.bfloat16), nn.Linear(64, 16).to(torch.bfloat16)]
+            x, residual = torch.randn(rows, 64, dtype=torch.bfloat16), torch.randn(rows, 64, dtype=torch.bfloat16)
+            expected = torch.cat([layer(x) for layer in layers], -1)
+            torch.testing.assert_close(linear(x, *layers).float(), expected.float(), atol=0.03, rtol=0.02)
+            linear_module.pack_weights([layers])
+            torch.testing.assert_close(linear(x, layers[0], plus=residual[:, :48]), layers[0](x) + residual[:, :48],
+                                       atol=0.03, rtol=0.02)
