@@ -7,13 +7,14 @@ at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill`
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
-Up to native.PANEL_ROWS (1024) rows (a decoding step, a prefill's logits, the rows a reuse method recomputes) run
-in kvreuse.model.native's `panel_rows`, over another copy of each weight laid out in panels of outputs: every
-weight is read from memory once per step, in order, while the products run close to the FMA units' rate, where
-oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32 projections 1.25-1.35x faster
-at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot products over the plain weights;
-bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in bf16). bf16 takes it where the
-CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`, over the plain weights.
+Up to native.most_panel_rows() rows (1024 with AVX-512, 256 with AVX2: a decoding step, a prefill's logits, the
+rows a reuse method recomputes) run in kvreuse.model.native's `panel_rows`, over another copy of each weight laid out
+in panels of outputs: every weight is read from memory once per step, in order, while the products run close to the
+FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32
+projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot
+products over the plain weights; bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in
+bf16). bf16 takes it where the CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`,
+over the plain weights.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form
@@ -60,7 +61,7 @@ def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = N
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
     [n, sum of their out_features], as one product; `plus` (of that shape: a residual) added to it if given."""
     n = rows.shape[0]
-    if 0 < n <= native.PANEL_ROWS and rows.dtype == layers[0].weight.dtype and _in_panels(layers[0].weight):
+    if 0 < n <= native.most_panel_rows() and rows.dtype == layers[0].weight.dtype and _in_panels(layers[0].weight):
         packed = _packed_weights(layers)
         return native.panel_rows(rows, packed.panels, sum(layer.out_features for layer in layers), packed.bias, plus)
     if n <= native.FEW_ROWS and _native_few_rows(rows, layers):

@@ -47,6 +47,7 @@ _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
     "has_bf16_dot": [],
     "panel_width": [],
+    "panel_rows_most": [],
     "panel_rows": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT,
                    _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
@@ -62,7 +63,7 @@ _SIGNATURES = {
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
-_RESULTS = {"has_bf16_dot": _INT, "panel_width": _INT, "prefill_attention_scratch": _INT64,
+_RESULTS = {"has_bf16_dot": _INT, "panel_width": _INT, "panel_rows_most": _INT, "prefill_attention_scratch": _INT64,
             "prefill_attention_vector_width": _INT}
 
 
@@ -174,12 +175,12 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                        torch.get_num_threads())
 
 
-# The most rows `linear` sends through `panel_rows`. On a 2-core Zen 4 EPYC, SmolLM2's projections (30 layers, both
-# kernels in turns in one process) took 0.81x of oneDNN's time at 48 rows in fp32, 0.92x at 96, 0.97-0.98x at 256,
-# 0.99-1.01x at 1024 and 1.01x at 2048; bf16 0.77x at 48, 0.89x at 96, 0.94x at 256, 0.99x at 2048. The reuse
-# methods' products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's
-# recomputed ones (docs/RESULTS.md, "Products of up to 1024 rows in panels").
-PANEL_ROWS = 1024
+def most_panel_rows() -> int:
+    """The most rows `linear` sends through `panel_rows` rather than oneDNN, for the library as built: 1024 with
+    AVX-512, 256 with AVX2 (native.c's `panel_rows_most` gives the measurements); 0 without the library. The reuse
+    methods' products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's
+    recomputed ones (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
+    return _built(library()).most_rows if available() else 0
 
 
 def panels_take(dtype: torch.dtype) -> bool:
@@ -194,11 +195,12 @@ class _Built:
 
     panel_width: int
     bf16_dot: bool
+    most_rows: int
 
 
 @functools.cache
 def _built(lib: ctypes.CDLL) -> _Built:
-    return _Built(lib.panel_width(), bool(lib.has_bf16_dot()))
+    return _Built(lib.panel_width(), bool(lib.has_bf16_dot()), lib.panel_rows_most())
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:

@@ -12,7 +12,7 @@ from kvreuse.model.linear import linear
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 16, native.PANEL_ROWS, native.PANEL_ROWS + 1, 600])
+@pytest.mark.parametrize("rows", [1, 3, 16, 256, 257, 600, 1024, 1025])  # both sides of most_panel_rows: AVX2, AVX-512
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_linear_equals_nn_linear(threads, rows, bias):
@@ -46,7 +46,7 @@ def test_a_weight_changed_or_replaced_is_packed_again():
         torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("rows", [1, 3, 16, native.PANEL_ROWS + 1, 600])
+@pytest.mark.parametrize("rows", [1, 3, 16, 257, 600, 1025])
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_plus_adds_a_residual_exactly_as_adding_after(rows, bias):
@@ -145,7 +145,7 @@ def test_onednn_takes_bf16_only_where_its_bf16_path_runs(monkeypatch):
 
     monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
     with torch.inference_mode():
-        for rows in (1, 3, 16, native.PANEL_ROWS + 1):
+        for rows in (1, 3, 16, 1025):
             layers = [nn.Linear(64, 48).to(torch.bfloat16), nn.Linear(64, 16).to(torch.bfloat16)]
             x, residual = torch.randn(rows, 64, dtype=torch.bfloat16), torch.randn(rows, 64, dtype=torch.bfloat16)
             expected = torch.cat([layer(x) for layer in layers], -1)

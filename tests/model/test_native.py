@@ -119,7 +119,7 @@ def test_the_kernels_can_be_switched_off_for_a_while():
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 7, 8, 9, 16, native.PANEL_ROWS])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 1024])  # around tiles of 4 (AVX2) and 8 rows
 @pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1, 1), (1000, 576), (64, 1537)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("plus", [False, True])
@@ -160,7 +160,7 @@ def test_bf16_panels_hold_each_outputs_inputs_in_pairs():
 
 
 @needs_bf16_dot
-@pytest.mark.parametrize("rows", [1, 3, 9, native.PANEL_ROWS])
+@pytest.mark.parametrize("rows", [1, 3, 9, 1024])
 @pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1000, 576), (64, 1537)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("plus", [False, True])
@@ -258,12 +258,13 @@ def test_up_to_panel_rows_through_stacked_projections_run_one_panel_product(monk
     calls = []
     kernel = native.panel_rows
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
-    for count, rows in enumerate((1, 16, native.PANEL_ROWS), start=1):
+    most = native.most_panel_rows()
+    for count, rows in enumerate((1, 16, most), start=1):
         x = torch.randn(rows, 24, dtype=dtype)
         got = linear(x, *layers)
         assert len(calls) == count
         _assert_matches(got, torch.cat([layer(x) for layer in layers], -1))
-    linear(torch.randn(native.PANEL_ROWS + 1, 24, dtype=dtype), *layers)  # more rows: oneDNN's product
+    linear(torch.randn(most + 1, 24, dtype=dtype), *layers)  # more rows: oneDNN's product
     assert len(calls) == 3
 
 
@@ -504,6 +505,7 @@ def test_prefill_attention_is_exact_on_cpus_with_fewer_instructions(tmp_path, mo
         assert native.library().prefill_attention_vector_width() == width
         assert not native.library().has_bf16_dot()  # no bf16 dot-product instruction built
         assert native.library().panel_width() == 2 * width
+        assert native.library().panel_rows_most() == (1024 if width == 16 else 256)
         weight, x = torch.randn(40, 24), torch.randn(11, 24)
         torch.testing.assert_close(native.panel_rows(x, native.panels(weight), 40), x @ weight.T, atol=1e-5, rtol=1e-5)
         generator = torch.Generator().manual_seed(8)
