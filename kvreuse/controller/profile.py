@@ -121,8 +121,8 @@ class MachineProfile:
 # attention and pointwise steps native; 6: bf16 attention of several queries in the native prefill kernel where
 # built, in the bf16 dot-product instruction with AVX512-BF16; 7: the diagonal's unseen keys skipped, residuals
 # added in the products, stored KV placed without a joined copy; 8: products of up to 48 rows over weights laid out
-# in panels, fp32 and, with AVX512-BF16, bf16; 9: up to 1024 rows there; 10: with AVX2, up to 256 rows there, in
-# tiles of 4 rows, and the prefill attention's values in tiles that fit its registers), so it reads as missing and
+# in panels, fp32 and, with AVX512-BF16, bf16; 9: up to 1024 rows there; 10: with AVX2, up to 256 rows there, its
+# loop not unrolled, and the prefill attention's values in tiles that fit its registers), so it reads as missing and
 # is measured again.
 RUNTIME_REVISION = 10
 

@@ -150,11 +150,11 @@ static inline int any_above(vec a, vec b) {
    they are level. */
 
 #define PANEL_WIDTH (2 * VW)
-/* 2 x rows sums, 2 weights and a broadcast in AVX-512's 32 registers. With AVX2's 16, GCC spilled sums of a tile of
-   6 rows to the stack (on a 2-core Zen 3 EPYC, SmolLM2's projections at 256-1024 rows: 75-78 GFLOP/s, against
-   107-113 in tiles of 4 rows, their loop unrolled twice rather than 4 times). */
-#define PANEL_TILE_ROWS (VW == 16 ? 8 : 4)
-#define PANEL_UNROLL (VW == 16 ? 4 : 2)
+/* 2 x rows sums, 2 weights and a broadcast in 32 (or AVX2's 16) registers. With AVX2, GCC spilled sums of the tile to
+   the stack when it unrolled the loop 4 times (on a 2-core Zen 3 EPYC, SmolLM2's projections at 256 rows: 75-78
+   GFLOP/s, against 108-117 not unrolled). */
+#define PANEL_TILE_ROWS (VW == 16 ? 8 : 6)
+#define PANEL_UNROLL (VW == 16 ? 4 : 1)
 #define PRAGMA(x) _Pragma(#x)
 #define UNROLL(n) PRAGMA(GCC unroll n)
 
@@ -163,8 +163,8 @@ int panel_width(void) { return PANEL_WIDTH; }
 /* The most rows worth sending here rather than to oneDNN (kvreuse.model.linear asks). SmolLM2's projections, 30
    layers, both in turns in one process, time here / oneDNN's. AVX-512 on a 2-core Zen 4 EPYC: 0.81 at 48 rows in
    fp32, 0.92 at 96, 0.97-0.98 at 256, 0.99-1.01 at 1024, 1.01 at 2048; bf16 0.77 at 48, 0.89 at 96, 0.94 at 256,
-   0.99 at 2048. AVX2 on a 2-core Zen 3 EPYC (fp32; oneDNN's AVX2 code is hand-written and this is GCC's): 0.70 at
-   16, 0.73-0.79 at 32-48, 0.89 at 96, 1.00 at 256, 1.08 at 1024. */
+   0.99 at 2048. AVX2 on a 2-core Zen 3 EPYC (fp32): 0.74 at 16 rows, 0.85 at 96, 1.02 at 256, 0.98-0.99 at
+   384-1024, where oneDNN's times move less from run to run. */
 int panel_rows_most(void) { return VW == 16 ? 1024 : 256; }
 
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t x_stride, int64_t in,
@@ -256,9 +256,9 @@ void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, co
 #define PANEL_TILE(R) case R: panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, \
                                          (float *)ym, y_stride, columns, R); break;
             switch (R) {
-                PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4)
+                PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6)
 #if PANEL_TILE_ROWS == 8
-                PANEL_TILE(5) PANEL_TILE(6) PANEL_TILE(7) PANEL_TILE(8)
+                PANEL_TILE(7) PANEL_TILE(8)
 #endif
             }
         }
