@@ -258,7 +258,8 @@ def test_up_to_panel_rows_through_stacked_projections_run_one_panel_product(monk
     calls = []
     kernel = native.panel_rows
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
-    most = native.most_panel_rows()
+    most = 40  # the library's own limit (1024 or 256) is pinned by the fewer-instructions test; this one by linear
+    monkeypatch.setattr(native, "most_panel_rows", lambda: most)
     for count, rows in enumerate((1, 16, most), start=1):
         x = torch.randn(rows, 24, dtype=dtype)
         got = linear(x, *layers)
