@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvreuse.model.linear import linear, onednn_dtypes
+from kvreuse.model.linear import linear, onednn_dtype
 from kvreuse.model.runtime import LayerwiseModel
 
 BANDWIDTH_BYTES = 256 << 20  # large enough that no cache holds it
@@ -79,8 +79,9 @@ def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> Machin
     # Each route runs the layer's products as the runtime groups them (projections sharing an input stacked).
     groups = model.adapter.products(model.layers[0])
     routes = {"torch": lambda x, group: [nn.functional.linear(x, m.weight, m.bias) for m in group]}
-    if model.dtype in onednn_dtypes():
-        routes["onednn-packed"] = lambda x, group: linear(x, *group)
+    packed_in = onednn_dtype(groups[0][0].weight)
+    if packed_in is not None:  # bf16 is packed widened to fp32 where oneDNN has no bf16 path
+        routes["onednn-packed" if packed_in == model.dtype else "onednn-widened"] = lambda x, group: linear(x, *group)
 
     def layer_matmuls(product) -> Callable[[], None]:
         return lambda: [product(inputs[group[0].in_features], group) for group in groups]

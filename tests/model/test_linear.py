@@ -131,25 +131,40 @@ def test_a_weight_packed_while_the_native_kernels_were_off_gets_its_panels_when_
     assert len(calls) == 1
 
 
-def test_onednn_takes_bf16_only_where_its_bf16_path_runs(monkeypatch):
+def test_where_onednn_has_no_bf16_path_bf16_products_run_widened_to_fp32(monkeypatch):
     """oneDNN refuses to pack bf16 weights on CPUs without AVX512 (BW, VL, DQ) or AVX-NE-CONVERT (a Zen 3 EPYC):
-    there bf16 is not among its dtypes, and a bf16 layer's products go through torch's own."""
+    there bf16 is not among its dtypes, and a bf16 layer's weights are packed widened to fp32. Its products are
+    then the same exact products summed in fp32, rounded to bf16, and a residual is added after the rounding."""
     from kvreuse.model import linear as linear_module
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
-    assert torch.bfloat16 not in linear_module.onednn_dtypes()
+    assert linear_module.onednn_dtypes() == (torch.float32,)
     monkeypatch.setattr(linear_module, "_ONEDNN_DTYPES", linear_module.onednn_dtypes())
+    reorder = torch.ops.mkldnn._reorder_linear_weight
 
-    def refuse(*args):
-        raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+    def refuse_bf16(weight, rows):
+        if weight.dtype == torch.bfloat16:
+            raise RuntimeError("mkldnn_reorder_linear_weight: bf16 path needs the cpu support avx512bw")
+        return reorder(weight, rows)
 
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse)
+    def no_torch_product(*args, **kwargs):
+        raise AssertionError("a bf16 product went to torch's own")
+
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", refuse_bf16)
+    generator = torch.Generator().manual_seed(3)
+    layers = [nn.Linear(64, 48).to(torch.bfloat16), nn.Linear(64, 16, bias=False).to(torch.bfloat16)]
     with torch.inference_mode():
-        for rows in (1, 3, 16, 1025):
-            layers = [nn.Linear(64, 48).to(torch.bfloat16), nn.Linear(64, 16).to(torch.bfloat16)]
-            x, residual = torch.randn(rows, 64, dtype=torch.bfloat16), torch.randn(rows, 64, dtype=torch.bfloat16)
-            expected = torch.cat([layer(x) for layer in layers], -1)
-            torch.testing.assert_close(linear(x, *layers).float(), expected.float(), atol=0.03, rtol=0.02)
-            linear_module.pack_weights([layers])
-            torch.testing.assert_close(linear(x, layers[0], plus=residual[:, :48]), layers[0](x) + residual[:, :48],
-                                       atol=0.03, rtol=0.02)
+        # past few_rows' 3 rows; 1025 past the panels too (which take bf16 with AVX512-BF16)
+        for rows in (4, 16, 1025):
+            x = torch.randn(rows, 64, generator=generator).bfloat16()
+            residual = torch.randn(rows, 64, generator=generator).bfloat16()
+            widened = torch.cat([x.double() @ layer.weight.double().T + (0 if layer.bias is None else
+                                 layer.bias.double()) for layer in layers], -1)
+            with monkeypatch.context() as patched:
+                patched.setattr(nn.functional, "linear", no_torch_product)
+                got = linear(x, *layers)
+                added = linear(x, layers[0], plus=residual[:, :48])
+            assert got.dtype == torch.bfloat16 and added.dtype == torch.bfloat16
+            # fp32 sums of exact products, rounded once: within one bf16 rounding of the fp64 product
+            torch.testing.assert_close(got.double(), widened, atol=1e-2, rtol=2 ** -8)
+            assert torch.equal(added, linear(x, layers[0]) + residual[:, :48])
