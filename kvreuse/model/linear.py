@@ -7,7 +7,7 @@ at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill`
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
-Up to native.most_panel_rows() rows (1024 with AVX-512, 256 with AVX2: a decoding step, a prefill's logits, the
+Up to native.most_panel_rows() rows (1024 with AVX-512, 2048 with AVX2: a decoding step, a prefill's logits, the
 rows a reuse method recomputes) run in kvreuse.model.native's `panel_rows`, over another copy of each weight laid out
 in panels of outputs: every weight is read from memory once per step, in order, while the products run close to the
 FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32

@@ -12,7 +12,7 @@ from kvreuse.model.linear import linear
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 16, 256, 257, 600, 1024, 1025])  # both sides of most_panel_rows: AVX2, AVX-512
+@pytest.mark.parametrize("rows", [1, 3, 16, 256, 257, 600, 1024, 1025, 2048, 2049])  # both sides of most_panel_rows
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_linear_equals_nn_linear(threads, rows, bias):
