@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kvreuse.model import native
 from kvreuse.model.linear import linear, onednn_dtype
 from kvreuse.model.runtime import LayerwiseModel
 
@@ -30,7 +31,7 @@ class MachineLimit:
     rows: int  # the row count the matmul rate was measured at
     dense_flops_per_second: float  # the model's layer projections and MLP, all of them, at `rows` rows
     bytes_per_second: float  # a large copy: bytes read plus bytes written, per second
-    route: str  # the faster of torch's own product and oneDNN on packed weights (kvreuse.model.linear)
+    route: str  # the faster of torch's own product and kvreuse.model.linear's (see linear_route)
 
     def floor_seconds(self, flops: float, nbytes: float) -> float:
         return max(flops / self.dense_flops_per_second, nbytes / self.bytes_per_second)
@@ -71,17 +72,17 @@ def decode_step_bytes(model: LayerwiseModel, batch: int, context: int) -> int:
 
 @torch.inference_mode()
 def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> MachineLimit:
-    """The best of `repeats` timings of one layer's matmuls at `rows` rows, by each route this machine's torch
-    offers (its own product, MKL for fp32; oneDNN on packed weights), and of a large copy."""
+    """The best of `repeats` timings of one layer's matmuls at `rows` rows, by torch's own product (MKL for fp32)
+    and by kvreuse's (`linear_route`), and of a large copy."""
     linears = layer_linears(model)
     flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
     # Each route runs the layer's products as the runtime groups them (projections sharing an input stacked).
     groups = model.adapter.products(model.layers[0])
     routes = {"torch": lambda x, group: [nn.functional.linear(x, m.weight, m.bias) for m in group]}
-    packed_in = onednn_dtype(groups[0][0].weight)
-    if packed_in is not None:  # bf16 is packed widened to fp32 where oneDNN has no bf16 path
-        routes["onednn-packed" if packed_in == model.dtype else "onednn-widened"] = lambda x, group: linear(x, *group)
+    ours = linear_route(groups[0][0].weight, rows)
+    if ours is not None:
+        routes[ours] = lambda x, group: linear(x, *group)
 
     def layer_matmuls(product) -> Callable[[], None]:
         return lambda: [product(inputs[group[0].in_features], group) for group in groups]
@@ -93,6 +94,18 @@ def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> Machin
     copy = _best(lambda: target.copy_(source), repeats)
     return MachineLimit(str(model.dtype).removeprefix("torch."), rows, flops / seconds[route], 2 * source.nbytes / copy,
                         route)
+
+
+def linear_route(weight: torch.Tensor, rows: int) -> str | None:
+    """Where kvreuse.model.linear multiplies `rows` rows by this weight: native's panels (up to
+    native.most_panel_rows() rows), oneDNN on the packed weight (bf16 widened to fp32 where oneDNN has no bf16
+    path), or None where it takes torch's own product."""
+    if 0 < rows <= native.most_panel_rows() and weight.device.type == "cpu" and native.panels_take(weight.dtype):
+        return "panels"
+    packed_in = onednn_dtype(weight)
+    if packed_in is None:
+        return None
+    return "onednn-packed" if packed_in == weight.dtype else "onednn-widened"
 
 
 def _best(fn, repeats: int) -> float:

@@ -11,10 +11,13 @@ from kvreuse.bench.machine import (
     decode_step_bytes,
     decode_step_flops,
     layer_linears,
+    linear_route,
     measure,
     prefill_flops,
     weight_bytes,
 )
+from kvreuse.model import linear as linear_module
+from kvreuse.model import native
 from kvreuse.model.runtime import LayerwiseModel
 
 
@@ -43,7 +46,21 @@ def test_the_floor_is_the_longer_of_compute_and_weight_reads(make_tiny):
     assert measured.dense_flops_per_second > 0 and measured.bytes_per_second > 0 and measured.rows == 32
     assert weight_bytes(model) == sum(p.numel() * 4 for p in model.hf_model.parameters())
     assert measured.dtype == str(torch.float32).removeprefix("torch.")
-    assert measured.route in ("torch", "onednn-packed")
+    assert measured.route in ("torch", "onednn-packed", "panels")
+
+
+def test_the_route_named_is_the_one_linear_takes(monkeypatch):
+    """The floor's route says which product ran: native's panels up to their row limit, oneDNN above it."""
+    if not native.available():
+        pytest.skip("no native kernels: no panels")
+    kernel, calls = native.panel_rows, []
+    monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
+    monkeypatch.setattr(native, "most_panel_rows", lambda: 16)
+    layer = torch.nn.Linear(24, 40)
+    for rows, route in ((16, "panels"), (17, "onednn-packed" if linear_module.onednn_available() else None)):
+        calls.clear()
+        linear_module.linear(torch.randn(rows, 24), layer)
+        assert linear_route(layer.weight, rows) == route and bool(calls) == (route == "panels")
 
 
 def test_a_decoding_step_reads_the_weights_once_and_every_sequence_s_kv(make_tiny):
