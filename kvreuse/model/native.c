@@ -196,13 +196,12 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
     }
 }
 
-
 /* AVX2's full tile, 6 rows x 16 outputs, in assembly: 12 sums in ymm0-11, a panel row's two vectors in ymm12-13,
    the rows' broadcasts in ymm14-15, the loop over inputs unrolled 4 times. For the same loop (panel_tile) GCC
    spilled sums when unrolled, and not unrolled it spent about 25 instructions an input, so the front end, not the
    FMA units, set the pace; its intrinsics version folded every weight load into each FMA. Alone with its data in
-   L1, this tile runs at ~98% of the FMA units' rate on the Zen 3 EPYC (86 against 88 GFLOP/s a core). Sums in the
-   same order as panel_tile's (equal to the bit in a side-by-side run). */
+   L1, this tile runs at ~98% of the FMA units' rate on the Zen 3 EPYC (86 against 88 GFLOP/s a core). Its sums run
+   in panel_tile's order, so a row's outputs are the same to the bit in a full tile as alone. */
 #if PANEL_TILE_AVX2
 #define PANEL_TILE_AVX2_INPUT(W0, W1, X) \
     "vmovups " #W0 "(%[w]), %%ymm12\n\t" "vmovups " #W1 "(%[w]), %%ymm13\n\t" \

@@ -141,6 +141,19 @@ def test_panel_rows_equal_torch(threads, rows, shape, bias, plus):
 
 
 @needs_compiler
+@pytest.mark.parametrize("in_features", [576, 1537])
+def test_panel_rows_give_a_row_the_same_sums_in_a_full_tile_as_alone(in_features):
+    """A row's sums do not depend on the rows beside it (a decoding step gives a sequence the same logits in any
+    batch): AVX2's full tiles run in assembly, the rest in C, each summing in the same order."""
+    weight, x = torch.randn(40, in_features), torch.randn(13, in_features)
+    b, residual = torch.randn(40), torch.randn(13, 40)
+    laid = native.panels(weight)
+    together = native.panel_rows(x, laid, 40, b, residual)
+    for row in range(13):
+        assert torch.equal(together[row], native.panel_rows(x[row : row + 1], laid, 40, b, residual[row : row + 1])[0])
+
+
+@needs_compiler
 def test_panels_lay_a_weight_out_in_zero_padded_panels_of_outputs():
     weight = torch.arange(5 * 3, dtype=torch.float32).view(5, 3)  # 5 outputs of 3 inputs
     width = native.library().panel_width()
