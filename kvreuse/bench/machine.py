@@ -18,8 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kvreuse.model import native
-from kvreuse.model.linear import linear, onednn_dtype
+from kvreuse.model.linear import linear, route as linear_route
 from kvreuse.model.runtime import LayerwiseModel
 
 BANDWIDTH_BYTES = 256 << 20  # large enough that no cache holds it
@@ -31,7 +30,7 @@ class MachineLimit:
     rows: int  # the row count the matmul rate was measured at
     dense_flops_per_second: float  # the model's layer projections and MLP, all of them, at `rows` rows
     bytes_per_second: float  # a large copy: bytes read plus bytes written, per second
-    route: str  # the faster of torch's own product and kvreuse.model.linear's (see linear_route)
+    route: str  # the faster of torch's own product and kvreuse.model.linear's (its `route`)
 
     def floor_seconds(self, flops: float, nbytes: float) -> float:
         return max(flops / self.dense_flops_per_second, nbytes / self.bytes_per_second)
@@ -73,15 +72,15 @@ def decode_step_bytes(model: LayerwiseModel, batch: int, context: int) -> int:
 @torch.inference_mode()
 def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> MachineLimit:
     """The best of `repeats` timings of one layer's matmuls at `rows` rows, by torch's own product (MKL for fp32)
-    and by kvreuse's (`linear_route`), and of a large copy."""
+    and by kvreuse.model.linear's (named by its `route`), and of a large copy."""
     linears = layer_linears(model)
     flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
     # Each route runs the layer's products as the runtime groups them (projections sharing an input stacked).
     groups = model.adapter.products(model.layers[0])
     routes = {"torch": lambda x, group: [nn.functional.linear(x, m.weight, m.bias) for m in group]}
-    ours = linear_route(groups[0][0].weight, rows)
-    if ours is not None:
+    ours = linear_route(inputs[groups[0][0].in_features], *groups[0])
+    if ours != "torch":
         routes[ours] = lambda x, group: linear(x, *group)
 
     def layer_matmuls(product) -> Callable[[], None]:
@@ -94,18 +93,6 @@ def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> Machin
     copy = _best(lambda: target.copy_(source), repeats)
     return MachineLimit(str(model.dtype).removeprefix("torch."), rows, flops / seconds[route], 2 * source.nbytes / copy,
                         route)
-
-
-def linear_route(weight: torch.Tensor, rows: int) -> str | None:
-    """Where kvreuse.model.linear multiplies `rows` rows by this weight: native's panels (up to
-    native.most_panel_rows() rows), oneDNN on the packed weight (bf16 widened to fp32 where oneDNN has no bf16
-    path), or None where it takes torch's own product."""
-    if 0 < rows <= native.most_panel_rows() and weight.device.type == "cpu" and native.panels_take(weight.dtype):
-        return "panels"
-    packed_in = onednn_dtype(weight)
-    if packed_in is None:
-        return None
-    return "onednn-packed" if packed_in == weight.dtype else "onednn-widened"
 
 
 def _best(fn, repeats: int) -> float:

@@ -60,17 +60,17 @@ def onednn_available() -> bool:
 def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
     [n, sum of their out_features], as one product; `plus` (of that shape: a residual) added to it if given."""
-    n = rows.shape[0]
-    if 0 < n <= native.most_panel_rows() and rows.dtype == layers[0].weight.dtype and _in_panels(layers[0].weight):
+    taken = route(rows, *layers)
+    if taken == "panels":
         packed = _packed_weights(layers)
         return native.panel_rows(rows, packed.panels, sum(layer.out_features for layer in layers), packed.bias, plus)
-    if n <= native.FEW_ROWS and _native_few_rows(rows, layers):
+    if taken == "few-rows":
         return _plus(_few_rows(rows, layers), plus)
-    if not _in_onednn(layers[0].weight):
+    if taken == "torch":
         outputs = [nn.functional.linear(rows, layer.weight, layer.bias) for layer in layers]
         return _plus(outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1), plus)
     packed = _packed_weights(layers)
-    if packed.onednn.dtype != layers[0].weight.dtype:  # a bf16 layer's weight widened: its product rounded to bf16
+    if taken == "onednn-widened":  # a bf16 layer's weight widened: its product rounded to bf16
         product = torch.ops.mkldnn._linear_pointwise(rows.float().contiguous(), packed.onednn,
                                                      None if packed.bias is None else packed.bias.float(), "none",
                                                      [], "")
@@ -82,6 +82,22 @@ def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = N
                                                          packed.bias, "add")
     return _plus(torch.ops.mkldnn._linear_pointwise(rows.contiguous(), packed.onednn, packed.bias, "none", [], ""),
                  plus)
+
+
+def route(rows: torch.Tensor, *layers: nn.Linear) -> str:
+    """Which product `linear` runs these rows through these layers on: native's "panels" (up to
+    native.most_panel_rows() rows of the weight's dtype), native's "few-rows" (1-3 bf16 rows over the plain
+    weights), oneDNN on the packed weight ("onednn-packed", or "onednn-widened": a bf16 weight packed in fp32
+    where oneDNN has no bf16 path), or torch's own product ("torch")."""
+    n, weight = rows.shape[0], layers[0].weight
+    if 0 < n <= native.most_panel_rows() and rows.dtype == weight.dtype and _in_panels(weight):
+        return "panels"
+    if n <= native.FEW_ROWS and _native_few_rows(rows, layers):
+        return "few-rows"
+    packed_in = onednn_dtype(weight)
+    if packed_in is None:
+        return "torch"
+    return "onednn-packed" if packed_in == weight.dtype else "onednn-widened"
 
 
 def _plus(product: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:

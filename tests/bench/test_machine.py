@@ -11,7 +11,6 @@ from kvreuse.bench.machine import (
     decode_step_bytes,
     decode_step_flops,
     layer_linears,
-    linear_route,
     measure,
     prefill_flops,
     weight_bytes,
@@ -57,10 +56,10 @@ def test_the_route_named_is_the_one_linear_takes(monkeypatch):
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
     monkeypatch.setattr(native, "most_panel_rows", lambda: 16)
     layer = torch.nn.Linear(24, 40)
-    for rows, route in ((16, "panels"), (17, "onednn-packed" if linear_module.onednn_available() else None)):
+    for rows, route in ((16, "panels"), (17, "onednn-packed" if linear_module.onednn_available() else "torch")):
         calls.clear()
         linear_module.linear(torch.randn(rows, 24), layer)
-        assert linear_route(layer.weight, rows) == route and bool(calls) == (route == "panels")
+        assert linear_module.route(torch.randn(rows, 24), layer) == route and bool(calls) == (route == "panels")
 
 
 def test_a_decoding_step_reads_the_weights_once_and_every_sequence_s_kv(make_tiny):
