@@ -25,6 +25,7 @@ from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
 from kvreuse.store.base import KVStore, metered
+from kvreuse.store.entry import consecutive
 
 
 # Layers of a span one inline read takes (a thread reading ahead takes one: its reads overlap the compute).
@@ -136,7 +137,7 @@ class LayerLoader:
         if span.reads_whole_entry:
             kv = self.store.view_layers(span.key, layers.start, layers.stop)  # placed, never written
         else:
-            kv = self.store.get_rows(span.key, span.load, layers)
+            kv = self.store.view_rows(span.key, span.load, layers)  # placed, never written
         if kv is None or kv[0].shape[:2] != (len(layers), span.load.numel()):  # missing, or not the planned entry
             raise StoredKVMissing(span.key)
         seconds = time.perf_counter() - start
@@ -395,7 +396,5 @@ def most_deviating(narrowing: Narrowing, approximate_rows: int, cache: KVCache, 
 def _as_slice(rows: torch.Tensor) -> torch.Tensor | slice:
     """Consecutive rows as a slice: the placer then rotates keys straight into the cache (`LayerwiseModel.place`),
     where a row index needs a rotated temporary and an indexed copy."""
-    n = rows.numel()
-    if n and int(rows[-1]) - int(rows[0]) == n - 1 and bool((rows.diff() == 1).all()):
-        return slice(int(rows[0]), int(rows[-1]) + 1)
-    return rows
+    run = consecutive(rows)
+    return rows if run is None else run

@@ -155,7 +155,7 @@ class PrefixJob:
             if length == block.stored_tokens:
                 kv = self.store.view_layers(block.key, layers.start, layers.stop)  # placed, never written
             else:  # part of a block: the rest was computed, or the last prompt token lies in it
-                kv = self.store.get_rows(block.key, torch.arange(local.start, local.stop), layers)
+                kv = self.store.view_rows(block.key, torch.arange(local.start, local.stop), layers)
         if kv is None or kv[0].shape[:2] != (len(layers), length):
             return None
         self.bytes_loaded += kv[0].nbytes + kv[1].nbytes

@@ -27,7 +27,7 @@ T = TypeVar("T")
 
 
 class KVStore(ABC):
-    """contains / get / get_layers / get_rows / put / delete / stats, plus listing for tooling."""
+    """contains / get / get_layers / get_rows (and their views) / put / delete / stats, plus listing for tooling."""
 
     name: str
     writes_are_cheap = False  # True where a put costs no I/O, so the tiered store does it inline
@@ -54,6 +54,11 @@ class KVStore(ABC):
     @abstractmethod
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         """K and V of token `rows` (in the order given), for `layers` (default all)."""
+
+    def view_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
+        """`get_rows` for a caller that only reads them (and must not write them): a tier that keeps tensors
+        hands out its own where the rows are consecutive, not a copy."""
+        return self.get_rows(key, rows, layers)
 
     @abstractmethod
     def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:

@@ -40,6 +40,14 @@ def take_rows(t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.take(t.contiguous().view(torch.uint8).numpy(), rows.numpy(), axis=1)).view(t.dtype)
 
 
+def consecutive(rows: torch.Tensor) -> slice | None:
+    """Rows that run up one at a time, as a slice; None for any other order, a gap or a repeat (and no rows)."""
+    n = rows.numel()
+    if not n or int(rows[-1]) - int(rows[0]) != n - 1 or (n > 1 and not bool((rows.diff() == 1).all())):
+        return None
+    return slice(int(rows[0]), int(rows[0]) + n)
+
+
 @dataclass
 class EntryMeta:
     model_fingerprint: str

@@ -69,6 +69,9 @@ class ThrottledTier(KVStore):
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         return self._throttled(lambda: self.inner.get_rows(key, rows, layers), nbytes_of)
 
+    def view_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
+        return self._throttled(lambda: self.inner.view_rows(key, rows, layers), nbytes_of)
+
     def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:
         return self.inner.put(entry, handed_over=handed_over)
 

@@ -4,7 +4,7 @@
   writer thread, so a request never waits for disk or network. The writer queue is bounded: when it is full a
   write is dropped (counted), never blocking the caller.
 - get: the first tier that has the key serves it; the entry is then promoted into the tiers above it.
-- partial reads (get_layers, get_rows) are served from the first tier that has the key; a hit below the top
+- partial reads (get_layers, get_rows and their views) are served from the first tier that has the key; a hit below the top
   schedules a background promotion of the whole entry, which stays off the request's critical path.
 - an entry the memory tier evicts is demoted to the tier below if that tier lacks it.
 - dedup: keys name content, so a key any tier already holds is never written to it again.
@@ -175,6 +175,9 @@ class TieredStore(KVStore):
 
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         return self._partial(key, lambda t: t.get_rows(key, rows, layers))
+
+    def view_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
+        return self._partial(key, lambda t: t.view_rows(key, rows, layers))
 
     def contains(self, key: str) -> bool:
         return self.locate(key) is not None

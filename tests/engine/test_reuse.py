@@ -38,6 +38,10 @@ class SlowStore:
         time.sleep(self.read_delay)
         return None if key in self.lost else self.inner.get_rows(key, rows, layers)
 
+    def view_rows(self, key, rows, layers=None):
+        time.sleep(self.read_delay)
+        return None if key in self.lost else self.inner.view_rows(key, rows, layers)
+
     def put(self, entry, *, handed_over=False):
         self.release.wait()
         return self.inner.put(entry, handed_over=handed_over)
@@ -120,7 +124,7 @@ def test_an_inline_run_reads_each_stored_span_a_few_layers_at_a_time(tiny_model,
     engine = make_engine(tiny_model, open_store("memory:64MB"))
     request = rag_request()
     engine.compile(request)
-    for name in ("view_layers", "get_rows"):
+    for name in ("view_layers", "view_rows"):
         read = getattr(engine.store, name)
         monkeypatch.setattr(engine.store, name, lambda *args, read=read: reads.append(args) or read(*args))
     plan, _ = engine.plan_on_tiers(request, "naive")

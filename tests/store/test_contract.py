@@ -34,6 +34,7 @@ def test_contains_delete_and_miss(tier, make_entry):
     assert tier.get_layers(entry.key, 0, 1) is None
     assert tier.view_layers(entry.key, 0, 1) is None
     assert tier.get_rows(entry.key, [0]) is None
+    assert tier.view_rows(entry.key, [0]) is None
     tier.put(entry)
     assert tier.contains(entry.key)
     assert tier.delete(entry.key)
@@ -52,12 +53,14 @@ def test_get_and_view_layers_return_exactly_that_range(tier, read, start, stop, 
     assert_same(v, entry.v[start:stop])
 
 
-@pytest.mark.parametrize("rows", [[5], [99, 3, 70, 70, 0], list(range(100)), [63, 64], []])
+@pytest.mark.parametrize("rows", [[5], [99, 3, 70, 70, 0], list(range(100)), [63, 64], [], list(range(16, 90)),
+                                  [4, 5, 6, 8]])
 @pytest.mark.parametrize("layers", [None, range(1, 3)])
-def test_get_rows_returns_exactly_those_rows(tier, rows, layers, make_entry):
+@pytest.mark.parametrize("read", ["get_rows", "view_rows"])
+def test_get_and_view_rows_return_exactly_those_rows(tier, read, rows, layers, make_entry):
     entry = make_entry(dtype=torch.bfloat16)
     tier.put(entry)
-    k, v = tier.get_rows(entry.key, torch.tensor(rows, dtype=torch.long), layers)
+    k, v = getattr(tier, read)(entry.key, torch.tensor(rows, dtype=torch.long), layers)
     lay = slice(None) if layers is None else slice(layers.start, layers.stop)
     assert_same(k, entry.k[lay][:, rows])
     assert_same(v, entry.v[lay][:, rows])
@@ -72,6 +75,8 @@ def test_partial_reads_reject_bad_ranges(tier, make_entry):
         tier.view_layers(entry.key, 2, 9)
     with pytest.raises(ValueError, match="token rows"):
         tier.get_rows(entry.key, [100])
+    with pytest.raises(ValueError, match="token rows"):
+        tier.view_rows(entry.key, [99, 100])
     with pytest.raises(ValueError, match="layer range"):
         tier.get_rows(entry.key, [1], range(0, 4, 2))
 
