@@ -225,10 +225,18 @@ class PlanRows:
         self.approximate = plan.approximate_mask.to(device)
         self.narrowable = plan.narrowable_mask.to(device)
         self.narrowing = {n.layer: n for n in plan.narrowing}
-        self.selected = plan.compute_rows.to(device)
-        self.hidden = model.embed(token_ids.to(device)[self.selected])
         self.checks: list[DeviationCheck] = []
         self.computed_rows: list[tuple[int, int]] = []  # (approximate rows, all rows) computed per layer
+        self._select(plan.compute_rows.to(device))
+        self.hidden = model.embed(token_ids.to(device)[self.selected])
+
+    def _select(self, rows: torch.Tensor) -> None:
+        """The rows computed from here on. What the step needs of them (their row group, rotary tables, count of
+        approximate rows) is built again only when they change, which most layers do not (a kept row group also
+        keeps the step's shape: `LayerwiseModel._shape_of`)."""
+        self.selected = rows
+        self._groups: list[RowGroup] | None = None
+        self._approximate_selected: int | None = None
 
     def loaded_at(self, layer: int) -> tuple[torch.Tensor | slice, Rotary]:
         """The rows whose stored KV `layer` loads, and their rotary tables."""
@@ -247,10 +255,15 @@ class PlanRows:
             self.loader.placed()
         if layer in self.leaving:  # from here on these rows' KV is loaded: their hidden state is not needed
             staying = ~torch.isin(self.selected, self.leaving[layer])
-            self.selected, self.hidden = self.selected[staying], self.hidden[staying]
-        narrow = self._narrow if layer in self.narrowing else None
-        return self.hidden, [RowGroup(self.cache, self.selected, self.selected, self.rotary[self.selected],
-                                      narrow=narrow, observe=self.observer)]
+            self._select(self.selected[staying])
+            self.hidden = self.hidden[staying]
+        if layer in self.narrowing:
+            return self.hidden, [RowGroup(self.cache, self.selected, self.selected, self.rotary[self.selected],
+                                          narrow=self._narrow, observe=self.observer)]
+        if self._groups is None:
+            self._groups = [RowGroup(self.cache, self.selected, self.selected, self.rotary[self.selected],
+                                     observe=self.observer)]
+        return self.hidden, self._groups
 
     def _narrow(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         narrowing, approximate = self.narrowing[layer], self.approximate
@@ -259,12 +272,14 @@ class PlanRows:
         keep, check = most_deviating(narrowing, self.plan.approximate_rows, self.cache, self.selected, k, v,
                                      self.narrowable[self.selected], weights)
         self.checks.append(check)
-        self.selected = self.selected[keep]
+        self._select(self.selected[keep])
         return keep
 
     def leave(self, layer: int, hidden: torch.Tensor) -> None:
         self.hidden = hidden
-        self.computed_rows.append((int(self.approximate[self.selected].sum()), self.selected.numel()))
+        if self._approximate_selected is None:
+            self._approximate_selected = int(self.approximate[self.selected].sum())
+        self.computed_rows.append((self._approximate_selected, self.selected.numel()))
 
 
 class FusionExecutor:
