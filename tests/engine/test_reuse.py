@@ -118,6 +118,23 @@ def test_a_run_from_the_memory_tier_leaves_its_entries_as_they_were(tiny_model, 
                           for key, (k, v) in before.items())
 
 
+@pytest.mark.parametrize("method", ["naive", "legolink:2"])
+def test_a_run_from_the_memory_tier_copies_no_stored_rows_it_only_places(tiny_model, make_engine, rag_request, method,
+                                                                        monkeypatch):
+    """Whole chunks, and chunks but their first tokens (LegoLink's), are consecutive rows: the memory tier lends
+    them (view_layers, view_rows) and the placer copies them once, into the request's cache."""
+    from kvreuse.store import memory
+
+    copies = []
+    take_rows = memory.take_rows
+    monkeypatch.setattr(memory, "take_rows", lambda *args: copies.append(args) or take_rows(*args))
+    engine = make_engine(tiny_model, open_store("memory:64MB"))
+    request = rag_request()
+    engine.compile(request, [method])
+    result = engine.prefill(request, method)
+    assert result.stats.fusion.loaded_tokens > 0 and copies == []
+
+
 def test_an_inline_run_reads_each_stored_span_a_few_layers_at_a_time(tiny_model, make_engine, rag_request,
                                                                      monkeypatch):
     reads = []

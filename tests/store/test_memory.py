@@ -10,7 +10,8 @@ from kvreuse.store.memory import MemoryTier
 
 
 @pytest.mark.parametrize("rows,run", [([3, 4, 5], slice(3, 6)), ([7], slice(7, 8)), ([], None), ([3, 5], None),
-                                      ([4, 3], None), ([2, 2], None), ([2, 3, 3, 4], None), ([0, 1, 3, 2], None)])
+                                      ([4, 3], None), ([2, 2], None), ([2, 3, 3, 4], None), ([0, 1, 3, 2], None),
+                                      ([3, 5, 4, 6], None)])
 def test_consecutive_is_a_slice_only_for_rows_that_run_up_one_at_a_time(rows, run):
     assert consecutive(torch.tensor(rows, dtype=torch.long)) == run
 
