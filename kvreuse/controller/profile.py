@@ -123,8 +123,9 @@ class MachineProfile:
 # added in the products, stored KV placed without a joined copy; 8: products of up to 48 rows over weights laid out
 # in panels, fp32 and, with AVX512-BF16, bf16; 9: up to 1024 rows there; 10: with AVX2, up to 256 rows there, its
 # loop not unrolled, and the prefill attention's values in tiles that fit its registers; 11: with AVX2, a tile in
-# assembly and up to 2048 rows in panels), so it reads as missing and is measured again.
-RUNTIME_REVISION = 11
+# assembly and up to 2048 rows in panels; 12: with AVX2, a panel's later row tiles fetch the next panel), so it reads
+# as missing and is measured again.
+RUNTIME_REVISION = 12
 
 
 def profile_path(model: str, dtype: str) -> Path:
