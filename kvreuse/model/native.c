@@ -331,14 +331,17 @@ void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, co
                 case 6: {
                     /* The first row tile of a panel waits on memory for it; the next ones compute from L2 while
                        the memory idles, so the second and third fetch the next panel into L2, half each (two lines
-                       an iteration of 4 inputs). SmolLM2's projections, 30 layers, on the Zen 3 EPYC: 0.83-0.94x
-                       the time at 12-24 rows, 0.93 at 89, level from 1024; all of it in the second tile where that
+                       an iteration of 4 inputs). SmolLM2's projections, 30 layers, on the Zen 3 EPYC: 0.78-0.94x
+                       the time at 12-24 rows, 0.93-1.00 at 89, level from 1024; all of it in the second tile where that
                        is the last full one, four lines an iteration: 1.04-1.18x that at 12-16 rows. */
-                    int64_t tile = m / PANEL_TILE_ROWS;
-                    int ahead = p + 1 < count && (tile == 1 || tile == 2);
-                    const char *next = (const char *)(panel + depth * PANEL_WIDTH) + (tile - 1) * depth * 32;
+                    int64_t tile = m / PANEL_TILE_ROWS, step = 0;
+                    const char *ahead = (const char *)panel;
+                    if (p + 1 < count && (tile == 1 || tile == 2)) {
+                        ahead = (const char *)(panel + depth * PANEL_WIDTH) + (tile - 1) * depth * 32;
+                        step = 128;
+                    }
                     panel_tile_avx2((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym,
-                                    y_stride, columns, ahead ? next : (const char *)panel, ahead ? 128 : 0);
+                                    y_stride, columns, ahead, step);
                     break;
                 }
 #else
