@@ -47,6 +47,22 @@ class _Packed:
     onednn: torch.Tensor | None  # the stacked weight in oneDNN's layout (fp32, bf16; or bf16 widened to fp32)
     panels: torch.Tensor | None  # the stacked weight in native.panel_rows' layout
     bias: torch.Tensor | None
+    out_features: int  # of the stacked weight
+
+    def made_from(self, layers: Sequence[nn.Linear]) -> bool:
+        """Whether `layers` still hold the very tensors it was made from, unchanged. Asked before every product
+        (a decoding step makes about 120): a plain loop that stops at the first difference, where building the
+        tuples to compare took most of a product's time outside the kernel."""
+        if len(self.sources) != 2 * len(layers):
+            return False
+        for i, layer in enumerate(layers):
+            # Where `layer.weight` finds them (nn.Module's __getattr__), without the cost of its fallback chain.
+            parameters = layer._parameters
+            weight, bias = parameters["weight"], parameters.get("bias")
+            if (weight is not self.sources[2 * i] or bias is not self.sources[2 * i + 1]
+                    or _version(weight) != self.versions[2 * i] or _version(bias) != self.versions[2 * i + 1]):
+                return False
+        return True
 
 
 # Keyed by the first layer of the stacked group.
@@ -63,7 +79,7 @@ def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = N
     taken = route(rows, *layers)
     if taken == "panels":
         packed = _packed_weights(layers)
-        return native.panel_rows(rows, packed.panels, sum(layer.out_features for layer in layers), packed.bias, plus)
+        return native.panel_rows(rows, packed.panels, packed.out_features, packed.bias, plus)
     if taken == "few-rows":
         return _plus(_few_rows(rows, layers), plus)
     if taken == "torch":
@@ -151,19 +167,18 @@ def _in_panels(weight: torch.Tensor) -> bool:
 
 
 def _packed_weights(layers: Sequence[nn.Linear]) -> _Packed:
-    sources = tuple(t for layer in layers for t in (layer.weight, layer.bias))
-    versions = tuple(_version(t) for t in sources)
     packed = _packed.get(layers[0])
     first = layers[0].weight
-    if packed is None or len(packed.sources) != len(sources) or packed.versions != versions or any(
-            old is not new for old, new in zip(packed.sources, sources)) or (
+    if packed is None or not packed.made_from(layers) or (
             packed.panels is None and _in_panels(first)):  # packed while the native kernels were switched off
+        sources = tuple(t for layer in layers for t in (layer.weight, layer.bias))
         with torch.no_grad():
             weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else first
             dtype = onednn_dtype(first)
             onednn = None if dtype is None else torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_FOR_ROWS)
             panels = native.panels(weight) if _in_panels(first) else None
-            packed = _Packed(sources, versions, onednn, panels, _stacked_bias(layers))
+            packed = _Packed(sources, tuple(_version(t) for t in sources), onednn, panels, _stacked_bias(layers),
+                             weight.shape[0])
         _packed[layers[0]] = packed
     return packed
 
