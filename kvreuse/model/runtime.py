@@ -222,6 +222,15 @@ class LayerwiseModel:
         out[..., half:].addcmul_(x[..., :half], sin[..., half:])
         return out
 
+    def rope_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+        """q and k rows of `layer` rotated (`rope`): in one pass when k's heads follow q's in the same rows, as the
+        views of one product do (a call's fixed cost is a fair part of a decoding step's rotation)."""
+        joined = _heads_side_by_side(q, k)
+        if joined is None:
+            return self.rope(layer, q, rotary), self.rope(layer, k, rotary)
+        rotated = self.rope(layer, joined, rotary)
+        return rotated[:, : q.shape[1]], rotated[:, q.shape[1] :]
+
     def _rope_tables(self, layer: int, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the kind of RoPE `layer` uses, [n, 1, head_dim] each."""
         kind = self._rope_kind_of_layer[layer]
@@ -300,7 +309,7 @@ class LayerwiseModel:
             for group, part in zip(groups, parts):
                 if group.capture is not None:
                     group.capture(layer, hidden[part], k[part], v[part])
-        q, k = self.rope(layer, q, shape.rotary), self.rope(layer, k, shape.rotary)
+        q, k = self.rope_qk(layer, q, k, shape.rotary)
         if shape.pooled is not None:
             pool, pooled = shape.pooled
             scale = self.layers[layer].self_attn.scaling
@@ -420,3 +429,14 @@ def _parts(sizes: list[int]) -> list[slice]:
     """Consecutive slices of the given sizes: where each group's rows sit in a step's joined rows."""
     ends = list(itertools.accumulate(sizes))
     return [slice(end - size, end) for size, end in zip(sizes, ends)]
+
+
+def _heads_side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """Rows [n, Ha, D] and [n, Hb, D] whose heads lie next to each other in memory, b's right after a's in each
+    row, as one view [n, Ha + Hb, D] of them; None if they do not."""
+    if (a.dtype != b.dtype or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2] or a.stride(-1) != 1
+            or b.stride(-1) != 1 or a.stride(1) != a.shape[2] or b.stride(1) != b.shape[2]
+            or (a.shape[0] > 1 and a.stride(0) != b.stride(0)) or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.data_ptr() != a.data_ptr() + a.shape[1] * a.shape[2] * a.element_size()):
+        return None
+    return a.as_strided((a.shape[0], a.shape[1] + b.shape[1], a.shape[2]), (a.stride(0), a.shape[2], 1))

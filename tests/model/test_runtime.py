@@ -75,6 +75,27 @@ def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny):
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q_and_k_side_by_side_rotate_in_one_pass_as_each_alone(tiny_model, rows):
+    """The step's q and k, views of one product, rotate as one [rows, Hq + Hkv, D] pass; the result equals each
+    rotated alone, and other layouts (k before q, q beside v, separate tensors: Qwen3's and Gemma's q and k come
+    out of their norms) take a pass each."""
+    from kvreuse.model import runtime
+    from kvreuse.model.adapters import Qwen3Adapter
+
+    q, k, v = tiny_model.qkv(0, torch.randn(rows, tiny_model.hidden_size))
+    rotary = tiny_model.rotary(torch.arange(7, 7 + rows))
+    normed_apart = isinstance(tiny_model.adapter, Qwen3Adapter)
+    assert (runtime._heads_side_by_side(q, k) is None) == normed_apart
+    for pair in ((q, k), (k, q), (q, v), (q.clone(), k.clone())):
+        if pair[0] is not q or pair[1] is not k:
+            assert runtime._heads_side_by_side(*pair) is None
+        rotated = tiny_model.rope_qk(0, *pair, rotary)
+        for got, alone in zip(rotated, pair):
+            torch.testing.assert_close(got, tiny_model.rope(0, alone, rotary), atol=0, rtol=0)
+
+
+@torch.inference_mode()
 def test_logits_are_the_lm_head_s(tiny_model):
     for rows in (1, 3):
         hidden = torch.randn(rows, tiny_model.hidden_size)
