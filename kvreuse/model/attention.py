@@ -166,10 +166,10 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
 def _one_query(q, q_pos, keys, values, k_pos, window, scale) -> torch.Tensor:
     """A single query over keys [m, Hkv, D] (a request's cache layout, read in place) in the native kernel,
     masked by the keys' positions."""
-    heads = keys.shape[1]
+    rows, heads = keys.shape[:2]
     grouped = q.view(1, heads, -1, q.shape[-1])
     out = native.decode_attention(grouped, keys.transpose(0, 1)[None], values.transpose(0, 1)[None], k_pos[None],
-                                  torch.tensor([keys.shape[0]]), q_pos, window, scale)
+                                  torch.full((1,), rows), q_pos, window, scale)
     return out.view(1, -1)
 
 

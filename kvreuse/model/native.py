@@ -279,7 +279,7 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     if positions.stride(-1) != 1 or any(t.dtype != torch.long for t in (positions, lengths, q_pos)):
         raise ValueError("decode_attention: positions (with contiguous rows), lengths and query positions must be "
                          "int64")
-    longest = int(lengths.max()) if lengths.numel() else 0
+    longest = max(lengths.tolist(), default=0)  # a list of a few: cheaper than a reduction and its .item()
     if (keys.shape[:2] != (seqs, heads) or keys.shape[-1] != dim or longest > min(keys.shape[2], positions.shape[-1])
             or positions.shape[0] != seqs or lengths.shape != (seqs,) or q_pos.shape != (seqs,)):
         raise ValueError(f"decode_attention: keys {tuple(keys.shape)}, positions {tuple(positions.shape)}, lengths "
