@@ -178,8 +178,8 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 def most_panel_rows() -> int:
     """The most rows `linear` sends through `panel_rows` rather than oneDNN, for the library as built: 1024 with
     AVX-512, 2048 with AVX2 (its tile in assembly; native.c's `panel_rows_most` gives the measurements); 0 without
-    the library. The reuse methods' products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's
-    recomputed ones (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
+    the library. The reuse methods' products of a few hundred rows gain most: naive's question rows, CacheBlend's and
+    CacheTune's recomputed ones (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
     return _built(library()).most_rows if available() else 0
 
 

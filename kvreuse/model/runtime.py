@@ -222,7 +222,8 @@ class LayerwiseModel:
         out[..., half:].addcmul_(x[..., :half], sin[..., half:])
         return out
 
-    def rope_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope_qk(self, layer: int, q: torch.Tensor, k: torch.Tensor,
+                rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """q and k rows of `layer` rotated (`rope`): in one pass when k's heads follow q's in the same rows, as the
         views of one product do (a call's fixed cost is a fair part of a decoding step's rotation)."""
         joined = _heads_side_by_side(q, k)
@@ -434,9 +435,10 @@ def _parts(sizes: list[int]) -> list[slice]:
 def _heads_side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
     """Rows [n, Ha, D] and [n, Hb, D] whose heads lie next to each other in memory, b's right after a's in each
     row, as one view [n, Ha + Hb, D] of them; None if they do not."""
-    if (a.dtype != b.dtype or a.shape[0] != b.shape[0] or a.shape[2] != b.shape[2] or a.stride(-1) != 1
-            or b.stride(-1) != 1 or a.stride(1) != a.shape[2] or b.stride(1) != b.shape[2]
-            or (a.shape[0] > 1 and a.stride(0) != b.stride(0)) or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
-            or b.data_ptr() != a.data_ptr() + a.shape[1] * a.shape[2] * a.element_size()):
+    rows, heads, dim = a.shape
+    if (a.dtype != b.dtype or b.shape[0] != rows or b.shape[2] != dim or a.stride()[1:] != (dim, 1)
+            or b.stride()[1:] != (dim, 1) or (rows > 1 and a.stride(0) != b.stride(0))  # one row's stride: any
+            or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
+            or b.data_ptr() != a.data_ptr() + heads * dim * a.element_size()):
         return None
-    return a.as_strided((a.shape[0], a.shape[1] + b.shape[1], a.shape[2]), (a.stride(0), a.shape[2], 1))
+    return a.as_strided((rows, heads + b.shape[1], dim), (a.stride(0), dim, 1))
