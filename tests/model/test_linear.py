@@ -83,6 +83,16 @@ def test_stacked_projections_equal_each_projection_side_by_side(rows, biases):
     torch.testing.assert_close(got, torch.cat([layer(x) for layer in layers], -1), atol=1e-5, rtol=1e-5)
 
 
+def _replacement(old: nn.Parameter, values: torch.Tensor) -> nn.Parameter:
+    """A new parameter holding `values` whose version counter has reached the old one's."""
+    new = nn.Parameter(values)
+    with torch.no_grad():
+        while new._version < old._version:
+            new.mul_(1.0)
+    assert new._version == old._version
+    return new
+
+
 def test_a_stacked_group_follows_a_change_to_any_of_its_weights_or_biases():
     layers = [nn.Linear(16, 8), nn.Linear(16, 4, bias=False), nn.Linear(16, 4)]
     x = torch.randn(3, 16)
@@ -97,6 +107,13 @@ def test_a_stacked_group_follows_a_change_to_any_of_its_weights_or_biases():
         layers[2].bias.add_(1.0)
         torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
         layers[2].weight = nn.Parameter(torch.randn(4, 16))
+        torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
+        # replaced by tensors whose version counters equal the old ones': only their identity tells them apart
+        layers[1].weight = _replacement(layers[1].weight, torch.randn(4, 16))
+        torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
+        layers[0].bias = _replacement(layers[0].bias, torch.randn(8))
+        torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
+        layers[1].bias = nn.Parameter(torch.randn(4))  # a bias where there was none
         torch.testing.assert_close(linear(x, *layers), expected(), atol=1e-5, rtol=1e-5)
         # the group's first layer alone is another product, not the group's pack
         torch.testing.assert_close(linear(x, layers[0]), layers[0](x), atol=1e-5, rtol=1e-5)
