@@ -297,10 +297,13 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     return out.to(q.dtype)
 
 
-# Query rows of one task of `prefill_attention`: two register tiles of 6 (4 queries of SmolLM2's 3 query heads per KV
-# head). On a 2-core Zen 4 EPYC, 12 to 36 rows ran 1-4K causal rows within the noise of each other; fewer rows keep
-# a call of a few queries small.
-BLOCK_ROWS = 12
+# Query rows of one task of `prefill_attention`: four register tiles of 6 (8 queries of SmolLM2's 3 query heads per
+# KV head). Each task reads its KV head's visible keys once, so larger blocks read them fewer times, and waste more
+# on keys masked for the block's earlier queries. On a 2-core Zen 4 EPYC, 12 to 36 rows ran 1-4K causal rows within
+# the noise of each other; on a Zen 3 (AVX2 only, half the L2), against 12 rows, 24 took 0.89 / 0.95 / 0.97 of the
+# time for 1K / 2K / 4K causal rows, 0.93 for a question's 89 rows over 1K keys, 0.98-1.02 for rows scattered over
+# the prompt (CacheBlend's); 36 was slower at 4K (1.04). Fewer rows keep a call of a few queries small.
+BLOCK_ROWS = 24
 
 
 def heads_in_rows(t: torch.Tensor) -> bool:
