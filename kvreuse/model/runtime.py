@@ -436,8 +436,8 @@ def _heads_side_by_side(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None
     """Rows [n, Ha, D] and [n, Hb, D] whose heads lie next to each other in memory, b's right after a's in each
     row, as one view [n, Ha + Hb, D] of them; None if they do not."""
     rows, heads, dim = a.shape
-    if (a.dtype != b.dtype or b.shape[0] != rows or b.shape[2] != dim or a.stride()[1:] != (dim, 1)
-            or b.stride()[1:] != (dim, 1) or (rows > 1 and a.stride(0) != b.stride(0))  # one row's stride: any
+    if (a.dtype != b.dtype or b.shape[0] != rows or b.shape[2] != dim or not native.heads_in_rows(a)
+            or not native.heads_in_rows(b) or (rows > 1 and a.stride(0) != b.stride(0))  # one row's stride: any
             or a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr()
             or b.data_ptr() != a.data_ptr() + heads * dim * a.element_size()):
         return None

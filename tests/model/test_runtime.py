@@ -87,7 +87,9 @@ def test_q_and_k_side_by_side_rotate_in_one_pass_as_each_alone(tiny_model, rows)
     rotary = tiny_model.rotary(torch.arange(7, 7 + rows))
     normed_apart = isinstance(tiny_model.adapter, Qwen3Adapter)
     assert (runtime._heads_side_by_side(q, k) is None) == normed_apart
-    for pair in ((q, k), (k, q), (q, v), (q.clone(), k.clone())):
+    # k's memory, its heads interleaved (not rows of contiguous heads): right after q's, yet not their layout
+    interleaved = k.as_strided(k.shape, (k.stride(0), 1, k.shape[1]))
+    for pair in ((q, k), (k, q), (q, v), (q.clone(), k.clone()), (q, interleaved)):
         if pair[0] is not q or pair[1] is not k:
             assert runtime._heads_side_by_side(*pair) is None
         rotated = tiny_model.rope_qk(0, *pair, rotary)
