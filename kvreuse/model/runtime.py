@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence
 
 import torch
@@ -55,6 +55,9 @@ Narrow = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 Capture = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
+LAST_ROW = slice(-1, None)  # a group's `outputs` where only its last row's next token is wanted
+
+
 @dataclass
 class RowGroup:
     """One request's rows in a layer step: they fill `rows` of `cache` (slots, not positions) at `positions`
@@ -70,6 +73,9 @@ class RowGroup:
     capture: Capture | None = None
     # Sees the group's rotated queries, its rows and its cache once the layer's KV is written (analyses).
     observe: Callable[[int, torch.Tensor, torch.Tensor, KVCache], None] | None = None
+    # The rows (of those it keeps) whose output the step returns; the others end with their KV written. A prompt's
+    # last layer: only its last row goes on to the LM head, so the others skip attention, o-projection and MLP.
+    outputs: slice | None = None
 
     def __len__(self) -> int:
         return self.positions.numel()
@@ -101,8 +107,11 @@ class Straight:
 
     hidden: torch.Tensor
     groups: Sequence[RowGroup]
+    last: tuple[int, Sequence[RowGroup]] | None = None  # a layer and the groups it gets instead (LAST_ROW's)
 
     def enter(self, layer: int) -> tuple[torch.Tensor, Sequence[RowGroup]]:
+        if self.last is not None and layer == self.last[0]:
+            return self.hidden, self.last[1]
         return self.hidden, self.groups
 
     def leave(self, layer: int, hidden: torch.Tensor) -> None:
@@ -301,7 +310,7 @@ class LayerwiseModel:
         Projections, norms and MLP run on all rows at once (one weight read for every request of a batch, which
         is what makes batching pay); RoPE too. Per group: its KV written into its own cache, then attention of
         its queries over its cache's keys with the exact causal mask by position. Returns the rows' output, in
-        the same order; a group that narrows keeps only the rows it chose.
+        the same order; a group that narrows keeps only the rows it chose, and one with `outputs` only those.
         """
         q, k, v = self.qkv(layer, hidden)
         shape = self._shape_of(groups)
@@ -317,18 +326,20 @@ class LayerwiseModel:
             out = pool.attend_one_each(layer, pooled, q, k, v, self.windows[layer], scale)
             return self.finish_layer(layer, hidden, out)
         outputs, kept = [], []
-        narrowing = any(g.narrow is not None for g in groups)
+        selecting = any(g.narrow is not None or g.outputs is not None for g in groups)
         for group, part in zip(groups, parts):
             gq, gk, gv, rows, positions = q[part], k[part], v[part], group.rows, group.positions
+            keep = torch.arange(part.stop - part.start, device=self.device) if selecting else None
             if group.narrow is not None:
                 keep = group.narrow(layer, gq, gk, gv)
                 gq, gk, gv, rows, positions = gq[keep], gk[keep], gv[keep], rows[keep], positions[keep]
-                kept.append(part.start + keep)
-            elif narrowing:
-                kept.append(torch.arange(part.start, part.stop, device=self.device))
             group.cache.write(layer, rows, gk, gv)
             if group.observe is not None:
                 group.observe(layer, gq, rows, group.cache)
+            if group.outputs is not None:
+                gq, positions, keep = gq[group.outputs], positions[group.outputs], keep[group.outputs]
+            if selecting:
+                kept.append(part.start + keep)
             end = group.cache.length if group.keys_until is None else group.keys_until
             keys, values = group.cache.keys[layer][:end], group.cache.values[layer][:end]
             outputs.append(self.attend(layer, gq, positions, keys, values, group.cache.positions[:end]))
@@ -382,7 +393,7 @@ class LayerwiseModel:
         group = RowGroup(cache, cache.allocate(positions), positions,
                          self.rotary(range(start_position, start_position + ids.numel())),
                          capture=captured.record if captured else None)
-        driver = Straight(self.embed(ids), [group])
+        driver = Straight(self.embed(ids), [group], (self.num_layers - 1, [replace(group, outputs=LAST_ROW)]))
         self.run_layers(range(self.num_layers), driver)
         result = PrefillResult(logits=self.logits(driver.hidden[-1:])[0], cache=cache)
         if captured is not None:

@@ -11,7 +11,7 @@ from kvreuse.model.check import (
     run_gate,
 )
 from kvreuse.model.attention import attention_mask
-from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.model.runtime import LAST_ROW, LayerwiseModel, RowGroup
 
 
 @pytest.fixture(scope="module")
@@ -280,3 +280,57 @@ def test_a_step_s_shape_is_kept_per_thread(tiny_model):
     other.start()
     other.join()
     assert tiny_model._shape_of(mine) is shape and shape.groups is mine and shape.rotary.cos.shape[1] == 4
+
+
+def _rows_finished_per_layer(model, monkeypatch) -> list[int]:
+    """The rows each layer's o-projection and MLP take, recorded as the model runs."""
+    finished = []
+    finish = type(model).finish_layer
+    monkeypatch.setattr(type(model), "finish_layer",
+                        lambda self, layer, residual, out: finished.append(residual.shape[0])
+                        or finish(self, layer, residual, out))
+    return finished
+
+
+@torch.inference_mode()
+def test_a_prompt_s_last_layer_finishes_its_last_row_alone(tiny_model, prompt_ids, monkeypatch):
+    """The last layer writes every row's KV but only the last row, the one the LM head takes, goes through
+    attention, the o-projection and the MLP: the logits and every layer's KV equal a step that finishes all."""
+    from kvreuse.model.runtime import Straight
+
+    cache = tiny_model.new_cache(len(prompt_ids))
+    positions = torch.arange(len(prompt_ids))
+    group = RowGroup(cache, cache.allocate(positions), positions, tiny_model.rotary(range(len(prompt_ids))))
+    driver = Straight(tiny_model.embed(torch.tensor(prompt_ids)), [group])
+    tiny_model.run_layers(range(tiny_model.num_layers), driver)
+    every_row = tiny_model.logits(driver.hidden[-1:])[0]
+
+    finished = _rows_finished_per_layer(tiny_model, monkeypatch)
+    result = tiny_model.prefill(prompt_ids)
+    assert finished == [len(prompt_ids)] * (tiny_model.num_layers - 1) + [1]
+    torch.testing.assert_close(result.logits, every_row, atol=1e-4, rtol=0)
+    for layer in range(tiny_model.num_layers):
+        torch.testing.assert_close(result.cache.layer(layer), cache.layer(layer), atol=0, rtol=0)
+
+
+@torch.inference_mode()
+def test_a_group_s_outputs_are_taken_from_the_rows_it_narrowed_to(tiny_model):
+    """`outputs` picks among the rows a narrowing group kept: their KV is written, the chosen ones attend."""
+    n = 12
+    ids = torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(4))
+    hidden, positions, rotary = tiny_model.embed(ids), torch.arange(n), tiny_model.rotary(range(n))
+    keep = torch.tensor([1, 4, 5, 9])
+
+    def step(outputs):
+        cache = tiny_model.new_cache(n)
+        cache.allocate(positions)
+        for stored in (cache.keys[0], cache.values[0]):  # the rows it does not keep hold stored KV
+            stored[:n] = torch.randn(stored[:n].shape, generator=torch.Generator().manual_seed(5))
+        group = RowGroup(cache, positions, positions, rotary, narrow=lambda *_: keep, outputs=outputs)
+        return tiny_model.step(0, hidden, [group]), cache
+
+    narrowed, narrowed_cache = step(None)
+    last, last_cache = step(LAST_ROW)
+    assert narrowed.shape[0] == len(keep) and last.shape[0] == 1
+    torch.testing.assert_close(last, narrowed[-1:], atol=1e-4, rtol=0)
+    torch.testing.assert_close(last_cache.layer(0)[0][keep], narrowed_cache.layer(0)[0][keep], atol=0, rtol=0)
