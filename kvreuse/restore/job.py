@@ -24,7 +24,7 @@ import torch
 
 from kvreuse.fusion.plan import Block
 from kvreuse.model.kv_cache import KVCache
-from kvreuse.model.runtime import CapturedKV, LayerwiseModel, RowGroup
+from kvreuse.model.runtime import LAST_ROW, CapturedKV, LayerwiseModel, RowGroup
 from kvreuse.restore.units import Span
 from kvreuse.store.base import KV, KVStore
 
@@ -69,12 +69,14 @@ class Run:
     hidden: torch.Tensor
     capture: Capture | None = None
 
-    def group(self) -> RowGroup:
-        """The run as a row group of the model's step: its rows attend over its own cache up to their end (later
-        rows may be unwritten memory)."""
+    def group(self, layer: int) -> RowGroup:
+        """The run as a row group of `layer`'s step: its rows attend over its own cache up to their end (later
+        rows may be unwritten memory). Past the model's last layer a hidden state serves only the LM head, which
+        takes the prompt's last row: there the other rows only write their KV."""
         job = self.job
         return RowGroup(job.cache, self.rows, job.positions[self.rows], job.rotary[self.rows],
-                        keys_until=self.rows.stop, capture=self.capture.record if self.capture else None)
+                        keys_until=self.rows.stop, capture=self.capture.record if self.capture else None,
+                        outputs=LAST_ROW if layer == job.model.num_layers - 1 else None)
 
 
 class Runs:
@@ -84,6 +86,7 @@ class Runs:
     def __init__(self, runs: Sequence[Run]):
         self.runs, self.hidden = runs, [run.hidden for run in runs]
         self._on: list[int] = []
+        self._outputs: list[int] = []  # the rows each run on the layer gets back from its step
 
     @property
     def layers(self) -> list[int]:
@@ -92,10 +95,12 @@ class Runs:
     def enter(self, layer: int) -> tuple[torch.Tensor, list[RowGroup]]:
         self._on = [i for i, run in enumerate(self.runs) if layer in run.layers]
         hidden = [self.hidden[i] for i in self._on]
-        return (torch.cat(hidden) if len(hidden) > 1 else hidden[0]), [self.runs[i].group() for i in self._on]
+        groups = [self.runs[i].group(layer) for i in self._on]
+        self._outputs = [len(g) if g.outputs is None else len(range(len(g))[g.outputs]) for g in groups]
+        return (torch.cat(hidden) if len(hidden) > 1 else hidden[0]), groups
 
     def leave(self, layer: int, hidden: torch.Tensor) -> None:
-        for i, out in zip(self._on, hidden.split([self.hidden[i].shape[0] for i in self._on])):
+        for i, out in zip(self._on, hidden.split(self._outputs)):
             self.hidden[i] = out
 
 
