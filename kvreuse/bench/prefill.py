@@ -66,13 +66,20 @@ def _measure_in_process(loaded: LoadedModel, length: int, repeats: int, dtype: s
 def _measure_vllm(loaded: LoadedModel, rows: list[PrefillRow], repeats: int, dtypes: list[str],
                   venv: Path) -> None:
     config = loaded.runtime.config
+    context = config.max_position_embeddings
+    too_long = sorted({row.tokens for row in rows if row.tokens >= context})
+    if too_long:  # vLLM refuses a prompt that leaves no room in the context for the token it is for
+        print(f"peer vllm: skipped {too_long} tokens: a prompt must leave room for one token in the model's "
+              f"context of {context} (at most {context - 1})")
     prompts = {str(row.tokens): PlainPrompt(prompt_ids(row.tokens, config.vocab_size).tolist())
-               for row in rows if row.dtype == dtypes[0]}
+               for row in rows if row.dtype == dtypes[0] and row.tokens < context}
+    if not prompts:
+        return
     for dtype, timings in each_dtype(loaded.path, config.max_position_embeddings, torch.get_num_threads(), venv,
                                      dtypes, f"full prefill of {len(prompts)} prompts",
                                      lambda settings: run_vllm(settings, "full", prompts, repeats)):
         for row in rows:
-            if row.dtype == dtype:
+            if row.dtype == dtype and str(row.tokens) in prompts:
                 samples = sorted(timings.seconds[str(row.tokens)])
                 row.seconds["vllm"] = samples[len(samples) // 2]
 

@@ -32,3 +32,12 @@ def test_the_command_says_why_the_vllm_peer_is_skipped(tiny_model_dir, tmp_path,
                  "--peers", "vllm", "--vllm-venv", str(tmp_path / "none")]) == 0
     out = capsys.readouterr().out
     assert "peer vllm skipped: no vLLM venv" in out and "float32" in out
+
+
+def test_a_prompt_filling_the_model_s_context_is_not_sent_to_vllm(tiny_model_dir, tmp_path, capsys):
+    """vLLM refuses a prompt with no room left in the context for the token it is for: the bench says so and
+    measures kvreuse alone there, instead of failing inside the peer."""
+    rows = run(str(tiny_model_dir), [8192], 1, ["float32"], ["vllm"], tmp_path / "none")
+    assert set(rows[0].seconds) == {"kvreuse"}
+    out = capsys.readouterr().out
+    assert "peer vllm: skipped [8192] tokens" in out and "at most 8191" in out and "no vLLM venv" not in out
