@@ -393,7 +393,8 @@ class LayerwiseModel:
         group = RowGroup(cache, cache.allocate(positions), positions,
                          self.rotary(range(start_position, start_position + ids.numel())),
                          capture=captured.record if captured else None)
-        driver = Straight(self.embed(ids), [group], (self.num_layers - 1, [replace(group, outputs=LAST_ROW)]))
+        last = (self.num_layers - 1, [replace(group, outputs=LAST_ROW)]) if ids.numel() > 1 else None
+        driver = Straight(self.embed(ids), [group], last)
         self.run_layers(range(self.num_layers), driver)
         result = PrefillResult(logits=self.logits(driver.hidden[-1:])[0], cache=cache)
         if captured is not None:
