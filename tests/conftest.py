@@ -135,6 +135,16 @@ def tiny_engine(tiny_model):
     engine.close()
 
 
+@pytest.fixture
+def finished_rows(monkeypatch) -> list[tuple[int, int]]:
+    """(layer, rows) each time a layer's o-projection and MLP run (`LayerwiseModel.finish_layer`), as models run."""
+    finished: list[tuple[int, int]] = []
+    finish = LayerwiseModel.finish_layer
+    monkeypatch.setattr(LayerwiseModel, "finish_layer", lambda self, layer, residual, out:
+                        finished.append((layer, residual.shape[0])) or finish(self, layer, residual, out))
+    return finished
+
+
 def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 

@@ -23,7 +23,7 @@ import torch
 
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
-from kvreuse.model.runtime import LAST_ROW, LayerwiseModel, Rotary, RowGroup
+from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
 from kvreuse.store.base import KVStore, metered
 from kvreuse.store.entry import consecutive
 
@@ -258,7 +258,7 @@ class PlanRows:
             staying = ~torch.isin(self.selected, self.leaving[layer])
             self._select(self.selected[staying])
             self.hidden = self.hidden[staying]
-        outputs = LAST_ROW if layer == self.model.num_layers - 1 else None  # only the last row's logits are wanted
+        outputs = self.model.outputs_at(layer)
         if layer in self.narrowing:
             return self.hidden, [RowGroup(self.cache, self.selected, self.selected, self.rotary[self.selected],
                                           narrow=self._narrow, observe=self.observer, outputs=outputs)]

@@ -291,6 +291,11 @@ class LayerwiseModel:
         else:
             cache.write(layer, rows, self.rope(layer, keys, rotary), values)
 
+    def outputs_at(self, layer: int) -> slice | None:
+        """The rows of a prompt's group whose output `layer`'s step returns: past the model's last layer only the LM
+        head reads a hidden state, and only the prompt's last row's (LAST_ROW); below it every row's (None)."""
+        return LAST_ROW if layer == self.num_layers - 1 else None
+
     def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
         return self.adapter.finish_layer(self.layers[layer], residual, attn_out)
@@ -393,7 +398,8 @@ class LayerwiseModel:
         group = RowGroup(cache, cache.allocate(positions), positions,
                          self.rotary(range(start_position, start_position + ids.numel())),
                          capture=captured.record if captured else None)
-        last = (self.num_layers - 1, [replace(group, outputs=LAST_ROW)]) if ids.numel() > 1 else None
+        last_layer = self.num_layers - 1
+        last = (last_layer, [replace(group, outputs=self.outputs_at(last_layer))]) if ids.numel() > 1 else None
         driver = Straight(self.embed(ids), [group], last)
         self.run_layers(range(self.num_layers), driver)
         result = PrefillResult(logits=self.logits(driver.hidden[-1:])[0], cache=cache)

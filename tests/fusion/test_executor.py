@@ -17,16 +17,12 @@ def test_only_rows_that_follow_one_another_are_placed_as_a_slice():
 
 
 @pytest.mark.parametrize("method", ["full", "naive", "cacheblend:0.3"])
-def test_a_plan_s_last_layer_finishes_only_the_prompt_s_last_row(tiny_engine, rag_request, method, monkeypatch):
+def test_a_plan_s_last_layer_finishes_only_the_prompt_s_last_row(tiny_engine, rag_request, method, finished_rows):
     """Every row a plan computes writes its KV at every layer; at the last one only the prompt's last row, whose
     logits are the result, goes on through the o-projection and MLP."""
     request = rag_request()
     tiny_engine.compile(request, [method])
-    model = tiny_engine.model
-    finished = []
-    finish = type(model).finish_layer
-    monkeypatch.setattr(type(model), "finish_layer",
-                        lambda self, layer, residual, out: finished.append(residual.shape[0])
-                        or finish(self, layer, residual, out))
+    finished_rows.clear()
     tiny_engine.prefill(request, method)
-    assert len(finished) == model.num_layers and finished[-1] == 1 and min(finished[:-1]) > 1
+    finished = [rows for _, rows in finished_rows]
+    assert len(finished) == tiny_engine.model.num_layers and finished[-1] == 1 and min(finished[:-1]) > 1

@@ -282,18 +282,8 @@ def test_a_step_s_shape_is_kept_per_thread(tiny_model):
     assert tiny_model._shape_of(mine) is shape and shape.groups is mine and shape.rotary.cos.shape[1] == 4
 
 
-def _rows_finished_per_layer(model, monkeypatch) -> list[int]:
-    """The rows each layer's o-projection and MLP take, recorded as the model runs."""
-    finished = []
-    finish = type(model).finish_layer
-    monkeypatch.setattr(type(model), "finish_layer",
-                        lambda self, layer, residual, out: finished.append(residual.shape[0])
-                        or finish(self, layer, residual, out))
-    return finished
-
-
 @torch.inference_mode()
-def test_a_prompt_s_last_layer_finishes_its_last_row_alone(tiny_model, prompt_ids, monkeypatch):
+def test_a_prompt_s_last_layer_finishes_its_last_row_alone(tiny_model, prompt_ids, finished_rows):
     """The last layer writes every row's KV but only the last row, the one the LM head takes, goes through
     attention, the o-projection and the MLP: the logits and every layer's KV equal a step that finishes all."""
     from kvreuse.model.runtime import Straight
@@ -305,9 +295,9 @@ def test_a_prompt_s_last_layer_finishes_its_last_row_alone(tiny_model, prompt_id
     tiny_model.run_layers(range(tiny_model.num_layers), driver)
     every_row = tiny_model.logits(driver.hidden[-1:])[0]
 
-    finished = _rows_finished_per_layer(tiny_model, monkeypatch)
+    finished_rows.clear()
     result = tiny_model.prefill(prompt_ids)
-    assert finished == [len(prompt_ids)] * (tiny_model.num_layers - 1) + [1]
+    assert [rows for _, rows in finished_rows] == [len(prompt_ids)] * (tiny_model.num_layers - 1) + [1]
     torch.testing.assert_close(result.logits, every_row, atol=1e-4, rtol=0)
     for layer in range(tiny_model.num_layers):
         torch.testing.assert_close(result.cache.layer(layer), cache.layer(layer), atol=0, rtol=0)

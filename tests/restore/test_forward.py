@@ -73,21 +73,16 @@ def test_a_batched_step_matches_per_request_steps(tiny_model, axes):
         torch.testing.assert_close(logits_b, full.logits, **TOLERANCE)
 
 
-def test_at_the_model_s_last_layer_each_run_finishes_its_last_row_alone(tiny_model, monkeypatch):
+def test_at_the_model_s_last_layer_each_run_finishes_its_last_row_alone(tiny_model, finished_rows):
     """Past the last layer only the LM head takes a hidden state, and only a prompt's last row: each run of a
     batched step writes every row's KV there but finishes one row, and the logits are still a full prefill's."""
-    finished = []
-    finish = type(tiny_model).finish_layer
-    monkeypatch.setattr(type(tiny_model), "finish_layer",
-                        lambda self, layer, residual, out: finished.append((layer, residual.shape[0]))
-                        or finish(self, layer, residual, out))
     with torch.inference_mode():
         jobs = jobs_of(tiny_model, seed=3)
         for job in jobs:
             restore_split(TokenAxis(job), job.prefix_length)
-        finished.clear()
+        finished_rows.clear()
         logits = remainders(jobs)
     last, rows = tiny_model.num_layers - 1, sum(len(job.token_ids) - job.prefix_length for job in jobs)
-    assert finished == [(layer, rows) for layer in range(last)] + [(last, len(jobs))]
+    assert finished_rows == [(layer, rows) for layer in range(last)] + [(last, len(jobs))]
     for job, got in zip(jobs, logits):
         torch.testing.assert_close(got, tiny_model.prefill(job.token_ids).logits, **TOLERANCE)
