@@ -13,7 +13,9 @@ Optional int8 form (lossy, opt-in per tier): `k.{layer}` holds int8 values and `
 scale per token and head (symmetric, absmax / 127), so the int8 tensors keep the token axis and partial reads
 work unchanged; the entry reads back dequantized to its dtype, and its metadata says `quantized="int8"`.
 The reader parses the safetensors header itself and asks a `ByteSource` only for the byte ranges it needs,
-which is how disk (pread) and Redis (GETRANGE) serve partial reads without reading the whole entry.
+which is how disk (pread) and Redis (GETRANGE) serve partial reads without reading the whole entry. K/V bytes
+land straight in the tensor a read returns (`read_into`: a file's preadv, Redis's pieces copied once) and are
+checked there.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ MAX_HEADER_BYTES = 64 << 20
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8}
 INT8 = "int8"
 Range = tuple[int, int]  # (offset, length)
+Buffer = memoryview | np.ndarray  # writable bytes a read lands in
 
 
 class EntryDamaged(Exception):
@@ -65,15 +68,61 @@ class ByteSource(ABC):
 
     def read_ranges(self, ranges: Sequence[Range]) -> list[memoryview]:
         """The bytes of each range; EntryDamaged if any lies past the end or comes back short."""
+        spans, where = self._spans(ranges)
+        fetched = [memoryview(data) for data in self._fetch(spans)]
+        for span, data in zip(spans, fetched, strict=True):
+            _check_length(span, len(data))
+        return [fetched[i][start : start + n] for (i, start), (_, n) in zip(where, ranges, strict=True)]
+
+    def read_into(self, ranges: Sequence[Range], buffers: Sequence[Buffer]) -> None:
+        """Each range's bytes written into its buffer (a writable buffer as long as the range), so that a
+        backend which reads into memory (a file's preadv) moves each byte once; the ranges must not overlap.
+        EntryDamaged as for `read_ranges`."""
+        spans, where = self._spans(ranges)
+        parts: list[list[tuple[int, Buffer]]] = [[] for _ in spans]
+        for (i, start), buffer, (_, n) in zip(where, buffers, ranges, strict=True):
+            if len(buffer) != n:
+                raise ValueError(f"a buffer of {len(buffer)} bytes for a range of {n}")
+            parts[i].append((start, buffer))
+        for (_, n), span_parts in zip(spans, parts, strict=True):
+            span_parts.sort(key=lambda part: part[0])
+            if sum(len(buffer) for _, buffer in span_parts) != n:
+                raise ValueError("overlapping ranges cannot be read into buffers")
+        self._fetch_into(spans, [[buffer for _, buffer in span_parts] for span_parts in parts])
+
+    def _spans(self, ranges: Sequence[Range]) -> tuple[list[Range], list[tuple[int, int]]]:
         if any(off + n > self.size for off, n in ranges):
             raise EntryDamaged(f"read past the end of a {self.size}-byte entry (truncated?)")
         spans, where = _merge(ranges)
         self.fetched += sum(n for _, n in spans)
-        fetched = [memoryview(data) for data in self._fetch(spans)]
-        for (off, n), data in zip(spans, fetched, strict=True):
-            if len(data) != n:
-                raise EntryDamaged(f"short read at {off}: {len(data)} of {n} bytes (truncated or missing part?)")
-        return [fetched[i][start : start + n] for (i, start), (_, n) in zip(where, ranges, strict=True)]
+        return spans, where
+
+    def _fetch_into(self, spans: list[Range], buffers: list[list[Buffer]]) -> None:
+        """Each span's bytes into its buffers, end to end; by default fetched, then copied."""
+        for span, data, span_buffers in zip(spans, self._fetch(spans), buffers, strict=True):
+            scatter(span, [data], span_buffers)
+
+
+def scatter(span: Range, pieces: Sequence[bytes | memoryview], buffers: Sequence[Buffer]) -> None:
+    """A span's bytes, fetched as `pieces` end to end, copied into `buffers` end to end (the same length in all,
+    else the span came back short)."""
+    _check_length(span, sum(len(piece) for piece in pieces))
+    sources = (np.frombuffer(piece, dtype=np.uint8) for piece in pieces if len(piece))
+    source, at = next(sources, None), 0
+    for buffer in buffers:
+        target, filled = np.frombuffer(buffer, dtype=np.uint8), 0
+        while filled < len(target):
+            n = min(len(target) - filled, len(source) - at)
+            target[filled : filled + n] = source[at : at + n]
+            filled, at = filled + n, at + n
+            if at == len(source):
+                source, at = next(sources, None), 0
+
+
+def _check_length(span: Range, got: int) -> None:
+    off, n = span
+    if got != n:
+        raise EntryDamaged(f"short read at {off}: {got} of {n} bytes (truncated or missing part?)")
 
 
 def _merge(ranges: Sequence[Range]) -> tuple[list[Range], list[tuple[int, int]]]:
@@ -323,19 +372,23 @@ class EntryReader:
         names = [f"{kv}.{layer}{suffix}" for layer in layers]
         ranges = [(self.tensors[name].start + a * g * row_bytes, (min(b * g, T) - a * g) * row_bytes)
                   for name in names for a, b in plan.runs]
-        chunks = iter(self.source.read_ranges(ranges))
         out = torch.empty((len(names), plan.loaded, *like.shape[1:]), dtype=like.dtype)
         out_bytes = _as_bytes(out).reshape(len(names), plan.loaded * row_bytes)
-        for li, name in enumerate(names):
-            sums = self.info["checksums"][name]
+        buffers = []  # where each range lands: its layer's row of `out`, the runs end to end
+        for li in range(len(names)):
             pos = 0
+            for _, n in ranges[li * len(plan.runs) : (li + 1) * len(plan.runs)]:
+                buffers.append(out_bytes[li, pos : pos + n])
+                pos += n
+        self.source.read_into(ranges, buffers)
+        data = iter(buffers)
+        for name in names:  # checked where they landed: nothing reads them before this
+            sums = self.info["checksums"][name]
             for a, b in plan.runs:
-                data = next(chunks)
+                run = next(data)
                 for gi in range(a, b):
-                    if _checksum(data[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]) != sums[gi]:
+                    if _checksum(run[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]) != sums[gi]:
                         raise EntryDamaged(f"checksum mismatch in {name} rows {gi * g}..")
-                out_bytes[li, pos : pos + len(data)] = np.frombuffer(data, dtype=np.uint8)
-                pos += len(data)
         return out if plan.local is None else take_rows(out, plan.local)
 
 

@@ -21,7 +21,7 @@ from redis.backoff import NoBackoff
 from redis.retry import Retry
 
 from kvreuse.store.base import BlobTier
-from kvreuse.store.codec import ByteSource, EntryDamaged, Range
+from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, scatter
 
 DEFAULT_PART_SIZE = 4 << 20
 REPLACED_PARTS_TTL_S = 30  # far longer than any read, short enough not to hold memory
@@ -53,7 +53,14 @@ class RedisSource(ByteSource):
         self.identity = (part_prefix, size, part_size)  # the prefix names the entry's version: new on every write
 
     def _fetch(self, spans: list[Range]) -> list[bytes]:
-        """One pipelined round trip: a GETRANGE for each part a span touches, then the pieces joined.
+        return [b"".join(pieces) for pieces in self._fetch_pieces(spans)]
+
+    def _fetch_into(self, spans: list[Range], buffers: list[list[Buffer]]) -> None:
+        for span, pieces, span_buffers in zip(spans, self._fetch_pieces(spans), buffers, strict=True):
+            scatter(span, pieces, span_buffers)  # not joined first: one copy fewer
+
+    def _fetch_pieces(self, spans: list[Range]) -> list[list[bytes]]:
+        """One pipelined round trip: a GETRANGE for each part a span touches; each span's pieces in order.
         A missing part reads as b"", so its span comes back short, which the caller treats as damage."""
         pipe = self.client.pipeline(transaction=False)
         pieces_per_span = []
@@ -64,7 +71,7 @@ class RedisSource(ByteSource):
                 pipe.getrange(f"{self.part_prefix}{part}", start, stop - 1)
         with wrong_type_is_damage():
             results = iter(pipe.execute())
-        return [b"".join(next(results) for _ in range(count)) for count in pieces_per_span]
+        return [[next(results) for _ in range(count)] for count in pieces_per_span]
 
     def _pieces(self, off: int, n: int) -> list[tuple[int, int, int]]:
         """(part, start, stop) byte spans inside parts covering [off, off + n)."""

@@ -8,7 +8,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, decode, encode
+from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, decode, encode, scatter
+from kvreuse.store.disk import FileSource
+from kvreuse.store.redis import RedisSource
 from kvreuse.store.entry import EntryMeta, KVEntry
 
 
@@ -87,3 +89,44 @@ def test_random_bytes_are_damage(make_entry):
         with pytest.raises(EntryDamaged):
             decode(BufferSource(torch.randint(0, 256, (size,), generator=gen, dtype=torch.uint8).numpy().tobytes()),
                    make_entry().key)
+
+
+def test_scatter_copies_pieces_into_buffers_across_their_boundaries():
+    buffers = [bytearray(2), bytearray(4), bytearray(2)]
+    scatter((0, 8), [b"abc", b"", b"defgh"], buffers)
+    assert [bytes(b) for b in buffers] == [b"ab", b"cdef", b"gh"]
+    with pytest.raises(EntryDamaged, match="short read at 0: 7 of 8"):
+        scatter((0, 8), [b"abc", b"defg"], buffers)
+
+
+def test_read_into_fills_each_buffer_with_its_range():
+    source = BufferSource(bytes(range(32)))
+    buffers = [bytearray(4), bytearray(3), bytearray(5)]
+    source.read_into([(10, 4), (2, 3), (5, 5)], buffers)  # the last two touch: one span
+    assert [bytes(b) for b in buffers] == [bytes(range(10, 14)), bytes(range(2, 5)), bytes(range(5, 10))]
+    with pytest.raises(ValueError, match="overlapping"):
+        source.read_into([(0, 4), (2, 4)], [bytearray(4), bytearray(4)])
+    with pytest.raises(ValueError, match="a buffer of 3 bytes for a range of 4"):
+        source.read_into([(0, 4)], [bytearray(3)])
+    with pytest.raises(EntryDamaged, match="past the end"):
+        source.read_into([(30, 4)], [bytearray(4)])
+
+
+def test_blob_tiers_read_kv_straight_into_the_tensors_they_return(blob_tier_maker, make_entry, monkeypatch):
+    """K/V bytes go from the backend into the tensor handed back (a file's preadv; Redis's pieces copied once),
+    never first joined into bytes of their own (`_fetch`, which serves headers)."""
+    tier = blob_tier_maker()
+    entry = make_entry(layers=4, tokens=100, extras=True)
+    assert tier.put(entry)
+    tier.get_layers(entry.key, 0, 4)  # the header, parsed once and kept
+
+    def joined(self, spans):
+        raise AssertionError("K/V fetched as joined bytes")
+
+    monkeypatch.setattr(FileSource, "_fetch", joined)
+    monkeypatch.setattr(RedisSource, "_fetch", joined)
+    k, v = tier.get_layers(entry.key, 1, 3)
+    assert torch.equal(k, entry.k[1:3]) and torch.equal(v, entry.v[1:3])
+    rows = torch.tensor([70, 5, 99])
+    k, v = tier.get_rows(entry.key, rows, range(4))
+    assert torch.equal(k, entry.k[:, rows]) and torch.equal(v, entry.v[:, rows])
