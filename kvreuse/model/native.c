@@ -8,6 +8,7 @@
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <string.h>
 
 /* The bf16 dot-product instruction (vdpbf16ps: pairs of bf16 multiplied exactly, added to fp32 sums), on CPUs
@@ -155,6 +156,13 @@ static inline int any_above(vec a, vec b) {
    GFLOP/s, against 108-117 not unrolled); AVX2's full tiles take panel_tile_avx2 below. */
 #define PANEL_TILE_ROWS (VW == 16 ? 8 : 6)
 #define PANEL_UNROLL (VW == 16 ? 4 : 1)
+/* Up to this many rows (a decoding step's) a product waits on memory for each panel: see panel_rows. */
+#define STREAMING_ROWS 16
+/* How far ahead of its input a first tile of 2 or more rows fetches its panel, in panel rows (AVX2: one cache
+   line each). On the Zen 3 EPYC, SmolLM2's projections at 2-6 rows: 8 lines 0.87-0.97x the time, 16 lines
+   0.83-0.94x, 32 and 64 0.85-1.04x; at one row the tile's loop is short enough that out-of-order execution keeps
+   more lines in flight than this (1.02-1.09x), so it does not fetch. */
+#define PANEL_FETCH_AHEAD 16
 #if VW == 8 && defined(__FMA__)
 #define PANEL_TILE_AVX2 1
 #else
@@ -173,13 +181,15 @@ int panel_width(void) { return PANEL_WIDTH; }
    at 384-1024, where oneDNN's times move less from run to run. */
 int panel_rows_most(void) { return VW == 16 ? 1024 : PANEL_TILE_AVX2 ? 2048 : 256; }
 
+/* fetch: a constant where called, 1 for a tile that streams its panel from memory (PANEL_FETCH_AHEAD) */
 static inline __attribute__((always_inline)) void panel_tile(const float *x, int64_t x_stride, int64_t in,
         const float *panel, const float *bias, const float *plus, float *y, int64_t y_stride, int64_t columns,
-        const int R) {
+        const int R, const int fetch) {
     vec sums[PANEL_TILE_ROWS][2];  /* starting from the bias, so that `plus` is the one addition after */
     for (int r = 0; r < R; r++) sums[r][0] = load(bias), sums[r][1] = load(bias + VW);
     UNROLL(PANEL_UNROLL)
     for (int64_t k = 0; k < in; k++) {
+        if (fetch && R > 1) __builtin_prefetch(panel + (k + PANEL_FETCH_AHEAD) * PANEL_WIDTH, 0, 3);
         vec w0 = load(panel + k * PANEL_WIDTH), w1 = load(panel + k * PANEL_WIDTH + VW);
         for (int r = 0; r < R; r++) {
             vec xr = splat(x[r * x_stride + k]);
@@ -221,7 +231,7 @@ static inline __attribute__((always_inline)) void panel_tile(const float *x, int
 
 static inline __attribute__((always_inline)) void panel_tile_avx2(const float *x, int64_t x_stride, int64_t in,
         const float *panel, const float *bias, const float *plus, float *y, int64_t y_stride, int64_t columns,
-        const char *ahead, int64_t ahead_step) {
+        const char *ahead, int64_t ahead_step, int R) {
     float sums[6][16] __attribute__((aligned(32)));
     const float *x4 = x + 4 * x_stride;  /* rows 0-3 at x + 0-3 strides, rows 4-5 at x4 + 0-1 */
     int64_t s = x_stride * 4, s3 = 3 * s, fours = in / 4, rest = in % 4;
@@ -254,7 +264,7 @@ static inline __attribute__((always_inline)) void panel_tile_avx2(const float *x
         : [s] "r"(s), [s3] "r"(s3), [b] "r"(bias), [o] "r"(sums), [step] "r"(ahead_step)
         : "ymm0", "ymm1", "ymm2", "ymm3", "ymm4", "ymm5", "ymm6", "ymm7", "ymm8", "ymm9", "ymm10", "ymm11", "ymm12",
           "ymm13", "ymm14", "ymm15", "memory", "cc");
-    for (int r = 0; r < 6; r++)
+    for (int r = 0; r < R; r++)  /* the first R of the six rows are wanted */
         for (int64_t j = 0; j < columns; j++)
             y[r * y_stride + j] = plus ? sums[r][j] + plus[r * y_stride + j] : sums[r][j];
 }
@@ -294,12 +304,45 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(const uint16_t
 }
 #endif
 
+#if PANEL_TILE_AVX2
+/* panel_tile_avx2 as row tile `tile` of panel p of `count`: the first row tile of a panel waits on memory for it;
+   the next ones compute from L2 while the memory idles, so the second and third fetch the next panel into L2, half
+   each (two lines an iteration of 4 inputs). SmolLM2's projections, 30 layers, on the Zen 3 EPYC: 0.78-0.94x the
+   time at 12-24 rows, 0.93-1.00 at 89, level from 1024; all of it in the second tile where that is the last full
+   one, four lines an iteration: 1.04-1.18x that at 12-16 rows. */
+static inline __attribute__((always_inline)) void panel_tile_avx2_at(const float *x, int64_t x_stride,
+        int64_t depth, const float *panel, int64_t p, int64_t count, int64_t tile, const float *bias,
+        const float *plus, float *y, int64_t y_stride, int64_t columns, int R) {
+    int64_t step = 0, half = depth * PANEL_WIDTH * sizeof(float) / 2;
+    const char *ahead = (const char *)panel;
+    if (p + 1 < count && (tile == 1 || tile == 2)) {
+        ahead = (const char *)(panel + depth * PANEL_WIDTH) + (tile - 1) * half;
+        step = 128;  /* the two lines an iteration fetches: `depth / 4` iterations, a half */
+    }
+    panel_tile_avx2(x, x_stride, depth, panel, bias, plus, y, y_stride, columns, ahead, step, R);
+}
+#endif
+
 /* y [rows, out] (row stride y_stride; plus, if given, has the same layout and is added) = x [rows, ...] (row stride
    x_stride) through a weight in panels (kvreuse.model.native.panels: `depth` inputs a panel row, or pairs of them
-   if bf16) and bias b [out] or NULL; all fp32, or all bf16 (taken only where BF16_DOT is built). */
+   if bf16) and bias b [out] or NULL; all fp32, or all bf16 (taken only where BF16_DOT is built).
+   Up to STREAMING_ROWS fp32 rows with AVX2 (a decoding step's) the products wait on memory, not on the FMA units:
+   a panel's first tile streams it in, fetching ahead (GCC's tile, with `fetch`, also at six rows, where the
+   assembly tile fetches only for the next panel), and a last tile of fewer than six rows after full ones runs in
+   the assembly tile over its rows and zero rows (copied once per call), so that it fetches the next panel as the
+   full tiles do. Zen 3 EPYC, SmolLM2's projections, 30 layers, alternated in one process: 0.83-0.94x the time at
+   2-16 rows; one row, and 17 rows on, level. */
 void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels, int64_t out,
                 const void *b, const void *plus, void *y, int64_t y_stride, int threads, int bf16) {
     int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH, size = bf16 ? 2 : 4;
+    const int streaming = PANEL_TILE_AVX2 && !bf16 && rows <= STREAMING_ROWS;
+#if PANEL_TILE_AVX2
+    int64_t tail = rows % 6;
+    float *padded = 0;  /* the last tile's rows, then zero rows: six in all */
+    if (streaming && rows > 6 && tail && (padded = calloc(6 * depth, sizeof(float))))
+        for (int64_t r = 0; r < tail; r++)
+            memcpy(padded + r * depth, (const float *)x + (rows - tail + r) * x_stride, depth * sizeof(float));
+#endif
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < count; p++) {
         int64_t first = p * PANEL_WIDTH, columns = out - first < PANEL_WIDTH ? out - first : PANEL_WIDTH;
@@ -323,36 +366,32 @@ void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, co
                 continue;
             }
 #endif
-#define PANEL_TILE(R) case R: panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, \
-                                         (float *)ym, y_stride, columns, R); break;
-            switch (R) {
-                PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5)
+            const int fetch = streaming && m == 0;
 #if PANEL_TILE_AVX2
-                case 6: {
-                    /* The first row tile of a panel waits on memory for it; the next ones compute from L2 while
-                       the memory idles, so the second and third fetch the next panel into L2, half each (two lines
-                       an iteration of 4 inputs). SmolLM2's projections, 30 layers, on the Zen 3 EPYC: 0.78-0.94x
-                       the time at 12-24 rows, 0.93-1.00 at 89, level from 1024; all of it in the second tile where that
-                       is the last full one, four lines an iteration: 1.04-1.18x that at 12-16 rows. */
-                    int64_t tile = m / PANEL_TILE_ROWS, step = 0, half = depth * PANEL_WIDTH * sizeof(float) / 2;
-                    const char *ahead = (const char *)panel;
-                    if (p + 1 < count && (tile == 1 || tile == 2)) {
-                        ahead = (const char *)(panel + depth * PANEL_WIDTH) + (tile - 1) * half;
-                        step = 128;  /* the two lines an iteration fetches: `depth / 4` iterations, a half */
-                    }
-                    panel_tile_avx2((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym,
-                                    y_stride, columns, ahead, step);
-                    break;
-                }
-#else
-                PANEL_TILE(6)
+            if ((R == 6 && !fetch) || (R < 6 && padded)) {
+                const float *rows_in = R == 6 ? (const float *)xm : padded;
+                panel_tile_avx2_at(rows_in, R == 6 ? x_stride : depth, depth, panel, p, count, m / 6, bias,
+                                   (const float *)pm, (float *)ym, y_stride, columns, R);
+                continue;
+            }
 #endif
+#define PANEL_TILE(R) case R: \
+                if (fetch) panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, \
+                                      (float *)ym, y_stride, columns, R, 1); \
+                else panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym, \
+                                y_stride, columns, R, 0); \
+                break;
+            switch (R) {
+                PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6)
 #if PANEL_TILE_ROWS == 8
                 PANEL_TILE(7) PANEL_TILE(8)
 #endif
             }
         }
     }
+#if PANEL_TILE_AVX2
+    free(padded);
+#endif
 }
 
 /* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag

@@ -119,7 +119,8 @@ def test_the_kernels_can_be_switched_off_for_a_while():
 
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 16, 1024])  # around tiles of 6 (AVX2) and 8 rows
+# around tiles of 6 (AVX2) and 8 rows, and the last of a decoding step's few rows (STREAMING_ROWS, 16)
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7, 8, 9, 11, 16, 17, 1024])
 @pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1, 1), (1000, 576), (64, 1537)])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("plus", [False, True])
@@ -142,14 +143,15 @@ def test_panel_rows_equal_torch(threads, rows, shape, bias, plus):
 
 @needs_compiler
 @pytest.mark.parametrize("in_features", [576, 1537])
-def test_panel_rows_give_a_row_the_same_sums_in_a_full_tile_as_alone(in_features):
+@pytest.mark.parametrize("rows", [13, 20])  # a decoding step's few rows (a last tile over zero rows), and more
+def test_panel_rows_give_a_row_the_same_sums_in_a_full_tile_as_alone(in_features, rows):
     """A row's sums do not depend on the rows beside it (a decoding step gives a sequence the same logits in any
     batch): AVX2's full tiles run in assembly, the rest in C, each summing in the same order."""
-    weight, x = torch.randn(40, in_features), torch.randn(13, in_features)
-    b, residual = torch.randn(40), torch.randn(13, 40)
+    weight, x = torch.randn(40, in_features), torch.randn(rows, in_features)
+    b, residual = torch.randn(40), torch.randn(rows, 40)
     laid = native.panels(weight)
     together = native.panel_rows(x, laid, 40, b, residual)
-    for row in range(13):
+    for row in range(rows):
         assert torch.equal(together[row], native.panel_rows(x[row : row + 1], laid, 40, b, residual[row : row + 1])[0])
 
 
