@@ -147,7 +147,8 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
     print("kvreuse: the runtime's batched decoding step (decode_batch, greedy) from a KV pool, as the server decodes; "
           "own caches: the same step with a cache per sequence (one attention call per sequence and layer); torch "
           "kernels: the pooled step with kvreuse's native kernels switched off (kvreuse.model.native); vLLM: "
-          "(generate of `steps` tokens - generate of 1) / (steps - 1), prefix caching off; kvreuse / vLLM below 1.0: "
+          "its time per output token (a sequence's first token to its last, `steps` steps of the whole batch in "
+          "its engine), prefix caching off; kvreuse / vLLM below 1.0: "
           "kvreuse is faster; floor = the longer of the step's reads (the weights once, every sequence's KV of the "
           "prompt) at this machine's copy rate and its FLOPs at its best matmul rate; achieved / limit = floor / "
           "time")
