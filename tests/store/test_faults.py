@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from kvreuse.store.codec import BufferSource, EntryReader, encode
+from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, encode
 from kvreuse.store.disk import DiskTier
 from kvreuse.store.keys import InvalidKey
 from kvreuse.store.memory import MemoryTier
@@ -145,7 +145,8 @@ def test_disk_quota_skips_an_entry_that_cannot_fit(tmp_path, make_entry):
     assert tier.stats()["write_errors"] == 1 and leftovers(tier) == []
 
 
-def test_disk_read_error_is_a_miss(tmp_path, make_entry, monkeypatch):
+@pytest.mark.parametrize("failing", ["pread", "preadv"])  # the header's read, the K/V's (into the result)
+def test_disk_read_error_is_a_miss(tmp_path, make_entry, monkeypatch, failing):
     tier = DiskTier(tmp_path)
     entry = make_entry()
     tier.put(entry)
@@ -153,9 +154,22 @@ def test_disk_read_error_is_a_miss(tmp_path, make_entry, monkeypatch):
     def io_error(*args):
         raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(os, "pread", io_error)
+    monkeypatch.setattr(os, failing, io_error)
     assert all(r is None for r in reads(tier, entry.key))
     assert tier.stats()["unavailable"] == 5
+
+
+def test_a_disk_file_cut_while_it_is_read_is_a_short_read(tmp_path, make_entry):
+    """A file shortened in place after the reader opened it (its size taken then): the read into the result
+    comes back short, which is damage, before any checksum is asked."""
+    tier = DiskTier(tmp_path)
+    entry = make_entry()
+    assert tier.put(entry)
+    with tier._open(entry.key) as source:
+        reader = EntryReader(source, entry.key)
+        os.truncate(tier.path(entry.key), source.size - 100)
+        with pytest.raises(EntryDamaged, match="short read"):
+            reader.read()
 
 
 def test_concurrent_writers_of_one_key_leave_one_valid_entry(blob_tier_maker, make_entry):
