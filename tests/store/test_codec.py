@@ -10,8 +10,8 @@ from safetensors import safe_open
 
 from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, decode, encode, scatter
 from kvreuse.store.disk import FileSource
-from kvreuse.store.redis import RedisSource
 from kvreuse.store.entry import EntryMeta, KVEntry
+from kvreuse.store.redis import RedisSource
 
 
 class CountingSource(BufferSource):
