@@ -71,7 +71,7 @@ class ByteSource(ABC):
         spans, where = self._spans(ranges)
         fetched = [memoryview(data) for data in self._fetch(spans)]
         for span, data in zip(spans, fetched, strict=True):
-            _check_length(span, len(data))
+            check_length(span, len(data))
         return [fetched[i][start : start + n] for (i, start), (_, n) in zip(where, ranges, strict=True)]
 
     def read_into(self, ranges: Sequence[Range], buffers: Sequence[Buffer]) -> None:
@@ -106,7 +106,7 @@ class ByteSource(ABC):
 def scatter(span: Range, pieces: Sequence[bytes | memoryview], buffers: Sequence[Buffer]) -> None:
     """A span's bytes, fetched as `pieces` end to end, copied into `buffers` end to end (the same length in all,
     else the span came back short)."""
-    _check_length(span, sum(len(piece) for piece in pieces))
+    check_length(span, sum(len(piece) for piece in pieces))
     sources = (np.frombuffer(piece, dtype=np.uint8) for piece in pieces if len(piece))
     source, at = next(sources, None), 0
     for buffer in buffers:
@@ -119,7 +119,8 @@ def scatter(span: Range, pieces: Sequence[bytes | memoryview], buffers: Sequence
                 source, at = next(sources, None), 0
 
 
-def _check_length(span: Range, got: int) -> None:
+def check_length(span: Range, got: int) -> None:
+    """EntryDamaged unless a span came back whole (`got` bytes of it)."""
     off, n = span
     if got != n:
         raise EntryDamaged(f"short read at {off}: {got} of {n} bytes (truncated or missing part?)")

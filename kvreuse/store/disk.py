@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Iterator
 
 from kvreuse.store.base import BlobTier
-from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range
+from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, check_length
 from kvreuse.store.keys import KEY_PATTERN, check_key
 from kvreuse.store.policy import SegmentedLRU
 
@@ -52,8 +52,7 @@ class FileSource(ByteSource):
                 got += read
                 if read != sum(len(buffer) for buffer in batch):
                     break
-            if got != n:
-                raise EntryDamaged(f"short read at {off}: {got} of {n} bytes (truncated?)")
+            check_length((off, n), got)
 
 
 class DiskTier(BlobTier):

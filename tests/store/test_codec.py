@@ -130,3 +130,16 @@ def test_blob_tiers_read_kv_straight_into_the_tensors_they_return(blob_tier_make
     rows = torch.tensor([70, 5, 99])
     k, v = tier.get_rows(entry.key, rows, range(4))
     assert torch.equal(k, entry.k[:, rows]) and torch.equal(v, entry.v[:, rows])
+
+
+def test_a_disk_read_of_more_buffers_than_one_preadv_takes_reads_them_in_turn(tmp_path, make_entry, monkeypatch):
+    """Every layer's K lies end to end: a whole read is one span of as many buffers as layers, which preadv takes
+    at most IOV_MAX at a time, each batch at the offset where the last one stopped."""
+    from kvreuse.store import disk
+
+    tier = disk.DiskTier(tmp_path)
+    entry = make_entry(layers=5)
+    assert tier.put(entry)
+    monkeypatch.setattr(disk, "IOV_MAX", 2)
+    k, v = tier.get_layers(entry.key, 0, 5)
+    assert torch.equal(k, entry.k) and torch.equal(v, entry.v)
