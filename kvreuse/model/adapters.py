@@ -16,7 +16,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from kvreuse.model import native
-from kvreuse.model.linear import linear
+from kvreuse.model.linear import in_panels, linear
 
 # Bytes of the gate and up products' output (2 x intermediate values a row) one pass through the MLP makes: more
 # rows run in passes of this many bytes, so that the activation and the down product read that output from the
@@ -49,18 +49,24 @@ class LlamaAdapter:
         attn, mlp = block.self_attn, block.mlp
         return [_qkv(attn), (attn.o_proj,), _gate_up(mlp), (mlp.down_proj,)]
 
-    def project_qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Normalised hidden rows [n, hidden] -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]: views
-        of one product's output."""
+    def project_qkv(self, block: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hidden rows [n, hidden] entering `block` -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]:
+        views of one product of the normalised rows (one native call for both where it runs)."""
+        attn, norm = block.self_attn, block.input_layernorm
         projections = _qkv(attn)
-        qkv = linear(x, *projections).split([p.out_features for p in projections], -1)
-        return tuple(part.view(x.shape[0], -1, attn.head_dim) for part in qkv)
+        panels = in_panels(hidden, *projections) if self._norm_runs_native(norm, hidden) else None
+        if panels is not None and native.parts_take(hidden, hidden.shape[1]):
+            product = native.normed_panel_rows(hidden, norm.weight, norm.variance_epsilon, panels)
+        else:
+            product = linear(self.norm(norm, hidden), *projections)
+        qkv = product.split([p.out_features for p in projections], -1)
+        return tuple(part.view(hidden.shape[0], -1, attn.head_dim) for part in qkv)
 
     def mlp(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`
         (`plus` added to its output, as `linear` adds it), in passes of at most MLP_PASS_BYTES of intermediate
         values."""
-        rows = max(1, MLP_PASS_BYTES // (2 * mlp.gate_proj.out_features * x.element_size()))
+        rows = _pass_rows(mlp, x)
         if x.shape[0] <= rows:
             return self._mlp_pass(mlp, x, plus)
         return torch.cat([self._mlp_pass(mlp, x[s : s + rows], None if plus is None else plus[s : s + rows])
@@ -75,14 +81,29 @@ class LlamaAdapter:
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`norm(x)` for rows [n, hidden]: in the native kernel when it is Llama's RMSNorm."""
-        if isinstance(norm, PLAIN_RMS_NORMS) and native.runs_fp32_or_bf16(x, norm.weight):
+        if self._norm_runs_native(norm, x):
             return native.rms_norm(x, norm.weight, norm.variance_epsilon)
         return norm(x)
 
+    @staticmethod
+    def _norm_runs_native(norm: nn.Module, x: torch.Tensor) -> bool:
+        return isinstance(norm, PLAIN_RMS_NORMS) and native.runs_fp32_or_bf16(x, norm.weight)
+
     def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        """Output projection, residual, post-attention norm and MLP of the attended rows."""
-        hidden = linear(attn_out, block.self_attn.o_proj, plus=residual)
-        return self.mlp(block.mlp, self.norm(block.post_attention_layernorm, hidden), plus=hidden)
+        """Output projection, residual, post-attention norm and MLP of the attended rows: one native call where
+        every product runs in panels and the MLP in one pass (`native.layer_end`, to the bit the same)."""
+        attn, mlp, norm = block.self_attn, block.mlp, block.post_attention_layernorm
+        if (isinstance(mlp.act_fn, SILU) and self._norm_runs_native(norm, attn_out)
+                and attn_out.shape[0] <= _pass_rows(mlp, attn_out)):
+            o_proj, gate_up, down = (in_panels(attn_out, *layers) for layers in ((attn.o_proj,), _gate_up(mlp),
+                                                                                (mlp.down_proj,)))
+            if (o_proj is not None and gate_up is not None and down is not None
+                    and native.parts_take(attn_out, attn_out.shape[1], residual.shape[1],
+                                          mlp.down_proj.in_features)):
+                return native.layer_end(attn_out.contiguous(), residual.contiguous(), o_proj, norm.weight,
+                                        norm.variance_epsilon, gate_up, down)
+        hidden = linear(attn_out, attn.o_proj, plus=residual)
+        return self.mlp(mlp, self.norm(norm, hidden), plus=hidden)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
@@ -102,6 +123,11 @@ class LlamaAdapter:
         return getattr(self.config, "sliding_window", None)  # Mistral: one window for all layers
 
 
+def _pass_rows(mlp: nn.Module, x: torch.Tensor) -> int:
+    """The most rows of x an MLP pass takes (MLP_PASS_BYTES)."""
+    return max(1, MLP_PASS_BYTES // (2 * mlp.gate_proj.out_features * x.element_size()))
+
+
 def _qkv(attn: nn.Module) -> tuple[nn.Linear, nn.Linear, nn.Linear]:
     return attn.q_proj, attn.k_proj, attn.v_proj
 
@@ -113,9 +139,9 @@ def _gate_up(mlp: nn.Module) -> tuple[nn.Linear, nn.Linear]:
 class Qwen3Adapter(LlamaAdapter):
     """Qwen3 normalises q and k per head before RoPE; the stored (pre-RoPE) key is the normalised one."""
 
-    def project_qkv(self, attn: nn.Module, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(attn, x)
-        return attn.q_norm(q), attn.k_norm(k), v
+    def project_qkv(self, block: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(block, hidden)
+        return block.self_attn.q_norm(q), block.self_attn.k_norm(k), v
 
 
 class Gemma3Adapter(Qwen3Adapter):

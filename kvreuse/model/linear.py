@@ -45,9 +45,8 @@ class _Packed:
     sources: tuple[torch.Tensor | None, ...]
     versions: tuple[int | None, ...]
     onednn: torch.Tensor | None  # the stacked weight in oneDNN's layout (fp32, bf16; or bf16 widened to fp32)
-    panels: torch.Tensor | None  # the stacked weight in native.panel_rows' layout
+    panels: native.Panels | None  # the stacked weight in native.panel_rows' layout, with its outputs and bias
     bias: torch.Tensor | None
-    out_features: int  # of the stacked weight
 
     def made_from(self, layers: Sequence[nn.Linear]) -> bool:
         """Whether `layers` still hold the very tensors it was made from, unchanged. Asked before every product
@@ -76,10 +75,10 @@ def onednn_available() -> bool:
 def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
     [n, sum of their out_features], as one product; `plus` (of that shape: a residual) added to it if given."""
+    panels = in_panels(rows, *layers)
+    if panels is not None:
+        return native.panel_rows(rows, panels.panels, panels.out_features, panels.bias, plus)
     taken = route(rows, *layers)
-    if taken == "panels":
-        packed = _packed_weights(layers)
-        return native.panel_rows(rows, packed.panels, packed.out_features, packed.bias, plus)
     if taken == "few-rows":
         return _plus(_few_rows(rows, layers), plus)
     if taken == "torch":
@@ -114,6 +113,18 @@ def route(rows: torch.Tensor, *layers: nn.Linear) -> str:
     if packed_in is None:
         return "torch"
     return "onednn-packed" if packed_in == weight.dtype else "onednn-widened"
+
+
+def in_panels(rows: torch.Tensor, *layers: nn.Linear) -> native.Panels | None:
+    """The layers' weights stacked in panels when `linear` runs these rows (or rows of their count and dtype)
+    through them there (`route`'s "panels"), else None: also what the native kernels that run a layer's parts in
+    one call take. Asked before every product of a few rows, so the weights packed as they are answer first."""
+    packed = _packed.get(layers[0])
+    if packed is None or packed.panels is None or not packed.made_from(layers):
+        return _packed_weights(layers).panels if route(rows, *layers) == "panels" else None
+    if 0 < rows.shape[0] <= native.most_panel_rows() and rows.dtype == packed.panels.panels.dtype:
+        return packed.panels
+    return None
 
 
 def _plus(product: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
@@ -176,9 +187,9 @@ def _packed_weights(layers: Sequence[nn.Linear]) -> _Packed:
             weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else first
             dtype = onednn_dtype(first)
             onednn = None if dtype is None else torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_FOR_ROWS)
-            panels = native.panels(weight) if _in_panels(first) else None
-            packed = _Packed(sources, tuple(_version(t) for t in sources), onednn, panels, _stacked_bias(layers),
-                             weight.shape[0])
+            bias = _stacked_bias(layers)
+            panels = native.Panels.of(weight, bias) if _in_panels(first) else None
+            packed = _Packed(sources, tuple(_version(t) for t in sources), onednn, panels, bias)
         _packed[layers[0]] = packed
     return packed
 

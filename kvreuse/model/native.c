@@ -557,6 +557,44 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
     }
 }
 
+/* ---- a layer's parts in one call each ---------------------------------------------------------------------
+   The runtime's kernels one after another, for rows whose products all run in panels: a decoding step made about
+   nine calls of these kernels a layer, each with its Python checks and allocations around it, which took a third
+   of one sequence's step. The sums are the separate kernels' to the bit. */
+
+/* Panels' depth for `width` inputs: fp32 one a row, bf16 in pairs (the caller keeps bf16 widths even). */
+static inline int64_t panel_depth(int64_t width, int bf16) { return bf16 ? width / 2 : width; }
+
+/* RMSNorm of rows x [n, width] (row stride x_stride) into `scratch` [n, width], then those rows' product with a
+   weight in panels (+ bias) into y [n, out] */
+void normed_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t width, const void *norm_weight,
+                       float eps, const void *panels, int64_t out, const void *b, void *scratch, void *y,
+                       int threads, int bf16) {
+    rms_norm(x, x_stride, rows, width, norm_weight, eps, scratch, width, threads, bf16);
+    panel_rows(scratch, width, rows, panel_depth(width, bf16), panels, out, b, 0, y, out, threads, bf16);
+}
+
+/* The end of a Llama layer for attended rows attn [n, attn_width] (contiguous) and their residual [n, hidden]
+   (contiguous): h = attn @ o + residual, then y = h + down(silu(gate(norm(h))) * up(norm(h))), the MLP's gate and
+   up one product of `2 * intermediate` outputs. `scratch` holds h, norm(h), the gate and up outputs and the
+   activation: n * (2 * hidden + 3 * intermediate) values. */
+void layer_end(const void *attn, int64_t rows, int64_t attn_width, const void *residual, int64_t hidden,
+               const void *o_panels, const void *o_bias, const void *norm_weight, float eps,
+               const void *gate_up_panels, const void *gate_up_bias, int64_t intermediate, const void *down_panels,
+               const void *down_bias, void *scratch, void *y, int threads, int bf16) {
+    int64_t size = bf16 ? 2 : 4;
+    char *h = scratch, *normed = h + rows * hidden * size, *gate_up = normed + rows * hidden * size;
+    char *activation = gate_up + rows * 2 * intermediate * size;
+    panel_rows(attn, attn_width, rows, panel_depth(attn_width, bf16), o_panels, hidden, o_bias, residual, h, hidden,
+               threads, bf16);
+    rms_norm(h, hidden, rows, hidden, norm_weight, eps, normed, hidden, threads, bf16);
+    panel_rows(normed, hidden, rows, panel_depth(hidden, bf16), gate_up_panels, 2 * intermediate, gate_up_bias, 0,
+               gate_up, 2 * intermediate, threads, bf16);
+    silu_mul(gate_up, gate_up + intermediate * size, 2 * intermediate, rows, intermediate, activation, threads, bf16);
+    panel_rows(activation, intermediate, rows, panel_depth(intermediate, bf16), down_panels, hidden, down_bias, h, y,
+               hidden, threads, bf16);
+}
+
 /* RoPE of one row's heads (heads contiguous, from offset `from`) by the row's tables cos, sin [dim] (from offset
    `table`) into out (from `to`): the two halves of each head turn as x * cos + rotate_half(x) * sin,
    rotate_half(x) = [-x2, x1]. In bf16, x * cos is rounded before the other product is added to it, as torch's ops

@@ -1,8 +1,11 @@
 """Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly: at decoding's sizes, the product
 of a few rows (`panel_rows`, through a weight laid out in panels; `few_rows`, through a plain bf16 one) and the
 attention of one query per sequence (`decode_attention`, over fp32 or bf16 KV); the attention of many queries at
-any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones); and a layer's pointwise
-steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16), where torch runs several ops.
+any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones); a layer's pointwise
+steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16), where torch runs several ops; and, where a
+layer's products run in panels, its input norm with the q/k/v product (`normed_panel_rows`) and its end (`layer_end`:
+o-projection, residual, norm, gated MLP) as one call each, those kernels one after another with no return to Python
+between them (the checks and allocations around nine calls a layer were a third of one sequence's decoding step).
 
 The source is compiled on first use with the system's C compiler, `-march=native` (the vector instructions of
 the CPU it runs on), and cached under the kvreuse cache folder, keyed by the source, the flags and the CPU, so a
@@ -60,6 +63,10 @@ _SIGNATURES = {
     "rms_norm": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _INT, _INT],
     "silu_mul": [_POINTER, _POINTER, _INT64, _INT64, _INT64, _POINTER, _INT, _INT],
     "rope": [_POINTER, _INT64, _INT64, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _INT, _INT],
+    "normed_panel_rows": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _POINTER,
+                          _POINTER, _POINTER, _INT, _INT],
+    "layer_end": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, ctypes.c_float, _POINTER,
+                  _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT],
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
@@ -242,18 +249,103 @@ def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: in
 
 def _panel_rows_take(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None,
                      plus: torch.Tensor | None) -> bool:
-    dtype = weight_panels.dtype
+    return (rows.dim() == 2 and rows.device.type == "cpu"
+            and _panels_fit(rows.shape[1], rows.dtype, weight_panels, out_features, bias)
+            and (plus is None or (plus.shape == (rows.shape[0], out_features) and plus.dtype == rows.dtype
+                                  and plus.device.type == "cpu")))
+
+
+def _panels_fit(in_features: int, dtype: torch.dtype, weight_panels: torch.Tensor, out_features: int,
+                bias: torch.Tensor | None) -> bool:
+    """Whether `panels` laid these panels out for a weight [out_features, in_features] of `dtype` (and `bias` is
+    that weight's)."""
     bf16 = dtype == torch.bfloat16
-    if (rows.dim() != 2 or weight_panels.dim() != 3 + bf16 or rows.dtype != dtype or not panels_take(dtype)
-            or rows.device.type != "cpu" or weight_panels.device.type != "cpu" or not weight_panels.is_contiguous()):
+    if (weight_panels.dim() != 3 + bf16 or weight_panels.dtype != dtype or not panels_take(dtype)
+            or weight_panels.device.type != "cpu" or not weight_panels.is_contiguous()):
         return False
-    (n, in_features), (count, depth, width) = rows.shape, weight_panels.shape[:3]
+    count, depth, width = weight_panels.shape[:3]
     return (depth == ((in_features + 1) // 2 if bf16 else in_features) and count == -(-out_features // width)
             and width == _built(library()).panel_width
             and (bias is None or (bias.shape == (out_features,) and bias.dtype == dtype and bias.is_contiguous()
-                                  and bias.device.type == "cpu"))
-            and (plus is None or (plus.shape == (n, out_features) and plus.dtype == dtype
-                                  and plus.device.type == "cpu")))
+                                  and bias.device.type == "cpu")))
+
+
+def parts_take(rows: torch.Tensor, *widths: int) -> bool:
+    """Whether `normed_panel_rows` and `layer_end` take rows of this dtype whose products have inputs of these
+    widths: fp32, or bf16 of even widths (panels hold bf16 in pairs, and these kernels pad none)."""
+    return rows.dtype == torch.float32 or all(width % 2 == 0 for width in widths)
+
+
+@dataclass(frozen=True)
+class Panels:
+    """A weight [out_features, in_features] laid out by `panels`, with its bias: what the kernels that run a layer's
+    parts in one call take. Checked once, as it is made, so that a call checks only its rows."""
+
+    panels: torch.Tensor
+    in_features: int
+    out_features: int
+    bias: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if not _panels_fit(self.in_features, self.panels.dtype, self.panels, self.out_features, self.bias):
+            raise ValueError(f"Panels: {tuple(self.panels.shape)} {self.panels.dtype} panels (bias "
+                             f"{None if self.bias is None else tuple(self.bias.shape)}) are not those of a weight "
+                             f"[{self.out_features}, {self.in_features}]")
+
+    @staticmethod
+    def of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Panels:
+        return Panels(panels(weight), weight.shape[1], weight.shape[0], bias)
+
+
+def normed_panel_rows(rows: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Panels) -> torch.Tensor:
+    """`panel_rows` of `rms_norm(rows, norm_weight, eps)` in one call, to the bit what the two give: a layer's q/k/v
+    product of its normalised input."""
+    n, width = rows.shape
+    if (not _rows(rows) or weight.in_features != width or norm_weight.shape != (width,)
+            or not norm_weight.is_contiguous() or not rows.dtype == norm_weight.dtype == weight.panels.dtype
+            or not parts_take(rows, width)):
+        raise ValueError(f"normed_panel_rows: rows {tuple(rows.shape)} {rows.stride()} {rows.dtype}, a norm weight "
+                         f"{tuple(norm_weight.shape)} {norm_weight.dtype}, a weight [{weight.out_features}, "
+                         f"{weight.in_features}] {weight.panels.dtype}: rows of the weight's width (bf16: even), "
+                         f"one dtype")
+    scratch = torch.empty(n * width, dtype=rows.dtype)
+    out = torch.empty(n, weight.out_features, dtype=rows.dtype)
+    library().normed_panel_rows(rows.data_ptr(), rows.stride(0), n, width, norm_weight.data_ptr(), eps,
+                                weight.panels.data_ptr(), weight.out_features, _pointer(weight.bias),
+                                scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(),
+                                rows.dtype == torch.bfloat16)
+    return out
+
+
+def layer_end(attn: torch.Tensor, residual: torch.Tensor, o_proj: Panels, norm_weight: torch.Tensor, eps: float,
+              gate_up: Panels, down: Panels) -> torch.Tensor:
+    """The end of a Llama layer for attended rows attn [n, q width] in one call, to the bit what its kernels give one
+    after another: h = attn @ o_proj + residual, then h + down(silu(gate) * up) of rms_norm(h), gate and up the
+    halves of one product's outputs (`gate_up`)."""
+    (n, attn_width), hidden, intermediate, dtype = attn.shape, residual.shape[-1], down.in_features, attn.dtype
+    if (not attn.is_contiguous() or not residual.is_contiguous() or residual.shape != (n, hidden)
+            or norm_weight.shape != (hidden,) or not norm_weight.is_contiguous()
+            or (o_proj.in_features, o_proj.out_features, gate_up.in_features, gate_up.out_features,
+                down.out_features) != (attn_width, hidden, hidden, 2 * intermediate, hidden)
+            or not (dtype == residual.dtype == norm_weight.dtype == o_proj.panels.dtype == gate_up.panels.dtype
+                    == down.panels.dtype)
+            or not parts_take(attn, attn_width, hidden, intermediate)):
+        raise ValueError(f"layer_end: rows {tuple(attn.shape)} {dtype} with a residual {tuple(residual.shape)} "
+                         f"{residual.dtype} through weights o [{o_proj.out_features}, {o_proj.in_features}], gate/up "
+                         f"[{gate_up.out_features}, {gate_up.in_features}] and down [{down.out_features}, "
+                         f"{down.in_features}]: contiguous rows, one dtype, o [hidden, q width], gate/up "
+                         f"[2 x intermediate, hidden], down [hidden, intermediate] (bf16: even widths)")
+    scratch = torch.empty(n * (2 * hidden + 3 * intermediate), dtype=dtype)
+    out = torch.empty(n, hidden, dtype=dtype)
+    library().layer_end(attn.data_ptr(), n, attn_width, residual.data_ptr(), hidden, o_proj.panels.data_ptr(),
+                        _pointer(o_proj.bias), norm_weight.data_ptr(), eps, gate_up.panels.data_ptr(),
+                        _pointer(gate_up.bias), intermediate, down.panels.data_ptr(), _pointer(down.bias),
+                        scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(), dtype == torch.bfloat16)
+    return out
+
+
+def _pointer(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
 
 
 def decode_attention_runs(q: torch.Tensor, keys: torch.Tensor) -> bool:

@@ -181,8 +181,7 @@ class LayerwiseModel:
 
     def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hidden rows [n, hidden] entering `layer` -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v."""
-        block = self.layers[layer]
-        return self.adapter.project_qkv(block.self_attn, self.adapter.norm(block.input_layernorm, hidden))
+        return self.adapter.project_qkv(self.layers[layer], hidden)
 
     def rotary(self, positions: torch.Tensor | range) -> Rotary:
         """RoPE tables for `positions`, from the model's own rotary module (its scaling included). For a range

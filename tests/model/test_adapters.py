@@ -2,7 +2,7 @@
 
 import torch
 
-from kvreuse.model import adapters
+from kvreuse.model import adapters, native
 
 
 @torch.inference_mode()
@@ -17,8 +17,30 @@ def test_the_mlp_in_passes_equals_one_pass(tiny_model, monkeypatch):
     monkeypatch.setattr(adapters.LlamaAdapter, "_mlp_pass",
                         lambda self, mlp, x, plus: passes.append(x.shape[0]) or run_pass(self, mlp, x, plus))
     in_passes = tiny_model.prefill(prompt)
-    # every layer but the last in passes of 7 rows; the last one's MLP runs the prompt's last row alone
-    assert passes == ([7] * 8 + [4]) * (tiny_model.num_layers - 1) + [1]
+    # every layer but the last in passes of 7 rows; the last one's MLP runs the prompt's last row alone (in one
+    # native call with the rest of the layer's end, where that runs)
+    before_last = 9 * (tiny_model.num_layers - 1)
+    assert passes[:before_last] == ([7] * 8 + [4]) * (tiny_model.num_layers - 1)
+    assert passes[before_last:] in ([], [1])
     torch.testing.assert_close(in_passes.logits, one_pass.logits, atol=1e-5, rtol=0)
     for layer in range(tiny_model.num_layers):
         torch.testing.assert_close(in_passes.cache.layer(layer)[0], one_pass.cache.layer(layer)[0], atol=1e-5, rtol=0)
+
+
+@torch.inference_mode()
+def test_a_layers_parts_in_one_native_call_each_give_what_the_kernels_give_apart(tiny_model, monkeypatch):
+    """The input norm with the q/k/v product, and the layer's end, each in one call (native.normed_panel_rows,
+    native.layer_end) where the products run in panels: a prefill and a decoding step to the bit as with each kernel
+    called on its own (or as the family's own modules where those run: Gemma 3)."""
+    prompt = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(4)).tolist()
+
+    def prefill_and_step():
+        result = tiny_model.prefill(prompt, cache=tiny_model.new_cache(40))
+        return result, tiny_model.decode(int(result.logits.argmax()), result.cache)
+
+    (in_parts, step_in_parts) = prefill_and_step()
+    monkeypatch.setattr(native, "parts_take", lambda *args: False)
+    (apart, step_apart) = prefill_and_step()
+    assert torch.equal(in_parts.logits, apart.logits) and torch.equal(step_in_parts, step_apart)
+    for layer in range(tiny_model.num_layers):
+        assert torch.equal(in_parts.cache.layer(layer)[0], apart.cache.layer(layer)[0])

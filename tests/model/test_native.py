@@ -633,6 +633,82 @@ def test_silu_mul_equals_torch_on_the_halves_of_one_product(rows, dtype):
     assert got[0, :4].isfinite().all()
 
 
+def _panel_dtypes() -> list[torch.dtype]:
+    return [d for d in DTYPES if native.panels_take(d)]
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 7, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+def test_normed_panel_rows_are_the_norm_then_the_product_to_the_bit(threads, rows, bias, dtype):
+    x = (torch.randn(rows, 2, 96)[:, 1] * 3).to(dtype)  # rows of a wider tensor
+    norm_weight, weight = torch.randn(96).to(dtype), torch.randn(72, 96).to(dtype)
+    b = torch.randn(72).to(dtype) if bias else None
+    laid = native.Panels.of(weight, b)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.normed_panel_rows(x, norm_weight, 1e-5, laid)
+        apart = native.panel_rows(native.rms_norm(x, norm_weight, 1e-5), laid.panels, 72, b)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, apart)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 4, 13, 300])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("dtype", _panel_dtypes())
+def test_layer_end_is_its_kernels_one_after_another_to_the_bit(threads, rows, bias, dtype):
+    """h = attn @ o + residual, then h + down(silu(gate) * up) of norm(h): each step's kernel, in one call."""
+    hidden, attn_width, intermediate = 64, 96, 80
+    attn, residual = (torch.randn(rows, width).to(dtype) for width in (attn_width, hidden))
+    weights = {name: torch.randn(shape).to(dtype) / 4 for name, shape in
+               (("o", (hidden, attn_width)), ("gate_up", (2 * intermediate, hidden)), ("down", (hidden, intermediate)))}
+    biases = {name: torch.randn(w.shape[0]).to(dtype) if bias else None for name, w in weights.items()}
+    laid = {name: native.Panels.of(w, biases[name]) for name, w in weights.items()}
+    norm_weight = torch.randn(hidden).to(dtype)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.layer_end(attn, residual, laid["o"], norm_weight, 1e-5, laid["gate_up"], laid["down"])
+        h = native.panel_rows(attn, laid["o"].panels, hidden, biases["o"], residual)
+        gate, up = native.panel_rows(native.rms_norm(h, norm_weight, 1e-5), laid["gate_up"].panels, 2 * intermediate,
+                                     biases["gate_up"]).split(intermediate, -1)
+        apart = native.panel_rows(native.silu_mul(gate, up), laid["down"].panels, hidden, biases["down"], h)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, apart)
+
+
+@needs_compiler
+def test_a_layers_parts_in_one_call_refuse_what_they_cannot_take():
+    # a layer of 8 hidden values, 16 query values and 16 intermediate ones
+    o_proj = native.Panels.of(torch.randn(8, 16))
+    gate_up = native.Panels.of(torch.randn(32, 8))
+    down = native.Panels.of(torch.randn(8, 16))
+    attn, residual, norm = torch.randn(2, 16), torch.randn(2, 8), torch.ones(8)
+    assert native.layer_end(attn, residual, o_proj, norm, 1e-5, gate_up, down).shape == (2, 8)
+    with pytest.raises(ValueError, match="layer_end"):  # a residual of another width
+        native.layer_end(attn, torch.randn(2, 9), o_proj, norm, 1e-5, gate_up, down)
+    with pytest.raises(ValueError, match="layer_end"):  # rows that are a transposed view
+        native.layer_end(torch.randn(16, 2).T, residual, o_proj, norm, 1e-5, gate_up, down)
+    with pytest.raises(ValueError, match="layer_end"):  # a down product that does not take 16 values
+        native.layer_end(attn, residual, o_proj, norm, 1e-5, gate_up,
+                         native.Panels.of(torch.randn(8, 12)))
+    with pytest.raises(ValueError, match="layer_end"):  # a norm of another dtype
+        native.layer_end(attn, residual, o_proj, norm.double(), 1e-5, gate_up, down)
+    with pytest.raises(ValueError, match="normed_panel_rows"):  # rows of another width than the weight's
+        native.normed_panel_rows(torch.randn(2, 12), torch.ones(12), 1e-5, o_proj)
+    with pytest.raises(ValueError, match="normed_panel_rows"):  # a norm of another width than the rows'
+        native.normed_panel_rows(attn, torch.ones(15), 1e-5, o_proj)
+    with pytest.raises(ValueError, match="Panels"):  # panels that are not those of the weight it names
+        native.Panels(o_proj.panels, 12, 8)
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_rope_equals_the_rotation_by_halves_into_rows_of_another_tensor(dtype):
@@ -709,19 +785,28 @@ def test_pointwise_kernels_refuse_what_they_cannot_take():
 def test_a_llama_layer_runs_the_pointwise_kernels_and_gemmas_norms_stay_its_own(make_tiny, monkeypatch):
     from kvreuse.model.runtime import LayerwiseModel
 
-    calls = _count_calls(monkeypatch, "rms_norm", "silu_mul", "rope")
+    calls = _count_calls(monkeypatch, "rms_norm", "silu_mul", "rope", "normed_panel_rows", "layer_end")
     llama = LayerwiseModel(make_tiny("llama"))
-    llama.prefill(torch.arange(5, 25))
     layers = llama.num_layers
-    # q and k are views of one product, side by side: one rotation a layer
-    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": layers}
-    calls.update(rms_norm=0, silu_mul=0, rope=0)
+    # Products in panels: a layer's input norm and q/k/v product in one call, its end (o-projection, norm, MLP) in
+    # one; q and k are views of one product, side by side: one rotation a layer. The final norm on its own.
+    in_parts = {"rms_norm": 1, "silu_mul": 0, "rope": layers, "normed_panel_rows": layers, "layer_end": layers}
+    # Products elsewhere: each kernel apart.
+    apart = {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": layers, "normed_panel_rows": 0, "layer_end": 0}
+    llama.prefill(torch.arange(5, 25))
+    assert calls == in_parts
+    calls.update(dict.fromkeys(calls, 0))
+    with monkeypatch.context() as patched:
+        patched.setattr(native, "most_panel_rows", lambda: 0)
+        llama.prefill(torch.arange(5, 25))
+    assert calls == apart
+    calls.update(dict.fromkeys(calls, 0))
     LayerwiseModel(make_tiny("llama").bfloat16()).prefill(torch.arange(5, 25))
-    assert calls == {"rms_norm": 2 * layers + 1, "silu_mul": layers, "rope": layers}  # bf16 too
-    calls.update(rms_norm=0, silu_mul=0, rope=0)
+    assert calls == (in_parts if native.panels_take(torch.bfloat16) else apart)  # bf16 too
+    calls.update(dict.fromkeys(calls, 0))
     LayerwiseModel(make_tiny("gemma3")).prefill(torch.arange(5, 25))
-    # Gemma normalises q and k apart (new tensors): two rotations a layer
-    assert calls["rms_norm"] == 0 and calls["silu_mul"] == 0 and calls["rope"] == 2 * layers
+    # Gemma's norms are its own (1 + weight) and it normalises q and k apart (new tensors): two rotations a layer
+    assert calls == {"rms_norm": 0, "silu_mul": 0, "rope": 2 * layers, "normed_panel_rows": 0, "layer_end": 0}
 
 
 @needs_compiler
