@@ -178,8 +178,7 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("few_rows: takes bf16 layers; an fp32 layer's rows go through panel_rows")
     x = rows.float().contiguous()
     library().few_rows(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
-                       None if bias is None else bias.data_ptr(), out.data_ptr(), out.stride(0),
-                       torch.get_num_threads())
+                       _pointer(bias), out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
 def most_panel_rows() -> int:
@@ -242,8 +241,7 @@ def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: in
     # bf16 rows of an odd width get the zero column their panels have
     x = torch.nn.functional.pad(rows, (0, 1)) if bf16 and in_features % 2 else rows.contiguous()
     library().panel_rows(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features,
-                         None if bias is None else bias.data_ptr(), None if added is None else added.data_ptr(),
-                         out.data_ptr(), out_features, torch.get_num_threads(), bf16)
+                         _pointer(bias), _pointer(added), out.data_ptr(), out_features, torch.get_num_threads(), bf16)
     return out
 
 
@@ -301,7 +299,7 @@ def normed_panel_rows(rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     """`panel_rows` of `rms_norm(rows, norm_weight, eps)` in one call, to the bit what the two give: a layer's q/k/v
     product of its normalised input."""
     n, width = rows.shape
-    if (not _rows(rows) or weight.in_features != width or norm_weight.shape != (width,)
+    if (not _rows(rows) or rows.device.type != "cpu" or weight.in_features != width or norm_weight.shape != (width,)
             or not norm_weight.is_contiguous() or not rows.dtype == norm_weight.dtype == weight.panels.dtype
             or not parts_take(rows, width)):
         raise ValueError(f"normed_panel_rows: rows {tuple(rows.shape)} {rows.stride()} {rows.dtype}, a norm weight "
@@ -324,6 +322,7 @@ def layer_end(attn: torch.Tensor, residual: torch.Tensor, o_proj: Panels, norm_w
     halves of one product's outputs (`gate_up`)."""
     (n, attn_width), hidden, intermediate, dtype = attn.shape, residual.shape[-1], down.in_features, attn.dtype
     if (not attn.is_contiguous() or not residual.is_contiguous() or residual.shape != (n, hidden)
+            or attn.device.type != "cpu" or residual.device.type != "cpu"
             or norm_weight.shape != (hidden,) or not norm_weight.is_contiguous()
             or (o_proj.in_features, o_proj.out_features, gate_up.in_features, gate_up.out_features,
                 down.out_features) != (attn_width, hidden, hidden, 2 * intermediate, hidden)
