@@ -104,10 +104,10 @@ def route(rows: torch.Tensor, *layers: nn.Linear) -> str:
     native.most_panel_rows() rows of the weight's dtype), native's "few-rows" (1-3 bf16 rows over the plain
     weights), oneDNN on the packed weight ("onednn-packed", or "onednn-widened": a bf16 weight packed in fp32
     where oneDNN has no bf16 path), or torch's own product ("torch")."""
-    n, weight = rows.shape[0], layers[0].weight
-    if 0 < n <= native.most_panel_rows() and rows.dtype == weight.dtype and _in_panels(weight):
+    weight = layers[0].weight
+    if _rows_for_panels(rows, weight.dtype) and _in_panels(weight):
         return "panels"
-    if n <= native.FEW_ROWS and _native_few_rows(rows, layers):
+    if rows.shape[0] <= native.FEW_ROWS and _native_few_rows(rows, layers):
         return "few-rows"
     packed_in = onednn_dtype(weight)
     if packed_in is None:
@@ -122,9 +122,13 @@ def in_panels(rows: torch.Tensor, *layers: nn.Linear) -> native.Panels | None:
     packed = _packed.get(layers[0])
     if packed is None or packed.panels is None or not packed.made_from(layers):
         return _packed_weights(layers).panels if route(rows, *layers) == "panels" else None
-    if 0 < rows.shape[0] <= native.most_panel_rows() and rows.dtype == packed.panels.panels.dtype:
-        return packed.panels
-    return None
+    return packed.panels if _rows_for_panels(rows, packed.panels.panels.dtype) else None
+
+
+def _rows_for_panels(rows: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Whether `panel_rows` takes these rows through a weight of `dtype` in panels: its own dtype, up to
+    native.most_panel_rows() of them."""
+    return 0 < rows.shape[0] <= native.most_panel_rows() and rows.dtype == dtype
 
 
 def _plus(product: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:

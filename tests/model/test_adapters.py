@@ -44,3 +44,18 @@ def test_a_layers_parts_in_one_native_call_each_give_what_the_kernels_give_apart
     assert torch.equal(in_parts.logits, apart.logits) and torch.equal(step_in_parts, step_apart)
     for layer in range(tiny_model.num_layers):
         assert torch.equal(in_parts.cache.layer(layer)[0], apart.cache.layer(layer)[0])
+
+
+@torch.inference_mode()
+def test_a_llama_mlp_of_another_activation_runs_its_own_activation(make_tiny):
+    """The layer's end in one native call applies SiLU: an MLP with another activation ends apart, as its module
+    computes it."""
+    from kvreuse.model.check import check_prefill_logits
+    from kvreuse.model.runtime import LayerwiseModel
+
+    hf_model = make_tiny("llama")
+    for block in hf_model.model.layers:
+        block.mlp.act_fn = torch.nn.GELU()
+    prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
+    result = check_prefill_logits(LayerwiseModel(hf_model), prompt)
+    assert result.passed, result.detail
