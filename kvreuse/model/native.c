@@ -576,21 +576,21 @@ void normed_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t wi
 
 /* The end of a Llama layer for attended rows attn [n, attn_width] (contiguous) and their residual [n, hidden]
    (contiguous): h = attn @ o + residual, then y = h + down(silu(gate(norm(h))) * up(norm(h))), the MLP's gate and
-   up one product of `2 * intermediate` outputs. `scratch` holds h, norm(h), the gate and up outputs and the
-   activation: n * (2 * hidden + 3 * intermediate) values. */
+   up one product of `2 * intermediate` outputs. The intermediate rows go to h and normed [n, hidden], gate_up
+   [n, 2 * intermediate] and activation [n, intermediate]. */
 void layer_end(const void *attn, int64_t rows, int64_t attn_width, const void *residual, int64_t hidden,
                const void *o_panels, const void *o_bias, const void *norm_weight, float eps,
                const void *gate_up_panels, const void *gate_up_bias, int64_t intermediate, const void *down_panels,
-               const void *down_bias, void *scratch, void *y, int threads, int bf16) {
+               const void *down_bias, void *h, void *normed, void *gate_up, void *activation, void *y, int threads,
+               int bf16) {
     int64_t size = bf16 ? 2 : 4;
-    char *h = scratch, *normed = h + rows * hidden * size, *gate_up = normed + rows * hidden * size;
-    char *activation = gate_up + rows * 2 * intermediate * size;
     panel_rows(attn, attn_width, rows, panel_depth(attn_width, bf16), o_panels, hidden, o_bias, residual, h, hidden,
                threads, bf16);
     rms_norm(h, hidden, rows, hidden, norm_weight, eps, normed, hidden, threads, bf16);
     panel_rows(normed, hidden, rows, panel_depth(hidden, bf16), gate_up_panels, 2 * intermediate, gate_up_bias, 0,
                gate_up, 2 * intermediate, threads, bf16);
-    silu_mul(gate_up, gate_up + intermediate * size, 2 * intermediate, rows, intermediate, activation, threads, bf16);
+    silu_mul(gate_up, (char *)gate_up + intermediate * size, 2 * intermediate, rows, intermediate, activation, threads,
+             bf16);
     panel_rows(activation, intermediate, rows, panel_depth(intermediate, bf16), down_panels, hidden, down_bias, h, y,
                hidden, threads, bf16);
 }

@@ -66,7 +66,7 @@ _SIGNATURES = {
     "normed_panel_rows": [_POINTER, _INT64, _INT64, _INT64, _POINTER, ctypes.c_float, _POINTER, _INT64, _POINTER,
                           _POINTER, _POINTER, _INT, _INT],
     "layer_end": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, ctypes.c_float, _POINTER,
-                  _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT],
+                  _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT],
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
@@ -334,13 +334,22 @@ def layer_end(attn: torch.Tensor, residual: torch.Tensor, o_proj: Panels, norm_w
                          f"[{gate_up.out_features}, {gate_up.in_features}] and down [{down.out_features}, "
                          f"{down.in_features}]: contiguous rows, one dtype, o [hidden, q width], gate/up "
                          f"[2 x intermediate, hidden], down [hidden, intermediate] (bf16: even widths)")
-    scratch = torch.empty(n * (2 * hidden + 3 * intermediate), dtype=dtype)
+    intermediates = _layer_end_intermediates(n, hidden, intermediate, dtype)
     out = torch.empty(n, hidden, dtype=dtype)
     library().layer_end(attn.data_ptr(), n, attn_width, residual.data_ptr(), hidden, o_proj.panels.data_ptr(),
                         _pointer(o_proj.bias), norm_weight.data_ptr(), eps, gate_up.panels.data_ptr(),
                         _pointer(gate_up.bias), intermediate, down.panels.data_ptr(), _pointer(down.bias),
-                        scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(), dtype == torch.bfloat16)
+                        *(t.data_ptr() for t in intermediates), out.data_ptr(), torch.get_num_threads(),
+                        dtype == torch.bfloat16)
     return out
+
+
+def _layer_end_intermediates(n: int, hidden: int, intermediate: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """`layer_end`'s working rows: h and norm(h) [n, hidden], the gate/up product [n, 2 x intermediate] and the
+    activation [n, intermediate]. Four buffers, not one: the largest stays as small as an MLP pass's gate/up
+    output, below malloc's mmap threshold (allocator.MMAP_THRESHOLD), so each comes back from the heap. Joined, a
+    2K-token prefill's (47 MB for SmolLM2) was mapped afresh at every layer: 166 thousand page faults a prefill."""
+    return [torch.empty(n, width, dtype=dtype) for width in (hidden, hidden, 2 * intermediate, intermediate)]
 
 
 def _pointer(t: torch.Tensor | None) -> int | None:

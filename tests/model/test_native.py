@@ -4,6 +4,7 @@ runtime needs them, and never required (without them torch's kernels give the sa
 from __future__ import annotations
 
 import os
+import resource
 import shutil
 
 import pytest
@@ -11,6 +12,8 @@ import torch
 from torch import nn
 
 from kvreuse.model import native
+from kvreuse.model.adapters import MLP_PASS_BYTES
+from kvreuse.model.allocator import keep_freed_memory
 from kvreuse.model.attention import attention_mask
 from kvreuse.model.linear import linear
 
@@ -682,6 +685,27 @@ def test_layer_end_is_its_kernels_one_after_another_to_the_bit(threads, rows, bi
     finally:
         torch.set_num_threads(before)
     assert torch.equal(got, apart)
+
+
+@needs_compiler
+@pytest.mark.skipif(not keep_freed_memory(), reason="not glibc")
+def test_layer_end_of_a_full_mlp_pass_reuses_freed_memory_without_faulting_pages_in():
+    """Its working rows for as many rows as one MLP pass takes (SmolLM2's widths: 2048 rows, 47 MB in all) come back
+    from the heap on the next call: joined into one buffer they were mapped afresh at every layer of a prefill."""
+    hidden, intermediate = 576, 1536
+    rows = MLP_PASS_BYTES // (2 * intermediate * 4)
+    weights = {"o": (hidden, hidden), "gate_up": (2 * intermediate, hidden), "down": (hidden, intermediate)}
+    laid = {name: native.Panels.of(torch.randn(shape) / 32) for name, shape in weights.items()}
+    attn, residual, norm_weight = torch.randn(rows, hidden), torch.randn(rows, hidden), torch.ones(hidden)
+
+    def faults_of_a_call() -> int:
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        native.layer_end(attn, residual, laid["o"], norm_weight, 1e-5, laid["gate_up"], laid["down"])
+        return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+    faults_of_a_call()
+    working_pages = rows * (2 * hidden + 3 * intermediate) * 4 // 4096
+    assert faults_of_a_call() < working_pages // 20
 
 
 @needs_compiler
