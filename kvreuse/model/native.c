@@ -332,66 +332,84 @@ static inline __attribute__((always_inline)) void panel_tile_avx2_at(const float
    the assembly tile over its rows and zero rows (copied once per call), so that it fetches the next panel as the
    full tiles do. Zen 3 EPYC, SmolLM2's projections, 30 layers, alternated in one process: 0.83-0.94x the time at
    2-16 rows; one row, and 17 rows on, level. */
-void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels, int64_t out,
-                const void *b, const void *plus, void *y, int64_t y_stride, int threads, int bf16) {
-    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH, size = bf16 ? 2 : 4;
-    const int streaming = PANEL_TILE_AVX2 && !bf16 && rows <= STREAMING_ROWS;
+/* The last tile's rows, then zero rows, six in all, where `panel_rows` streams more than six rows with a partial
+   last tile (see there); NULL elsewhere. The caller frees it. */
+static float *padded_tail(const void *x, int64_t x_stride, int64_t rows, int64_t depth, int streaming) {
+    float *padded = 0;
 #if PANEL_TILE_AVX2
     int64_t tail = rows % 6;
-    float *padded = 0;  /* the last tile's rows, then zero rows: six in all */
     if (streaming && rows > 6 && tail && (padded = calloc(6 * depth, sizeof(float))))
         for (int64_t r = 0; r < tail; r++)
             memcpy(padded + r * depth, (const float *)x + (rows - tail + r) * x_stride, depth * sizeof(float));
 #endif
+    return padded;
+}
+
+/* Panel p's bias as fp32 (zeros past `out`, or all zeros without one) into `bias`; returns the panel's columns */
+static inline int64_t panel_bias(const void *b, int64_t p, int64_t out, float *bias, int bf16) {
+    int64_t first = p * PANEL_WIDTH, columns = out - first < PANEL_WIDTH ? out - first : PANEL_WIDTH;
+    for (int64_t j = 0; j < PANEL_WIDTH; j++) bias[j] = b && j < columns ? stored(b, first + j, bf16) : 0.f;
+    return columns;
+}
+
+/* The R rows (R <= PANEL_TILE_ROWS) from row m of a product, xm, through panel p of `count` into ym (+ pm), in the
+   tile that suits them (see panel_rows) */
+static inline __attribute__((always_inline)) void row_tile(const char *xm, int64_t x_stride, int64_t depth,
+        const float *panel, int64_t p, int64_t count, int64_t m, const float *bias, const char *pm, char *ym,
+        int64_t y_stride, int64_t columns, int R, int streaming, const float *padded, int bf16) {
+    /* R a constant in each call: the tile's loops unroll and its sums stay in registers */
+#if BF16_DOT
+#define PANEL_TILE_BF16(R) case R: panel_tile_bf16((const uint16_t *)xm, x_stride, depth, \
+            (const uint32_t *)panel, bias, (const uint16_t *)pm, (uint16_t *)ym, y_stride, columns, R); break;
+    if (bf16) {
+        switch (R) {
+            PANEL_TILE_BF16(1) PANEL_TILE_BF16(2) PANEL_TILE_BF16(3) PANEL_TILE_BF16(4)
+            PANEL_TILE_BF16(5) PANEL_TILE_BF16(6) PANEL_TILE_BF16(7) PANEL_TILE_BF16(8)
+        }
+        return;
+    }
+#endif
+    const int fetch = streaming && m == 0;
+#if PANEL_TILE_AVX2
+    if ((R == 6 && !fetch) || (R < 6 && padded)) {
+        const float *rows_in = R == 6 ? (const float *)xm : padded;
+        panel_tile_avx2_at(rows_in, R == 6 ? x_stride : depth, depth, panel, p, count, m / 6, bias,
+                           (const float *)pm, (float *)ym, y_stride, columns, R);
+        return;
+    }
+#endif
+#define PANEL_TILE(R) case R: \
+            if (fetch) panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym, \
+                                  y_stride, columns, R, 1); \
+            else panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym, \
+                            y_stride, columns, R, 0); \
+            break;
+    switch (R) {
+        PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6)
+#if PANEL_TILE_ROWS == 8
+        PANEL_TILE(7) PANEL_TILE(8)
+#endif
+    }
+}
+
+void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels, int64_t out,
+                const void *b, const void *plus, void *y, int64_t y_stride, int threads, int bf16) {
+    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH, size = bf16 ? 2 : 4;
+    const int streaming = PANEL_TILE_AVX2 && !bf16 && rows <= STREAMING_ROWS;
+    float *padded = padded_tail(x, x_stride, rows, depth, streaming);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < count; p++) {
-        int64_t first = p * PANEL_WIDTH, columns = out - first < PANEL_WIDTH ? out - first : PANEL_WIDTH;
-        float bias[PANEL_WIDTH] = {0};  /* the panel's, zeros past `out` */
-        for (int64_t j = 0; b && j < columns; j++) bias[j] = stored(b, first + j, bf16);
+        float bias[PANEL_WIDTH];
+        int64_t columns = panel_bias(b, p, out, bias, bf16), first = p * PANEL_WIDTH;
         const float *panel = (const float *)panels + p * depth * PANEL_WIDTH;  /* 4 bytes an entry: fp32, or a pair */
         for (int64_t m = 0; m < rows; m += PANEL_TILE_ROWS) {
             int R = rows - m < PANEL_TILE_ROWS ? (int)(rows - m) : PANEL_TILE_ROWS;
-            const char *xm = (const char *)x + m * x_stride * size;
             const char *pm = plus ? (const char *)plus + (m * y_stride + first) * size : 0;
-            char *ym = (char *)y + (m * y_stride + first) * size;
-            /* R a constant in each call: the tile's loops unroll and its sums stay in registers */
-#if BF16_DOT
-#define PANEL_TILE_BF16(R) case R: panel_tile_bf16((const uint16_t *)xm, x_stride, depth, \
-                (const uint32_t *)panel, bias, (const uint16_t *)pm, (uint16_t *)ym, y_stride, columns, R); break;
-            if (bf16) {
-                switch (R) {
-                    PANEL_TILE_BF16(1) PANEL_TILE_BF16(2) PANEL_TILE_BF16(3) PANEL_TILE_BF16(4)
-                    PANEL_TILE_BF16(5) PANEL_TILE_BF16(6) PANEL_TILE_BF16(7) PANEL_TILE_BF16(8)
-                }
-                continue;
-            }
-#endif
-            const int fetch = streaming && m == 0;
-#if PANEL_TILE_AVX2
-            if ((R == 6 && !fetch) || (R < 6 && padded)) {
-                const float *rows_in = R == 6 ? (const float *)xm : padded;
-                panel_tile_avx2_at(rows_in, R == 6 ? x_stride : depth, depth, panel, p, count, m / 6, bias,
-                                   (const float *)pm, (float *)ym, y_stride, columns, R);
-                continue;
-            }
-#endif
-#define PANEL_TILE(R) case R: \
-                if (fetch) panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, \
-                                      (float *)ym, y_stride, columns, R, 1); \
-                else panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym, \
-                                y_stride, columns, R, 0); \
-                break;
-            switch (R) {
-                PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6)
-#if PANEL_TILE_ROWS == 8
-                PANEL_TILE(7) PANEL_TILE(8)
-#endif
-            }
+            row_tile((const char *)x + m * x_stride * size, x_stride, depth, panel, p, count, m, bias, pm,
+                     (char *)y + (m * y_stride + first) * size, y_stride, columns, R, streaming, padded, bf16);
         }
     }
-#if PANEL_TILE_AVX2
     free(padded);
-#endif
 }
 
 /* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag
@@ -557,6 +575,42 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
     }
 }
 
+/* The gated MLP's activation [rows, intermediate] = silu(gate) * up, gate and up the two halves of x's product
+   with a weight [2 * intermediate, in] in panels (+ bias), for an intermediate width of whole panels: each row tile
+   of a gate panel and of the up panel of the same outputs goes through silu_mul_row as the tiles come, so that the
+   gate and up values never leave L1 (`panel_rows` writes them, 2 x 25 MB a layer for a 2K-token prefill of
+   SmolLM2, and `silu_mul` reads them back). The same sums and rounding as the two kernels one after the other. */
+static void gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels,
+                             int64_t intermediate, const void *b, void *activation, int threads, int bf16) {
+    int64_t half = intermediate / PANEL_WIDTH, size = bf16 ? 2 : 4;
+    const int streaming = PANEL_TILE_AVX2 && !bf16 && rows <= STREAMING_ROWS;
+    float *padded = padded_tail(x, x_stride, rows, depth, streaming);
+    #pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t p = 0; p < half; p++) {
+        float gate_bias[PANEL_WIDTH], up_bias[PANEL_WIDTH];
+        panel_bias(b, p, 2 * intermediate, gate_bias, bf16);
+        panel_bias(b, half + p, 2 * intermediate, up_bias, bf16);
+        const float *gate_panel = (const float *)panels + p * depth * PANEL_WIDTH;
+        const float *up_panel = (const float *)panels + (half + p) * depth * PANEL_WIDTH;
+        /* one row tile's gate and up outputs, each row of them PANEL_WIDTH apart (in fp32, or bf16: half of it) */
+        float gate[PANEL_TILE_ROWS * PANEL_WIDTH], up[PANEL_TILE_ROWS * PANEL_WIDTH];
+        for (int64_t m = 0; m < rows; m += PANEL_TILE_ROWS) {
+            int R = rows - m < PANEL_TILE_ROWS ? (int)(rows - m) : PANEL_TILE_ROWS;
+            const char *xm = (const char *)x + m * x_stride * size;
+            row_tile(xm, x_stride, depth, gate_panel, p, half, m, gate_bias, 0, (char *)gate, PANEL_WIDTH, PANEL_WIDTH,
+                     R, streaming, padded, bf16);
+            row_tile(xm, x_stride, depth, up_panel, p, half, m, up_bias, 0, (char *)up, PANEL_WIDTH, PANEL_WIDTH, R,
+                     streaming, padded, bf16);
+            for (int r = 0; r < R; r++) {
+                int64_t to = (m + r) * intermediate + p * PANEL_WIDTH;
+                if (bf16) silu_mul_row(gate, up, r * PANEL_WIDTH, PANEL_WIDTH, activation, to, 1);
+                else silu_mul_row(gate, up, r * PANEL_WIDTH, PANEL_WIDTH, activation, to, 0);
+            }
+        }
+    }
+    free(padded);
+}
+
 /* ---- a layer's parts in one call each ---------------------------------------------------------------------
    The runtime's kernels one after another, for rows whose products all run in panels: a decoding step made about
    nine calls of these kernels a layer, each with its Python checks and allocations around it, which took a third
@@ -577,7 +631,8 @@ void normed_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t wi
 /* The end of a Llama layer for attended rows attn [n, attn_width] (contiguous) and their residual [n, hidden]
    (contiguous): h = attn @ o + residual, then y = h + down(silu(gate(norm(h))) * up(norm(h))), the MLP's gate and
    up one product of `2 * intermediate` outputs. The intermediate rows go to h and normed [n, hidden], gate_up
-   [n, 2 * intermediate] and activation [n, intermediate]. */
+   [n, 2 * intermediate] (only for an intermediate width of no whole number of panels; else gated_panel_rows) and
+   activation [n, intermediate]. */
 void layer_end(const void *attn, int64_t rows, int64_t attn_width, const void *residual, int64_t hidden,
                const void *o_panels, const void *o_bias, const void *norm_weight, float eps,
                const void *gate_up_panels, const void *gate_up_bias, int64_t intermediate, const void *down_panels,
@@ -587,10 +642,15 @@ void layer_end(const void *attn, int64_t rows, int64_t attn_width, const void *r
     panel_rows(attn, attn_width, rows, panel_depth(attn_width, bf16), o_panels, hidden, o_bias, residual, h, hidden,
                threads, bf16);
     rms_norm(h, hidden, rows, hidden, norm_weight, eps, normed, hidden, threads, bf16);
-    panel_rows(normed, hidden, rows, panel_depth(hidden, bf16), gate_up_panels, 2 * intermediate, gate_up_bias, 0,
-               gate_up, 2 * intermediate, threads, bf16);
-    silu_mul(gate_up, (char *)gate_up + intermediate * size, 2 * intermediate, rows, intermediate, activation, threads,
-             bf16);
+    if (intermediate % PANEL_WIDTH == 0) {  /* gate_up is not used */
+        gated_panel_rows(normed, hidden, rows, panel_depth(hidden, bf16), gate_up_panels, intermediate, gate_up_bias,
+                         activation, threads, bf16);
+    } else {
+        panel_rows(normed, hidden, rows, panel_depth(hidden, bf16), gate_up_panels, 2 * intermediate, gate_up_bias, 0,
+                   gate_up, 2 * intermediate, threads, bf16);
+        silu_mul(gate_up, (char *)gate_up + intermediate * size, 2 * intermediate, rows, intermediate, activation,
+                 threads, bf16);
+    }
     panel_rows(activation, intermediate, rows, panel_depth(intermediate, bf16), down_panels, hidden, down_bias, h, y,
                hidden, threads, bf16);
 }

@@ -665,9 +665,10 @@ def test_normed_panel_rows_are_the_norm_then_the_product_to_the_bit(threads, row
 @pytest.mark.parametrize("rows", [1, 4, 13, 300])
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("dtype", _panel_dtypes())
-def test_layer_end_is_its_kernels_one_after_another_to_the_bit(threads, rows, bias, dtype):
+@pytest.mark.parametrize("intermediate", [96, 72])  # whole panels (gate and up taken as their tiles come), or not
+def test_layer_end_is_its_kernels_one_after_another_to_the_bit(threads, rows, bias, dtype, intermediate):
     """h = attn @ o + residual, then h + down(silu(gate) * up) of norm(h): each step's kernel, in one call."""
-    hidden, attn_width, intermediate = 64, 96, 80
+    hidden, attn_width = 64, 96
     attn, residual = (torch.randn(rows, width).to(dtype) for width in (attn_width, hidden))
     weights = {name: torch.randn(shape).to(dtype) / 4 for name, shape in
                (("o", (hidden, attn_width)), ("gate_up", (2 * intermediate, hidden)), ("down", (hidden, intermediate)))}
