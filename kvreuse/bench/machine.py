@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from kvreuse.model import native
 from kvreuse.model.linear import linear, route as linear_route
 from kvreuse.model.runtime import LayerwiseModel
 
@@ -30,7 +31,7 @@ class MachineLimit:
     rows: int  # the row count the matmul rate was measured at
     dense_flops_per_second: float  # the model's layer projections and MLP, all of them, at `rows` rows
     bytes_per_second: float  # a large copy: bytes read plus bytes written, per second
-    route: str  # the faster of torch's own product and kvreuse.model.linear's (its `route`)
+    route: str  # the fastest of torch's own product, kvreuse.model.linear's (its `route`) and the panels in passes
 
     def floor_seconds(self, flops: float, nbytes: float) -> float:
         return max(flops / self.dense_flops_per_second, nbytes / self.bytes_per_second)
@@ -72,7 +73,9 @@ def decode_step_bytes(model: LayerwiseModel, batch: int, context: int) -> int:
 @torch.inference_mode()
 def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> MachineLimit:
     """The best of `repeats` timings of one layer's matmuls at `rows` rows, by torch's own product (MKL for fp32)
-    and by kvreuse.model.linear's (named by its `route`), and of a large copy."""
+    and by kvreuse.model.linear's (named by its `route`), and of a large copy. Past the rows native's panels take,
+    also by the panels in passes of that many rows: any product of more rows could run so (a long prefill's MLP
+    does), so the floor takes that rate where it is the best."""
     linears = layer_linears(model)
     flops = sum(2 * rows * m.in_features * m.out_features for m in linears)
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
@@ -82,6 +85,10 @@ def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> Machin
     ours = linear_route(inputs[groups[0][0].in_features], *groups[0])
     if ours != "torch":
         routes[ours] = lambda x, group: linear(x, *group)
+    passes = native.most_panel_rows()
+    if 0 < passes < rows:
+        routes[f"panels, {passes}-row passes"] = lambda x, group: [linear(x[start : start + passes], *group)
+                                                                   for start in range(0, rows, passes)]
 
     def layer_matmuls(product) -> Callable[[], None]:
         return lambda: [product(inputs[group[0].in_features], group) for group in groups]

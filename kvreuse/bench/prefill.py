@@ -106,6 +106,7 @@ def _print(rows: list[PrefillRow], model_name: str, repeats: int) -> None:
     Console(width=240).print(table)
     print("kvreuse / peer: kvreuse's time over the peer's (below 1.0: kvreuse is faster); transformers computes "
           "the last row's logits only, as kvreuse does")
-    print("floor = the prefill's FLOPs at the best rate one layer's matmuls reach at that many rows in that dtype on "
-          f"this machine (or its weights read once at {rows[-1].limit.bytes_per_second / 1e9:.1f} GB/s); "
+    print("floor = the prefill's FLOPs at the best rate one layer's matmuls reach at that many rows (whole, or in "
+          "passes through native's panels) in that dtype on this machine (or its weights read once at "
+          f"{rows[-1].limit.bytes_per_second / 1e9:.1f} GB/s); "
           "achieved / limit = floor / time")

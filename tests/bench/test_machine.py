@@ -62,6 +62,21 @@ def test_the_route_named_is_the_one_linear_takes(monkeypatch):
         assert linear_module.route(torch.randn(rows, 24), layer) == route and bool(calls) == (route == "panels")
 
 
+def test_rows_past_the_panels_limit_are_also_timed_in_passes_through_the_panels(make_tiny, monkeypatch):
+    """A prefill longer than the panels take could still run its products there, a pass at a time: the floor's rate
+    is the best of that too."""
+    if not native.available():
+        pytest.skip("no native kernels: no panels")
+    model = LayerwiseModel(make_tiny("llama"))
+    kernel, row_counts = native.panel_rows, []
+    monkeypatch.setattr(native, "panel_rows",
+                        lambda rows, *args: row_counts.append(rows.shape[0]) or kernel(rows, *args))
+    monkeypatch.setattr(native, "most_panel_rows", lambda: 16)
+    measured = measure(model, rows=40, repeats=1)
+    assert set(row_counts) == {16, 8}  # passes of 16, 16 and 8 rows
+    assert measured.route in ("torch", "onednn-packed", "panels, 16-row passes")
+
+
 def test_a_decoding_step_reads_the_weights_once_and_every_sequence_s_kv(make_tiny):
     model = LayerwiseModel(make_tiny("llama"))
     config = model.config
