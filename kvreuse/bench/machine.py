@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 from torch import nn
@@ -70,6 +70,25 @@ def decode_step_bytes(model: LayerwiseModel, batch: int, context: int) -> int:
     return weight_bytes(model) + batch * context * kv_row
 
 
+# rows [n, in] through a group of projections sharing that input
+Product = Callable[[torch.Tensor, Sequence[nn.Linear]], object]
+
+
+def routes(rows: torch.Tensor, group: Sequence[nn.Linear]) -> dict[str, Product]:
+    """The ways to run a layer's products that `measure` times, named as the floor reports them, for `rows` through
+    `group`: torch's own product, kvreuse.model.linear's (by its `route`), and past the rows native's panels take,
+    the panels in passes of that many rows where linear sends a pass there."""
+    found: dict[str, Product] = {"torch": lambda x, layers: [nn.functional.linear(x, m.weight, m.bias) for m in layers]}
+    ours = linear_route(rows, *group)
+    if ours != "torch":
+        found[ours] = lambda x, layers: linear(x, *layers)
+    passes = native.most_panel_rows()
+    if 0 < passes < rows.shape[0] and linear_route(rows[:passes], *group) == "panels":
+        found[f"panels, {passes}-row passes"] = lambda x, layers: [linear(x[start : start + passes], *layers)
+                                                                   for start in range(0, x.shape[0], passes)]
+    return found
+
+
 @torch.inference_mode()
 def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> MachineLimit:
     """The best of `repeats` timings of one layer's matmuls at `rows` rows, by torch's own product (MKL for fp32)
@@ -81,19 +100,12 @@ def measure(model: LayerwiseModel, rows: int = 2048, repeats: int = 5) -> Machin
     inputs = {m.in_features: torch.randn(rows, m.in_features, dtype=model.dtype) for m in linears}
     # Each route runs the layer's products as the runtime groups them (projections sharing an input stacked).
     groups = model.adapter.products(model.layers[0])
-    routes = {"torch": lambda x, group: [nn.functional.linear(x, m.weight, m.bias) for m in group]}
-    ours = linear_route(inputs[groups[0][0].in_features], *groups[0])
-    if ours != "torch":
-        routes[ours] = lambda x, group: linear(x, *group)
-    passes = native.most_panel_rows()
-    if 0 < passes < rows:
-        routes[f"panels, {passes}-row passes"] = lambda x, group: [linear(x[start : start + passes], *group)
-                                                                   for start in range(0, rows, passes)]
 
-    def layer_matmuls(product) -> Callable[[], None]:
+    def layer_matmuls(product: Product) -> Callable[[], None]:
         return lambda: [product(inputs[group[0].in_features], group) for group in groups]
 
-    seconds = {name: _best(layer_matmuls(product), repeats) for name, product in routes.items()}
+    first = inputs[groups[0][0].in_features], groups[0]
+    seconds = {name: _best(layer_matmuls(product), repeats) for name, product in routes(*first).items()}
     route = min(seconds, key=seconds.get)
     source = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
     target = torch.empty_like(source)

@@ -13,6 +13,7 @@ from kvreuse.bench.machine import (
     layer_linears,
     measure,
     prefill_flops,
+    routes,
     weight_bytes,
 )
 from kvreuse.model import linear as linear_module
@@ -75,6 +76,11 @@ def test_rows_past_the_panels_limit_are_also_timed_in_passes_through_the_panels(
     measured = measure(model, rows=40, repeats=1)
     assert set(row_counts) == {16, 8}  # passes of 16, 16 and 8 rows
     assert measured.route in ("torch", "onednn-packed", "panels, 16-row passes")
+    layer = model.layers[0].mlp.down_proj
+    assert "panels, 16-row passes" not in routes(torch.randn(16, layer.in_features), (layer,))  # rows the panels take
+    if not native.panels_take(torch.bfloat16):  # passes of bf16 rows would not run in panels here
+        bf16 = LayerwiseModel(make_tiny("llama").to(torch.bfloat16)).layers[0].mlp.down_proj
+        assert "panels, 16-row passes" not in routes(torch.randn(40, layer.in_features, dtype=torch.bfloat16), (bf16,))
 
 
 def test_a_decoding_step_reads_the_weights_once_and_every_sequence_s_kv(make_tiny):
