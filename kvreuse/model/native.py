@@ -345,11 +345,12 @@ def layer_end(attn: torch.Tensor, residual: torch.Tensor, o_proj: Panels, norm_w
 
 
 def _layer_end_intermediates(n: int, hidden: int, intermediate: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """`layer_end`'s working rows: h and norm(h) [n, hidden], the gate/up product [n, 2 x intermediate] (none where
-    the intermediate width is whole panels: the kernel takes silu(gate) * up from the product's tiles as they come)
-    and the activation [n, intermediate]. Separate buffers, not one: the largest stays as small as an MLP pass's
-    gate/up output, below malloc's mmap threshold (allocator.MMAP_THRESHOLD), so each comes back from the heap.
-    Joined, a 2K-token prefill's (47 MB for SmolLM2) was mapped afresh at every layer: 166 thousand page faults."""
+    """`layer_end`'s working rows: h and norm(h) [n, hidden], the gate/up product [n, 2 x intermediate] (no rows
+    where the intermediate width is whole panels, as native.c's layer_end decides: it then takes silu(gate) * up
+    from the product's tiles as they come) and the activation [n, intermediate]. Separate buffers, not one: the
+    largest stays as small as an MLP pass's gate/up output, below malloc's mmap threshold
+    (allocator.MMAP_THRESHOLD), so each comes back from the heap. Joined, a 2K-token prefill's (47 MB for SmolLM2)
+    was mapped afresh at every layer: 115-178 thousand page faults a prefill."""
     gate_up_rows = 0 if intermediate % _built(library()).panel_width == 0 else n
     return [torch.empty(rows, width, dtype=dtype)
             for rows, width in ((n, hidden), (n, hidden), (gate_up_rows, 2 * intermediate), (n, intermediate))]
