@@ -578,7 +578,7 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
 /* The gated MLP's activation [rows, intermediate] = silu(gate) * up, gate and up the two halves of x's product
    with a weight [2 * intermediate, in] in panels (+ bias), for an intermediate width of whole panels: each row tile
    of a gate panel and of the up panel of the same outputs goes through silu_mul_row as the tiles come, so that the
-   gate and up values never leave L1 (`panel_rows` writes them, 2 x 25 MB a layer for a 2K-token prefill of
+   gate and up values never leave L1 (`panel_rows` writes them, 25 MB a layer for a 2K-token prefill of
    SmolLM2, and `silu_mul` reads them back). The same sums and rounding as the two kernels one after the other. */
 static void gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels,
                              int64_t intermediate, const void *b, void *activation, int threads, int bf16) {
