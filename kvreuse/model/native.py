@@ -53,6 +53,7 @@ _SIGNATURES = {
     "panel_rows_most": [],
     "panel_rows": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT,
                    _INT],
+    "decode_attention_parts": [_INT64, _INT64, _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
                          _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER,
                          _INT],
@@ -71,7 +72,7 @@ _SIGNATURES = {
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
 _RESULTS = {"has_bf16_dot": _INT, "panel_width": _INT, "panel_rows_most": _INT, "prefill_attention_scratch": _INT64,
-            "prefill_attention_vector_width": _INT}
+            "prefill_attention_vector_width": _INT, "decode_attention_parts": _INT64}
 
 
 class NativeBuildError(RuntimeError):
@@ -392,13 +393,22 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     queries, lengths, q_pos = q.float().contiguous(), lengths.contiguous(), q_pos.contiguous()
     out = torch.empty_like(queries)
     threads = torch.get_num_threads()
-    scores = queries.new_empty(threads * groups * longest)
+    parts = decode_attention_parts(seqs * heads, longest, threads)
+    # each thread's scores, then every part's sums, top scores and totals
+    scratch = queries.new_empty(threads * groups * longest + seqs * heads * parts * groups * (dim + 2))
     seq_stride, head_stride, row_stride, _ = keys.stride()
     library().decode_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.dtype == torch.bfloat16,
                                seq_stride, head_stride, row_stride, positions.data_ptr(), positions.stride(0),
                                lengths.data_ptr(), q_pos.data_ptr(), seqs, heads, groups, dim, longest, window or 0,
-                               scale, scores.data_ptr(), out.data_ptr(), threads)
+                               scale, scratch.data_ptr(), out.data_ptr(), threads)
     return out.to(q.dtype)
+
+
+def decode_attention_parts(tasks: int, longest: int, threads: int) -> int:
+    """How many parts `decode_attention` cuts the rows of each of `tasks` (sequence, KV head) pairs into for
+    `threads` threads: enough that the threads share the work evenly (one sequence of 3 KV heads on 2 threads:
+    2), in parts of no fewer than LEAST_ROWS_A_PART rows (native.c) of the `longest` sequence."""
+    return library().decode_attention_parts(tasks, longest, threads)
 
 
 # Query rows of one task of `prefill_attention`: four register tiles of 6 (8 queries of SmolLM2's 3 query heads per

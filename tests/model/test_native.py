@@ -3,6 +3,7 @@ runtime needs them, and never required (without them torch's kernels give the sa
 
 from __future__ import annotations
 
+import contextlib
 import os
 import resource
 import shutil
@@ -50,6 +51,17 @@ def _assert_bf16_product(got, x, weight, bias=None, residual=None) -> None:
 
 
 DTYPES = [torch.float32, torch.bfloat16]
+
+
+@contextlib.contextmanager
+def _threads(threads: int):
+    """torch's (and so the kernels') thread count set for a block."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_compiler
@@ -132,12 +144,8 @@ def test_panel_rows_equal_torch(threads, rows, shape, bias, plus):
     weight, x = torch.randn(shape), torch.randn(rows, in_features)
     b = torch.randn(out_features) if bias else None
     residual = torch.randn(rows, out_features) if plus else None
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = native.panel_rows(x, native.panels(weight), out_features, b, residual)
-    finally:
-        torch.set_num_threads(before)
     expected = x.double() @ weight.double().T + (b.double() if bias else 0) + (residual.double() if plus else 0)
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     # fp32 sums in another order: one running sum per output over up to 1537 products of unit scale
@@ -321,14 +329,46 @@ def test_decode_attention_equals_masked_softmax_attention(threads, groups, dim, 
     lengths = torch.tensor([1, 17, 30, 33])
     q_pos = torch.tensor([0, 16, 20, 40])  # the third sees only the rows placed before position 21
     q = torch.randn(seqs, heads, groups, dim, generator=generator)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = native.decode_attention(q, keys, values, positions, lengths, q_pos, window, 0.3)
-    finally:
-        torch.set_num_threads(before)
     expected = _reference_attention(q, keys, values, positions, lengths, q_pos, window, 0.3)
     torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [2, 4])
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs, heads, lengths, q_pos", [
+    (1, 3, [300], [299]),  # one sequence: its 3 heads' rows cut in parts for 2 or 4 threads
+    (3, 1, [520, 300, 0], [519, 150, 0]),  # parts of which some see no key (the window, q_pos 150), an empty one
+])
+def test_decode_attention_in_parts_equals_masked_softmax_attention(threads, window, kv_dtype, seqs, heads, lengths,
+                                                                    q_pos):
+    """Where the threads outnumber the (sequence, KV head) tasks or do not divide them, each task's rows are
+    attended in parts and combined: the same attention as the reference's, a part with no visible key adding
+    nothing."""
+    generator = torch.Generator().manual_seed(seqs * heads)
+    capacity, groups, dim = 544, 3, 64
+    keys = torch.randn(seqs, heads, capacity, dim, generator=generator).to(kv_dtype)
+    values = torch.randn(seqs, heads, capacity, dim, generator=generator).to(kv_dtype)
+    positions = torch.arange(capacity).repeat(seqs, 1)
+    positions[0, :300] = torch.randperm(300, generator=generator)  # the window's keys scattered over the parts
+    q = torch.randn(seqs, heads, groups, dim, generator=generator)
+    lengths, q_pos = torch.tensor(lengths), torch.tensor(q_pos)
+    with _threads(threads):
+        got = native.decode_attention(q, keys, values, positions, lengths, q_pos, window, 0.125)
+    expected = _reference_attention(q, keys, values, positions, lengths, q_pos, window, 0.125)
+    torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5)
+
+
+@needs_compiler
+def test_decode_attention_cuts_heads_into_parts_only_where_the_threads_would_share_them_unevenly():
+    parts = native.decode_attention_parts
+    assert parts(3, 512, 2) == 2  # one sequence of SmolLM2's 3 KV heads: 3 parts a thread
+    assert parts(3, 512, 4) == 4 and parts(6, 512, 4) == 2 and parts(1, 4096, 2) == 2
+    assert parts(4, 512, 2) == 1 and parts(48, 4096, 2) == 1  # a batch's tasks already even
+    assert parts(3, 200, 2) == 1 and parts(3, 512, 8) == 4  # no part of fewer than 128 rows
 
 
 @needs_compiler
@@ -438,12 +478,8 @@ def test_prefill_attention_equals_masked_softmax_attention(threads, heads, group
         cache = torch.randn(k_pos.numel(), 2, heads + 1, dim, generator=generator)
         keys, values = cache[:, 0, :heads], cache[:, 1, :heads]
         q = torch.randn(q_pos.numel(), heads * groups, dim, generator=generator)
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with _threads(threads):
             got = native.prefill_attention(q, q_pos, keys.contiguous(), values.contiguous(), k_pos, window, scale)
-        finally:
-            torch.set_num_threads(before)
         expected = _reference_prefill(q, q_pos, keys, values, k_pos, window, scale)
         torch.testing.assert_close(got.double(), expected, atol=2e-6, rtol=1e-5, msg=lambda m: f"{layout}: {m}")
         if layout == "blind":
@@ -465,12 +501,8 @@ def test_bf16_prefill_attention_rounds_only_its_weights_and_its_output(threads, 
         cache = torch.randn(k_pos.numel(), 2, heads + 1, dim, generator=generator).bfloat16()
         keys, values = cache[:, 0, :heads], cache[:, 1, :heads]  # read in place, at the cache's row stride
         q = torch.randn(q_pos.numel(), heads * groups, dim, generator=generator).bfloat16()
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
+        with _threads(threads):
             got = native.prefill_attention(q, q_pos, keys, values, k_pos, window, dim**-0.5)
-        finally:
-            torch.set_num_threads(before)
         assert got.dtype == torch.bfloat16
         error = (got.double() - _reference_prefill(q, q_pos, keys, values, k_pos, window, dim**-0.5)).abs()
         assert error.max() < 2e-2 and error.mean() < 2e-3, (layout, error.max(), error.mean())
@@ -615,12 +647,8 @@ def test_rms_norm_equals_llamas_module(threads, rows, dtype):
     x = torch.randn(rows, 2, 96)[:, 1] * 3  # rows of a wider tensor
     x[0] *= 1e-3  # a row whose mean square is about eps: eps must count
     x = x.to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = native.rms_norm(x, norm.weight, norm.variance_epsilon)
-    finally:
-        torch.set_num_threads(before)
     _assert_matches(got, norm(x))
 
 
@@ -650,13 +678,9 @@ def test_normed_panel_rows_are_the_norm_then_the_product_to_the_bit(threads, row
     norm_weight, weight = torch.randn(96).to(dtype), torch.randn(72, 96).to(dtype)
     b = torch.randn(72).to(dtype) if bias else None
     laid = native.Panels.of(weight, b)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = native.normed_panel_rows(x, norm_weight, 1e-5, laid)
         apart = native.panel_rows(native.rms_norm(x, norm_weight, 1e-5), laid.panels, 72, b)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, apart)
 
 
@@ -675,16 +699,12 @@ def test_layer_end_is_its_kernels_one_after_another_to_the_bit(threads, rows, bi
     biases = {name: torch.randn(w.shape[0]).to(dtype) if bias else None for name, w in weights.items()}
     laid = {name: native.Panels.of(w, biases[name]) for name, w in weights.items()}
     norm_weight = torch.randn(hidden).to(dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
+    with _threads(threads):
         got = native.layer_end(attn, residual, laid["o"], norm_weight, 1e-5, laid["gate_up"], laid["down"])
         h = native.panel_rows(attn, laid["o"].panels, hidden, biases["o"], residual)
         gate, up = native.panel_rows(native.rms_norm(h, norm_weight, 1e-5), laid["gate_up"].panels, 2 * intermediate,
                                      biases["gate_up"]).split(intermediate, -1)
         apart = native.panel_rows(native.silu_mul(gate, up), laid["down"].panels, hidden, biases["down"], h)
-    finally:
-        torch.set_num_threads(before)
     assert torch.equal(got, apart)
 
 
