@@ -413,11 +413,11 @@ void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, co
 }
 
 /* e^x for x <= 8 (a score minus its row's maximum; in the prefill kernel, minus a running maximum that may lag
-   behind by HEADROOM), as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its Taylor series to the
-   6th power (relative error ~3e-7). Inline: a call to the vector maths library saves and restores the registers
-   the tiles live in, and libm's expf held 30% of the decoding kernel's time. Scores are not taken to base 2
-   before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding. Below e^-87 it
-   returns 2^-126, which adds nothing to a sum that holds a 1. */
+   behind by HEADROOM) or, for SiLU, x <= 88, as 2^n 2^f with n = x log2(e) rounded and |f| <= 1/2, 2^f from its
+   Taylor series to the 6th power (relative error ~3e-7). Inline: a call to the vector maths library saves and
+   restores the registers the tiles live in, and libm's expf held 30% of the decoding kernel's time. Scores are not
+   taken to base 2 before this (by scaling the queries): scores of a few hundred would lose 1e-4 to that rounding.
+   Below e^-87 it returns 2^-126, which adds nothing to a sum that holds a 1. */
 static inline vec exp_of_score(vec x) {
     x = larger(x * 1.4426950408889634f, splat(-126.f));
     vec n = rounded(x), f = x - n;
@@ -604,11 +604,19 @@ void rms_norm(const void *x, int64_t x_stride, int64_t n, int64_t width, const v
 }
 
 /* One row of the gated MLP's activation: out[j] = silu(gate[j]) * up[j]. In bf16 silu's result is rounded before
-   the product, as torch's two ops do. */
+   the product, as torch's two ops do. fp32 takes whole vectors through the inline e^x: the vector maths library's
+   expf, a call every VW values (every half tile in gated_panel_rows), held ~2.5% of a 1K-token prefill on a 2-core
+   Zen 4 EPYC; inline, silu_mul of 1024 x 1536 took 0.67x the time and the prefill 0.96-0.98x. */
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gate, const void *up, int64_t row,
         int64_t width, void *out, int64_t to, const int bf16) {
+    int64_t vectors = bf16 ? 0 : width - width % VW;
+    for (int64_t j = 0; j < vectors; j += VW) {
+        vec g = load((const float *)gate + row + j);
+        vec e = exp_of_score(-larger(g, splat(-88.f)));
+        store((float *)out + to + j, g / (1.f + e) * load((const float *)up + row + j));
+    }
     #pragma omp simd
-    for (int64_t j = 0; j < width; j++) {  /* e^-g below 88: no infinity where -ffast-math assumes none */
+    for (int64_t j = vectors; j < width; j++) {  /* e^-g below 88: no infinity where -ffast-math assumes none */
         float g = stored(gate, row + j, bf16);
         keep(out, to + j, rounded_to(g / (1.f + expf(fminf(-g, 88.f))), bf16) * stored(up, row + j, bf16), bf16);
     }
