@@ -606,7 +606,8 @@ void rms_norm(const void *x, int64_t x_stride, int64_t n, int64_t width, const v
 /* One row of the gated MLP's activation: out[j] = silu(gate[j]) * up[j]. In bf16 silu's result is rounded before
    the product, as torch's two ops do. fp32 takes whole vectors through the inline e^x: the vector maths library's
    expf, a call every VW values (every half tile in gated_panel_rows), held ~2.5% of a 1K-token prefill on a 2-core
-   Zen 4 EPYC; inline, silu_mul of 1024 x 1536 took 0.67x the time and the prefill 0.96-0.98x. */
+   Zen 4 EPYC; inline, silu_mul of 1024 x 1536 took 0.67x the time and a 1K-token prefill 0.94-0.98x (2K and 4K:
+   level). bf16 rows through it in vectors, widened and rounded as `stored` and `keep` do: level, so not kept. */
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gate, const void *up, int64_t row,
         int64_t width, void *out, int64_t to, const int bf16) {
     int64_t vectors = bf16 ? 0 : width - width % VW;
