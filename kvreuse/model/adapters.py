@@ -16,6 +16,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from kvreuse.model import native
+from kvreuse.model.decode_step import LayerWeights
 from kvreuse.model.linear import in_panels, linear
 
 # Bytes of the gate and up products' output (2 x intermediate values a row) one pass through the MLP makes: more
@@ -105,6 +106,21 @@ class LlamaAdapter:
         hidden = linear(attn_out, attn.o_proj, plus=residual)
         return self.mlp(mlp, self.norm(norm, hidden), plus=hidden)
 
+    def native_layer(self, block: nn.Module, rows: torch.Tensor) -> LayerWeights | None:
+        """The layer's norms and products as the native kernels take them for rows like `rows` (a decoding step's:
+        `DecodeStep`), or None where `project_qkv` or `finish_layer` would not run them as one native call each."""
+        attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
+        if not (isinstance(mlp.act_fn, SILU) and all(self._norm_runs_native(norm, rows) for norm in norms)
+                and rows.shape[0] <= _pass_rows(mlp, rows)):
+            return None
+        qkv, o_proj, gate_up, down = (in_panels(rows, *layers) for layers in (_qkv(attn), (attn.o_proj,),
+                                                                              _gate_up(mlp), (mlp.down_proj,)))
+        if (qkv is None or o_proj is None or gate_up is None or down is None
+                or not native.parts_take(rows, rows.shape[1], o_proj.in_features, down.in_features)):
+            return None
+        return LayerWeights(norms[0].weight, norms[0].variance_epsilon, qkv, o_proj, norms[1].weight,
+                            norms[1].variance_epsilon, gate_up, down)
+
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:
         return logits
 
@@ -142,6 +158,9 @@ class Qwen3Adapter(LlamaAdapter):
     def project_qkv(self, block: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         q, k, v = super().project_qkv(block, hidden)
         return block.self_attn.q_norm(q), block.self_attn.k_norm(k), v
+
+    def native_layer(self, block: nn.Module, rows: torch.Tensor) -> LayerWeights | None:
+        return None  # q and k are normalised between the product and RoPE, which the resolved calls do not do
 
 
 class Gemma3Adapter(Qwen3Adapter):

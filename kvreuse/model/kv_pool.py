@@ -123,8 +123,7 @@ class KVPool:
         over its cache, all in one call over the slots of the step's span; returns [B, Hq * D] in the caches'
         order. Slots in the span that are not decoding are scored and dropped (adopt fills the lowest free slot,
         so such holes are few)."""
-        self.keys[layer][step.slots, :, step.rows] = k
-        self.values[layer][step.slots, :, step.rows] = v
+        self.write_one_each(layer, step, k, v)
         span, end = step.span, step.end
         if step.in_order:
             queries = q
@@ -142,6 +141,11 @@ class KVPool:
                                                     q.dtype)
             out = attend_one_each(queries, keys, values, step.masks[window], scale)
         return out if step.in_order else out[step.at]
+
+    def write_one_each(self, layer: int, step: PooledStep, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Each cache's new KV of `layer` (k, v [B, Hkv, D], in the caches' order) at its row."""
+        self.keys[layer][step.slots, :, step.rows] = k
+        self.values[layer][step.slots, :, step.rows] = v
 
     def _fits(self, capacity: int) -> bool:
         return self.bytes_for(max(self._rounded(capacity), self.capacity)) <= self.max_bytes

@@ -179,7 +179,7 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
         raise ValueError("few_rows: takes bf16 layers; an fp32 layer's rows go through panel_rows")
     x = rows.float().contiguous()
     library().few_rows(x.data_ptr(), rows.shape[0], rows.shape[1], weight.data_ptr(), weight.shape[0],
-                       _pointer(bias), out.data_ptr(), out.stride(0), torch.get_num_threads())
+                       pointer(bias), out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
 def most_panel_rows() -> int:
@@ -242,7 +242,7 @@ def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: in
     # bf16 rows of an odd width get the zero column their panels have
     x = torch.nn.functional.pad(rows, (0, 1)) if bf16 and in_features % 2 else rows.contiguous()
     library().panel_rows(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features,
-                         _pointer(bias), _pointer(added), out.data_ptr(), out_features, torch.get_num_threads(), bf16)
+                         pointer(bias), pointer(added), out.data_ptr(), out_features, torch.get_num_threads(), bf16)
     return out
 
 
@@ -310,7 +310,7 @@ def normed_panel_rows(rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     scratch = torch.empty(n * width, dtype=rows.dtype)
     out = torch.empty(n, weight.out_features, dtype=rows.dtype)
     library().normed_panel_rows(rows.data_ptr(), rows.stride(0), n, width, norm_weight.data_ptr(), eps,
-                                weight.panels.data_ptr(), weight.out_features, _pointer(weight.bias),
+                                weight.panels.data_ptr(), weight.out_features, pointer(weight.bias),
                                 scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(),
                                 rows.dtype == torch.bfloat16)
     return out
@@ -335,17 +335,17 @@ def layer_end(attn: torch.Tensor, residual: torch.Tensor, o_proj: Panels, norm_w
                          f"[{gate_up.out_features}, {gate_up.in_features}] and down [{down.out_features}, "
                          f"{down.in_features}]: contiguous rows, one dtype, o [hidden, q width], gate/up "
                          f"[2 x intermediate, hidden], down [hidden, intermediate] (bf16: even widths)")
-    intermediates = _layer_end_intermediates(n, hidden, intermediate, dtype)
+    intermediates = layer_end_intermediates(n, hidden, intermediate, dtype)
     out = torch.empty(n, hidden, dtype=dtype)
     library().layer_end(attn.data_ptr(), n, attn_width, residual.data_ptr(), hidden, o_proj.panels.data_ptr(),
-                        _pointer(o_proj.bias), norm_weight.data_ptr(), eps, gate_up.panels.data_ptr(),
-                        _pointer(gate_up.bias), intermediate, down.panels.data_ptr(), _pointer(down.bias),
+                        pointer(o_proj.bias), norm_weight.data_ptr(), eps, gate_up.panels.data_ptr(),
+                        pointer(gate_up.bias), intermediate, down.panels.data_ptr(), pointer(down.bias),
                         *(t.data_ptr() for t in intermediates), out.data_ptr(), torch.get_num_threads(),
                         dtype == torch.bfloat16)
     return out
 
 
-def _layer_end_intermediates(n: int, hidden: int, intermediate: int, dtype: torch.dtype) -> list[torch.Tensor]:
+def layer_end_intermediates(n: int, hidden: int, intermediate: int, dtype: torch.dtype) -> list[torch.Tensor]:
     """`layer_end`'s working rows: h and norm(h) [n, hidden], the gate/up product [n, 2 x intermediate] (no rows
     where the intermediate width is whole panels, as native.c's layer_end decides: it then takes silu(gate) * up
     from the product's tiles as they come) and the activation [n, intermediate]. Separate buffers, not one: the
@@ -357,7 +357,7 @@ def _layer_end_intermediates(n: int, hidden: int, intermediate: int, dtype: torc
             for rows, width in ((n, hidden), (n, hidden), (gate_up_rows, 2 * intermediate), (n, intermediate))]
 
 
-def _pointer(t: torch.Tensor | None) -> int | None:
+def pointer(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 

@@ -10,7 +10,8 @@ restoration are `LayerDriver`s of it, saying which rows enter each layer. `place
 into a request's cache. Keys come out of `qkv` before RoPE (the stored form), so a chunk computed at offset 0 can
 be placed anywhere by rotating its keys to their new positions. The weights, norms, activations and rotary
 module are the loaded `transformers` model's own; every projection's product goes through `linear.py`,
-attention through `attention.py`, and `adapters.py` covers what differs between families.
+attention through `attention.py`, and `adapters.py` covers what differs between families. A decoding step (one
+new row per sequence) runs the same kernels with their arguments resolved once per step (`decode_step.py`).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from kvreuse.model import native
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.allocator import keep_freed_memory
 from kvreuse.model.attention import attend, attention_mask
+from kvreuse.model.decode_step import DecodeStep
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.kv_pool import KVPool, PooledStep
 from kvreuse.model.linear import linear, pack_weights
@@ -90,6 +92,7 @@ class StepShape:
     rotary: Rotary  # the joined rows' RoPE tables
     captures: bool  # some group records its KV
     pooled: tuple[KVPool, PooledStep] | None  # decoding rows that attend in one call over their pool
+    decoding: DecodeStep | None = None  # decoding rows whose layers run as resolved native calls
 
 
 class LayerDriver(Protocol):
@@ -160,7 +163,8 @@ class LayerwiseModel:
         self.device = next(hf_model.parameters()).device
         self.windows = [self.adapter.sliding_window(i) for i in range(self.num_layers)]
         self.rope_kinds = self.adapter.rope_kinds()  # the rotary module's argument per kind (None: takes none)
-        self._rope_kind_of_layer = [self.rope_kinds.index(self.adapter.rope_kind(i)) for i in range(self.num_layers)]
+        # each layer's kind as an index into rope_kinds (and into a Rotary's tables)
+        self.rope_kind_of_layer = [self.rope_kinds.index(self.adapter.rope_kind(i)) for i in range(self.num_layers)]
         # RoPE tables of positions [0, n), grown on demand: building them for a long prompt costs more than
         # loading its KV. Dynamic and longrope scaling make a position's angles depend on the whole call's
         # positions, so those rope types build tables per call.
@@ -242,7 +246,7 @@ class LayerwiseModel:
 
     def _rope_tables(self, layer: int, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin of the kind of RoPE `layer` uses, [n, 1, head_dim] each."""
-        kind = self._rope_kind_of_layer[layer]
+        kind = self.rope_kind_of_layer[layer]
         return rotary.cos[kind], rotary.sin[kind]
 
     def attend(
@@ -315,9 +319,12 @@ class LayerwiseModel:
         is what makes batching pay); RoPE too. Per group: its KV written into its own cache, then attention of
         its queries over its cache's keys with the exact causal mask by position. Returns the rows' output, in
         the same order; a group that narrows keeps only the rows it chose, and one with `outputs` only those.
+        A decoding step's rows run the same kernels as calls resolved once for the whole step (`DecodeStep`).
         """
-        q, k, v = self.qkv(layer, hidden)
         shape = self._shape_of(groups)
+        if shape.decoding is not None and shape.decoding.takes(hidden):
+            return shape.decoding.run_layer(layer, hidden)
+        q, k, v = self.qkv(layer, hidden)
         parts = shape.parts
         if shape.captures:
             for group, part in zip(groups, parts):
@@ -367,6 +374,7 @@ class LayerwiseModel:
                 groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups]),
                 any(g.capture is not None for g in groups),
                 pooled)
+            shape.decoding = DecodeStep.of(self, shape)
         return shape
 
     def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:

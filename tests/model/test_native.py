@@ -611,17 +611,20 @@ def test_prefill_attention_refuses_what_it_cannot_take():
 
 @needs_compiler
 def test_a_pooled_decoding_step_attends_in_the_kernel_once_per_layer_with_no_mask(tiny_model, monkeypatch):
+    from kvreuse.model.decode_step import DecodeStep
     from kvreuse.model.kv_pool import KVPool
     from tests.conftest import random_ids
 
     pool = KVPool.for_model(tiny_model, 3, 1 << 30)
     pooled = [pool.adopt(tiny_model.prefill(random_ids(n, seed=n)).cache, capacity=40) for n in (6, 11)]
-    calls, steps = [], []
-    kernel, step_of = native.decode_attention, pool.step_of
-    monkeypatch.setattr(native, "decode_attention", lambda *args: calls.append(args) or kernel(*args))
+    calls, steps = [], []  # the sequences of each attention call, from the general step or the resolved one
+    kernel, resolved, step_of = native.decode_attention, DecodeStep._attend, pool.step_of
+    monkeypatch.setattr(native, "decode_attention", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
+    monkeypatch.setattr(DecodeStep, "_attend", lambda self, *args: calls.append(self.target.sequences)
+                        or resolved(self, *args))
     monkeypatch.setattr(pool, "step_of", lambda *args: steps.append(step_of(*args)) or steps[-1])
     tiny_model.decode_batch([7, 8], pooled)
-    assert len(calls) == tiny_model.num_layers and calls[0][0].shape[0] == 2
+    assert len(calls) == tiny_model.num_layers and calls[0] == 2
     assert steps[0].masks == {}
 
 

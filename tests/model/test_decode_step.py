@@ -1,0 +1,124 @@
+"""A decoding step's layers as resolved native calls (`DecodeStep`): the same results as the general step to the
+bit, for one sequence in its own cache and for a pool's sequences, and the general step wherever the resolved
+calls do not cover a step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvreuse.model import native
+from kvreuse.model.decode_step import DecodeStep
+from kvreuse.model.kv_pool import KVPool
+from kvreuse.model.runtime import LayerwiseModel
+from tests.conftest import make_tiny_model, random_ids
+
+# Families whose layers the resolved calls run (Llama's norms and products, windows, a qkv bias); Qwen3 and Gemma 3
+# normalise q and k between the product and RoPE, which the general step does.
+RESOLVED = ["llama", "llama3-rope", "mistral", "mistral-window", "qwen2"]
+GENERAL_ONLY = ["qwen3", "gemma3"]
+
+pytestmark = pytest.mark.skipif(not native.panels_take(torch.float32), reason="needs the native kernels")
+
+
+def tiny(family: str, dtype: torch.dtype = torch.float32) -> LayerwiseModel:
+    """A tiny model of `family` whose biases (Qwen2's q/k/v) are random, not the zeros they are made with."""
+    hf_model = make_tiny_model(family)
+    with torch.no_grad():
+        for module in hf_model.modules():
+            if isinstance(module, torch.nn.Linear) and module.bias is not None:
+                module.bias.normal_(std=0.3)
+    return LayerwiseModel(hf_model.to(dtype))
+
+
+def layers_resolved(monkeypatch) -> list[int]:
+    """The layers `DecodeStep.run_layer` runs from here on, in order."""
+    ran: list[int] = []
+    run_layer = DecodeStep.run_layer
+    monkeypatch.setattr(DecodeStep, "run_layer", lambda self, layer, hidden: ran.append(layer)
+                        or run_layer(self, layer, hidden))
+    return ran
+
+
+def general_step_only(monkeypatch) -> None:
+    monkeypatch.setattr(DecodeStep, "of", staticmethod(lambda model, shape: None))
+
+
+def prefilled(model: LayerwiseModel, lengths: list[int], pooled: bool) -> list:
+    """Caches of random prompts of these lengths (past the tiny windows of 24 rows), in a pool's slots in order if
+    `pooled`."""
+    caches = [model.prefill(random_ids(n, seed=n)).cache for n in lengths]
+    if not pooled:
+        return caches
+    pool = KVPool.for_model(model, len(caches), 1 << 30)
+    return [pool.adopt(cache, capacity=cache.length + 16) for cache in caches]
+
+
+def decode_steps(model: LayerwiseModel, caches: list, steps: int) -> list[torch.Tensor]:
+    tokens, logits = [5 + i for i in range(len(caches))], []
+    for _ in range(steps):
+        logits.append(model.decode_batch(tokens, caches))
+        tokens = logits[-1].argmax(-1).tolist()
+    return logits
+
+
+@pytest.mark.parametrize("family", RESOLVED)
+@pytest.mark.parametrize("lengths", [[40], [40, 9, 27]], ids=["one sequence", "a pool of three"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_resolved_calls_give_the_general_step_s_logits_and_kv_to_the_bit(family, lengths, dtype, monkeypatch):
+    if not native.panels_take(dtype):
+        pytest.skip(f"the native kernels take no {dtype} panels on this CPU")
+    model = tiny(family, dtype)
+    pooled = len(lengths) > 1
+    resolved_caches, general_caches = prefilled(model, lengths, pooled), prefilled(model, lengths, pooled)
+    ran = layers_resolved(monkeypatch)
+    resolved = decode_steps(model, resolved_caches, steps=4)
+    assert ran == list(range(model.num_layers)) * 4
+    general_step_only(monkeypatch)
+    general = decode_steps(model, general_caches, steps=4)
+    assert len(ran) == 4 * model.num_layers
+    for a, b in zip(resolved, general):
+        assert torch.equal(a, b)
+    for a, b in zip(resolved_caches, general_caches):
+        assert torch.equal(a.positions, b.positions)
+        for layer in range(model.num_layers):
+            assert all(torch.equal(x, y) for x, y in zip(a.layer(layer), b.layer(layer)))
+
+
+@pytest.mark.parametrize("family", GENERAL_ONLY)
+def test_families_normalising_q_and_k_decode_in_the_general_step(family, monkeypatch):
+    model = tiny(family)
+    ran = layers_resolved(monkeypatch)
+    decode_steps(model, prefilled(model, [30], pooled=False), steps=2)
+    assert ran == []
+
+
+def test_a_prompt_s_rows_and_a_pool_out_of_slot_order_take_the_general_step(monkeypatch):
+    model = tiny("llama")
+    caches = prefilled(model, [12, 20], pooled=True)
+    ran = layers_resolved(monkeypatch)
+    model.prefill(random_ids(9, seed=3))
+    model.decode_batch([5, 6], caches[::-1])
+    assert ran == []
+    model.decode_batch([5, 6], caches)
+    assert ran == list(range(model.num_layers))
+
+
+def test_a_weight_changed_between_steps_is_the_one_the_next_step_uses():
+    """Each step resolves the layers' weights anew (their packing notices a change, kvreuse.model.linear)."""
+    model = tiny("llama")
+    resolved, general, unchanged = (prefilled(model, [25], pooled=False) for _ in range(3))
+    first = decode_steps(model, resolved, steps=1)[0]
+    token = first.argmax(-1).tolist()
+    decode_steps(model, unchanged, steps=1)
+    before_the_change = model.decode_batch(token, unchanged)
+    with pytest.MonkeyPatch.context() as patch:
+        general_step_only(patch)
+        decode_steps(model, general, steps=1)
+    with torch.no_grad():
+        model.layers[1].mlp.down_proj.weight.mul_(-2)
+    after = model.decode_batch(token, resolved)
+    with pytest.MonkeyPatch.context() as patch:
+        general_step_only(patch)
+        assert torch.equal(after, model.decode_batch(token, general))
+    assert not torch.equal(after, before_the_change)
