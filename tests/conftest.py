@@ -8,6 +8,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
+from kvreuse.model.resolved_step import ResolvedStep
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.store.redis_server import LocalRedis
 
@@ -137,11 +138,14 @@ def tiny_engine(tiny_model):
 
 @pytest.fixture
 def finished_rows(monkeypatch) -> list[tuple[int, int]]:
-    """(layer, rows) each time a layer's o-projection and MLP run (`LayerwiseModel.finish_layer`), as models run."""
+    """(layer, rows) each time a layer's o-projection and MLP run (`LayerwiseModel.finish_layer`, or a layer of a
+    step resolved once: `ResolvedStep.run_layer`), as models run."""
     finished: list[tuple[int, int]] = []
-    finish = LayerwiseModel.finish_layer
+    finish, run_layer = LayerwiseModel.finish_layer, ResolvedStep.run_layer
     monkeypatch.setattr(LayerwiseModel, "finish_layer", lambda self, layer, residual, out:
                         finished.append((layer, residual.shape[0])) or finish(self, layer, residual, out))
+    monkeypatch.setattr(ResolvedStep, "run_layer", lambda self, layer, hidden:
+                        finished.append((layer, hidden.shape[0])) or run_layer(self, layer, hidden))
     return finished
 
 

@@ -16,7 +16,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from kvreuse.model import native
-from kvreuse.model.decode_step import LayerWeights
+from kvreuse.model.resolved_step import LayerWeights
 from kvreuse.model.linear import in_panels, linear
 
 # Bytes of the gate and up products' output (2 x intermediate values a row) one pass through the MLP makes: more
@@ -107,8 +107,8 @@ class LlamaAdapter:
         return self.mlp(mlp, self.norm(norm, hidden), plus=hidden)
 
     def native_layer(self, block: nn.Module, rows: torch.Tensor) -> LayerWeights | None:
-        """The layer's norms and products as the native kernels take them for rows like `rows` (a decoding step's:
-        `DecodeStep`), or None where `project_qkv` or `finish_layer` would not run them as one native call each."""
+        """The layer's norms and products as the native kernels take them for rows like `rows` (`ResolvedStep`), or
+        None where `project_qkv` or `finish_layer` would not run them as one native call each."""
         attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
         if not (isinstance(mlp.act_fn, SILU) and all(self._norm_runs_native(norm, rows) for norm in norms)
                 and rows.shape[0] <= _pass_rows(mlp, rows)):

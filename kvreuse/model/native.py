@@ -393,15 +393,21 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
     queries, lengths, q_pos = q.float().contiguous(), lengths.contiguous(), q_pos.contiguous()
     out = torch.empty_like(queries)
     threads = torch.get_num_threads()
-    parts = decode_attention_parts(seqs * heads, longest, threads)
-    # each thread's scores, then every part's sums, top scores and totals
-    scratch = queries.new_empty(threads * groups * longest + seqs * heads * parts * groups * (dim + 2))
+    scratch = decode_attention_scratch(seqs, heads, groups, dim, longest, threads)
     seq_stride, head_stride, row_stride, _ = keys.stride()
     library().decode_attention(queries.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.dtype == torch.bfloat16,
                                seq_stride, head_stride, row_stride, positions.data_ptr(), positions.stride(0),
                                lengths.data_ptr(), q_pos.data_ptr(), seqs, heads, groups, dim, longest, window or 0,
                                scale, scratch.data_ptr(), out.data_ptr(), threads)
     return out.to(q.dtype)
+
+
+def decode_attention_scratch(sequences: int, heads: int, groups: int, dim: int, longest: int,
+                             threads: int) -> torch.Tensor:
+    """`decode_attention`'s working memory (fp32): each thread's scores, then every part's sums, top scores and
+    totals."""
+    parts = decode_attention_parts(sequences * heads, longest, threads)
+    return torch.empty(threads * groups * longest + sequences * heads * parts * groups * (dim + 2))
 
 
 def decode_attention_parts(tasks: int, longest: int, threads: int) -> int:
@@ -460,7 +466,7 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
         q = q.contiguous()
     q_pos, k_pos = q_pos.contiguous(), k_pos.contiguous()
     groups = q_heads // heads
-    block = max(1, min(n, BLOCK_ROWS // groups))  # a few queries are one block, not padded to a full one
+    block = prefill_attention_block(n, groups)
     threads = torch.get_num_threads()
     lib = library()
     bf16 = q.dtype == torch.bfloat16
@@ -471,6 +477,12 @@ def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, 
                               keys.stride(0), k_pos.data_ptr(), m, heads, groups, dim, window or 0, scale, block,
                               scratch.data_ptr(), out.data_ptr(), threads, bf16)
     return out
+
+
+def prefill_attention_block(rows: int, groups: int) -> int:
+    """Query rows of one task of `prefill_attention` for `rows` queries of `groups` heads a KV head (BLOCK_ROWS):
+    a few queries are one block, not padded to a full one."""
+    return max(1, min(rows, BLOCK_ROWS // groups))
 
 
 def _scratch(nbytes: int) -> torch.Tensor:

@@ -10,8 +10,8 @@ restoration are `LayerDriver`s of it, saying which rows enter each layer. `place
 into a request's cache. Keys come out of `qkv` before RoPE (the stored form), so a chunk computed at offset 0 can
 be placed anywhere by rotating its keys to their new positions. The weights, norms, activations and rotary
 module are the loaded `transformers` model's own; every projection's product goes through `linear.py`,
-attention through `attention.py`, and `adapters.py` covers what differs between families. A decoding step (one
-new row per sequence) runs the same kernels with their arguments resolved once per step (`decode_step.py`).
+attention through `attention.py`, and `adapters.py` covers what differs between families. A step of one request's
+rows, or of a pool's decoding rows, runs the same kernels with their arguments resolved once (`resolved_step.py`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvreuse.model import native
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.allocator import keep_freed_memory
 from kvreuse.model.attention import attend, attention_mask
-from kvreuse.model.decode_step import DecodeStep
+from kvreuse.model.resolved_step import ResolvedStep
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.kv_pool import KVPool, PooledStep
 from kvreuse.model.linear import linear, pack_weights
@@ -92,7 +92,7 @@ class StepShape:
     rotary: Rotary  # the joined rows' RoPE tables
     captures: bool  # some group records its KV
     pooled: tuple[KVPool, PooledStep] | None  # decoding rows that attend in one call over their pool
-    decoding: DecodeStep | None = None  # decoding rows whose layers run as resolved native calls
+    resolved: ResolvedStep | None = None  # the rows' layers as native calls resolved once
 
 
 class LayerDriver(Protocol):
@@ -319,11 +319,11 @@ class LayerwiseModel:
         is what makes batching pay); RoPE too. Per group: its KV written into its own cache, then attention of
         its queries over its cache's keys with the exact causal mask by position. Returns the rows' output, in
         the same order; a group that narrows keeps only the rows it chose, and one with `outputs` only those.
-        A decoding step's rows run the same kernels as calls resolved once for the whole step (`DecodeStep`).
+        One request's rows, or a pool's decoding rows, run the same kernels as calls resolved once (`ResolvedStep`).
         """
         shape = self._shape_of(groups)
-        if shape.decoding is not None and shape.decoding.takes(hidden):
-            return shape.decoding.run_layer(layer, hidden)
+        if shape.resolved is not None and shape.resolved.takes(hidden):
+            return shape.resolved.run_layer(layer, hidden)
         q, k, v = self.qkv(layer, hidden)
         parts = shape.parts
         if shape.captures:
@@ -374,7 +374,7 @@ class LayerwiseModel:
                 groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups]),
                 any(g.capture is not None for g in groups),
                 pooled)
-            shape.decoding = DecodeStep.of(self, shape)
+            shape.resolved = ResolvedStep.of(self, shape)
         return shape
 
     def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:

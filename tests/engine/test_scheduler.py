@@ -7,7 +7,7 @@ import pytest
 
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobTimeout, QueueFull, Scheduler
-from kvreuse.model.decode_step import DecodeStep
+from kvreuse.model.resolved_step import OneQueryEach
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
 
@@ -38,9 +38,9 @@ def scheduler(tiny_chat_engine):
 
 def test_concurrent_jobs_decode_together_as_they_would_alone(tiny_chat_engine, scheduler, monkeypatch):
     pooled_calls = []  # the sequences of each attention call over the pool, from the general step or the resolved one
-    attend, resolved = scheduler.pool.attend_one_each, DecodeStep._attend
+    attend, resolved = scheduler.pool.attend_one_each, OneQueryEach.attend
     monkeypatch.setattr(scheduler.pool, "attend_one_each", lambda *a: pooled_calls.append(len(a[1])) or attend(*a))
-    monkeypatch.setattr(DecodeStep, "_attend", lambda self, *a: pooled_calls.append(self.target.sequences)
+    monkeypatch.setattr(OneQueryEach, "attend", lambda self, *a: pooled_calls.append(self.sequences)
                         or resolved(self, *a))
     questions = ["first question?", "a second, longer question about something?", "third?"]
     streams = [queue.Queue() for _ in questions]

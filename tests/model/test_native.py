@@ -414,16 +414,24 @@ def test_decode_attention_returns_the_queries_dtype():
 
 
 def _count_calls(monkeypatch, *names: str) -> dict[str, int]:
-    """Calls of the named kernels from here on, by name (each still runs)."""
-    calls = dict.fromkeys(names, 0)
-    for name in names:
-        kernel = getattr(native, name)
+    """Calls of the named kernels of native.c from here on, by name (each still runs), whether through native.py's
+    functions or a step's resolved calls (kvreuse.model.resolved_step)."""
+    calls, lib = dict.fromkeys(names, 0), native.library()
 
-        def counted(*args, name=name, kernel=kernel, **kwargs):
-            calls[name] += 1
-            return kernel(*args, **kwargs)
+    class Counting:
+        def __getattr__(self, name: str):
+            kernel = getattr(lib, name)
+            if name not in calls:
+                return kernel
 
-        monkeypatch.setattr(native, name, counted)
+            def counted(*args):
+                calls[name] += 1
+                return kernel(*args)
+
+            return counted
+
+    counting = Counting()
+    monkeypatch.setattr(native, "library", lambda: counting)
     return calls
 
 
@@ -611,16 +619,16 @@ def test_prefill_attention_refuses_what_it_cannot_take():
 
 @needs_compiler
 def test_a_pooled_decoding_step_attends_in_the_kernel_once_per_layer_with_no_mask(tiny_model, monkeypatch):
-    from kvreuse.model.decode_step import DecodeStep
+    from kvreuse.model.resolved_step import OneQueryEach
     from kvreuse.model.kv_pool import KVPool
     from tests.conftest import random_ids
 
     pool = KVPool.for_model(tiny_model, 3, 1 << 30)
     pooled = [pool.adopt(tiny_model.prefill(random_ids(n, seed=n)).cache, capacity=40) for n in (6, 11)]
     calls, steps = [], []  # the sequences of each attention call, from the general step or the resolved one
-    kernel, resolved, step_of = native.decode_attention, DecodeStep._attend, pool.step_of
+    kernel, resolved, step_of = native.decode_attention, OneQueryEach.attend, pool.step_of
     monkeypatch.setattr(native, "decode_attention", lambda *args: calls.append(args[0].shape[0]) or kernel(*args))
-    monkeypatch.setattr(DecodeStep, "_attend", lambda self, *args: calls.append(self.target.sequences)
+    monkeypatch.setattr(OneQueryEach, "attend", lambda self, *args: calls.append(self.sequences)
                         or resolved(self, *args))
     monkeypatch.setattr(pool, "step_of", lambda *args: steps.append(step_of(*args)) or steps[-1])
     tiny_model.decode_batch([7, 8], pooled)

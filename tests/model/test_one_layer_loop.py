@@ -20,6 +20,8 @@ LAYER_COMPUTE = {"step", "qkv", "attend", "finish_layer"}
 MEASURED_APART = {("controller/measure.py", "_dense_seconds.step")}
 # The script vLLM's own venv runs steps vLLM's engine (`LLMEngine.step`): another engine's step, not this model's.
 VLLM_ENGINE_STEP = {("bench/peers/vllm_runner.py", "_time_batch")}
+# The step's own form for rows whose layers run as native calls resolved once: taken by the step alone (below).
+RESOLVED_STEP = "model/resolved_step.py"
 
 
 def _calls_in(node: ast.AST) -> set[str]:
@@ -82,7 +84,13 @@ def test_layers_are_computed_only_by_the_one_step():
                  if {c for n in _own_body(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
                      for c in [n.func.attr]} & (LAYER_COMPUTE - {"step"})}
     primitives = {("model/runtime.py", f"LayerwiseModel.{name}") for name in LAYER_COMPUTE - {"step"}}
-    assert computing - MEASURED_APART - primitives == {("model/runtime.py", "LayerwiseModel.step")}
+    outside_the_step = {(file, name) for file, name in computing if file != RESOLVED_STEP}
+    assert outside_the_step - MEASURED_APART - primitives == {("model/runtime.py", "LayerwiseModel.step")}
+
+
+def test_the_resolved_form_of_the_step_is_taken_only_by_the_step():
+    running = {(file, name) for file, name, fn in _functions() if "run_layer" in _calls_in(fn)}
+    assert running == {("model/runtime.py", "LayerwiseModel.step")}
 
 
 def test_the_step_is_taken_only_by_the_one_loop():

@@ -1,6 +1,6 @@
-"""A decoding step's layers as resolved native calls (`DecodeStep`): the same results as the general step to the
-bit, for one sequence in its own cache and for a pool's sequences, and the general step wherever the resolved
-calls do not cover a step."""
+"""A step's layers as native calls resolved once (`ResolvedStep`): the same results as the general step to the bit,
+for a prompt's rows, rows scattered over a cache, one decoding sequence in its own cache and a pool's sequences; and
+the general step wherever the resolved calls do not cover a step."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from kvreuse.model import native
-from kvreuse.model.decode_step import DecodeStep
 from kvreuse.model.kv_pool import KVPool
-from kvreuse.model.runtime import LayerwiseModel
+from kvreuse.model.resolved_step import ResolvedStep
+from kvreuse.model.runtime import LayerwiseModel, RowGroup, Straight
 from tests.conftest import make_tiny_model, random_ids
 
 # Families whose layers the resolved calls run (Llama's norms and products, windows, a qkv bias); Qwen3 and Gemma 3
@@ -32,16 +32,16 @@ def tiny(family: str, dtype: torch.dtype = torch.float32) -> LayerwiseModel:
 
 
 def layers_resolved(monkeypatch) -> list[int]:
-    """The layers `DecodeStep.run_layer` runs from here on, in order."""
+    """The layers `ResolvedStep.run_layer` runs from here on, in order."""
     ran: list[int] = []
-    run_layer = DecodeStep.run_layer
-    monkeypatch.setattr(DecodeStep, "run_layer", lambda self, layer, hidden: ran.append(layer)
+    run_layer = ResolvedStep.run_layer
+    monkeypatch.setattr(ResolvedStep, "run_layer", lambda self, layer, hidden: ran.append(layer)
                         or run_layer(self, layer, hidden))
     return ran
 
 
 def general_step_only(monkeypatch) -> None:
-    monkeypatch.setattr(DecodeStep, "of", staticmethod(lambda model, shape: None))
+    monkeypatch.setattr(ResolvedStep, "of", staticmethod(lambda model, shape: None))
 
 
 def prefilled(model: LayerwiseModel, lengths: list[int], pooled: bool) -> list:
@@ -62,10 +62,17 @@ def decode_steps(model: LayerwiseModel, caches: list, steps: int) -> list[torch.
     return logits
 
 
+def assert_same_caches(a_caches: list, b_caches: list, layers: int) -> None:
+    for a, b in zip(a_caches, b_caches):
+        assert torch.equal(a.positions, b.positions)
+        for layer in range(layers):
+            assert all(torch.equal(x, y) for x, y in zip(a.layer(layer), b.layer(layer)))
+
+
 @pytest.mark.parametrize("family", RESOLVED)
 @pytest.mark.parametrize("lengths", [[40], [40, 9, 27]], ids=["one sequence", "a pool of three"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_resolved_calls_give_the_general_step_s_logits_and_kv_to_the_bit(family, lengths, dtype, monkeypatch):
+def test_decoding_steps_give_the_general_step_s_logits_and_kv_to_the_bit(family, lengths, dtype, monkeypatch):
     if not native.panels_take(dtype):
         pytest.skip(f"the native kernels take no {dtype} panels on this CPU")
     model = tiny(family, dtype)
@@ -79,10 +86,7 @@ def test_resolved_calls_give_the_general_step_s_logits_and_kv_to_the_bit(family,
     assert len(ran) == 4 * model.num_layers
     for a, b in zip(resolved, general):
         assert torch.equal(a, b)
-    for a, b in zip(resolved_caches, general_caches):
-        assert torch.equal(a.positions, b.positions)
-        for layer in range(model.num_layers):
-            assert all(torch.equal(x, y) for x, y in zip(a.layer(layer), b.layer(layer)))
+    assert_same_caches(resolved_caches, general_caches, model.num_layers)
 
 
 @pytest.mark.parametrize("family", GENERAL_ONLY)
@@ -93,12 +97,62 @@ def test_families_normalising_q_and_k_decode_in_the_general_step(family, monkeyp
     assert ran == []
 
 
-def test_a_prompt_s_rows_and_a_pool_out_of_slot_order_take_the_general_step(monkeypatch):
+@pytest.mark.parametrize("family", RESOLVED)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_prompt_and_its_continuation_give_the_general_step_s_logits_and_kv_to_the_bit(family, dtype, monkeypatch):
+    """A prompt's rows go through every layer but the last resolved (the last layer's rows are cut to the last row:
+    the general step); a continuation's rows attend over the cache before them too."""
+    if not native.panels_take(dtype):
+        pytest.skip(f"the native kernels take no {dtype} panels on this CPU")
+    model = tiny(family, dtype)
+    prompt, continuation = random_ids(40, seed=1), random_ids(13, seed=2)
+
+    def run() -> tuple[list[torch.Tensor], object]:
+        first = model.prefill(prompt)
+        return [first.logits, model.prefill(continuation, first.cache).logits], first.cache
+
+    with pytest.MonkeyPatch.context() as patch:
+        ran = layers_resolved(patch)
+        resolved, resolved_cache = run()
+        assert ran == list(range(model.num_layers - 1)) * 2
+    general_step_only(monkeypatch)
+    general, general_cache = run()
+    assert all(torch.equal(a, b) for a, b in zip(resolved, general))
+    assert_same_caches([resolved_cache], [general_cache], model.num_layers)
+
+
+@pytest.mark.parametrize("family", RESOLVED)
+def test_rows_scattered_over_a_cache_give_the_general_step_s_output_and_kv_to_the_bit(family, monkeypatch):
+    """A plan's recomputed rows: written at their rows by index, each attending the cache's rows by position."""
+    model = tiny(family)
+    prompt = random_ids(48, seed=3)
+    rows = torch.tensor([0, 3, 4, 17, 18, 19, 30, 41, 47])
+
+    @torch.inference_mode()
+    def run() -> tuple[torch.Tensor, object]:
+        cache = model.prefill(prompt).cache
+        group = RowGroup(cache, rows, rows, model.rotary(rows))
+        driver = Straight(model.embed(torch.tensor(prompt)[rows]), [group])
+        model.run_layers(range(model.num_layers), driver)
+        return driver.hidden, cache
+
+    with pytest.MonkeyPatch.context() as patch:
+        ran = layers_resolved(patch)
+        resolved, resolved_cache = run()
+        assert ran == list(range(model.num_layers - 1)) + list(range(model.num_layers))  # the prompt, the rows
+    general_step_only(monkeypatch)
+    general, general_cache = run()
+    assert torch.equal(resolved, general)
+    assert_same_caches([resolved_cache], [general_cache], model.num_layers)
+
+
+def test_several_requests_rows_and_a_pool_out_of_slot_order_take_the_general_step(monkeypatch):
     model = tiny("llama")
     caches = prefilled(model, [12, 20], pooled=True)
+    alone = prefilled(model, [15, 9], pooled=False)
     ran = layers_resolved(monkeypatch)
-    model.prefill(random_ids(9, seed=3))
     model.decode_batch([5, 6], caches[::-1])
+    model.decode_batch([5, 6], alone)  # a cache each, no pool: per-request attention in the general step
     assert ran == []
     model.decode_batch([5, 6], caches)
     assert ran == list(range(model.num_layers))
