@@ -16,8 +16,8 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from kvreuse.model import native
-from kvreuse.model.resolved_step import LayerWeights
 from kvreuse.model.linear import in_panels, linear
+from kvreuse.model.resolved_step import LayerWeights
 
 # Bytes of the gate and up products' output (2 x intermediate values a row) one pass through the MLP makes: more
 # rows run in passes of this many bytes, so that the activation and the down product read that output from the

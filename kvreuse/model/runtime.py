@@ -28,10 +28,10 @@ from kvreuse.model import native
 from kvreuse.model.adapters import adapter_for
 from kvreuse.model.allocator import keep_freed_memory
 from kvreuse.model.attention import attend, attention_mask
-from kvreuse.model.resolved_step import ResolvedStep
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.kv_pool import KVPool, PooledStep
 from kvreuse.model.linear import linear, pack_weights
+from kvreuse.model.resolved_step import ResolvedStep
 
 
 @dataclass
