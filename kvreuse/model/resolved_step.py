@@ -3,7 +3,8 @@
 A decoding step (one new row per sequence) spent about 16 ms of SmolLM2's 25-29 ms in its kernels for one
 sequence; most of the rest was Python around them: per kernel call its checks, the weights' packing looked up and
 verified, its outputs and working memory allocated, the step's views made. A step's shape is the same at every
-layer, so `ResolvedStep` checks it, allocates its buffers and resolves each layer's weights once, and a layer is
+layer, so `ResolvedStep` checks it and allocates its buffers once, takes each layer's weights as the adapter
+resolved them (`native_layers`: kept between steps while the weights are unchanged), and a layer is
 then four kernel calls (the input norm with the q/k/v product; RoPE of q and k together; the attention of the
 rows' queries over their cache; the layer's end: o-projection, residual, norm, gated MLP) with the new KV's write
 between them. The kernels and their order are the general step's (`LayerwiseModel.step`), so the results are the
@@ -169,9 +170,8 @@ class ResolvedStep:
             target = _OneRequest(model, groups[0], threads)
         else:
             return None
-        rows = torch.empty(sum(len(g) for g in groups), model.hidden_size, dtype=model.dtype)  # the layers' input
-        weights = [model.adapter.native_layer(block, rows) for block in model.layers]
-        if not target.takes() or any(w is None for w in weights):
+        weights = model.adapter.native_layers(sum(len(g) for g in groups), model.dtype)
+        if not target.takes() or weights is None:
             return None
         return ResolvedStep(model, weights, target, shape)
 

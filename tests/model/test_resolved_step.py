@@ -158,8 +158,10 @@ def test_several_requests_rows_and_a_pool_out_of_slot_order_take_the_general_ste
     assert ran == list(range(model.num_layers))
 
 
-def test_a_weight_changed_between_steps_is_the_one_the_next_step_uses():
-    """Each step resolves the layers' weights anew (their packing notices a change, kvreuse.model.linear)."""
+@pytest.mark.parametrize("change", ["in place", "replaced"])
+def test_a_weight_changed_between_steps_is_the_one_the_next_step_uses(change):
+    """The layers' resolved weights are kept between steps only while every parameter is the tensor, at the
+    version, it was (their packing notices a change too: kvreuse.model.linear)."""
     model = tiny("llama")
     resolved, general, unchanged = (prefilled(model, [25], pooled=False) for _ in range(3))
     first = decode_steps(model, resolved, steps=1)[0]
@@ -169,8 +171,16 @@ def test_a_weight_changed_between_steps_is_the_one_the_next_step_uses():
     with pytest.MonkeyPatch.context() as patch:
         general_step_only(patch)
         decode_steps(model, general, steps=1)
+    down = model.layers[1].mlp.down_proj
     with torch.no_grad():
-        model.layers[1].mlp.down_proj.weight.mul_(-2)
+        if change == "in place":
+            down.weight.mul_(-2)
+        else:  # by a tensor whose version counter equals the old one's: only its identity tells them apart
+            replacement = torch.nn.Parameter(down.weight * -2)
+            while replacement._version < down.weight._version:
+                replacement.add_(0)
+            assert replacement._version == down.weight._version
+            down.weight = replacement
     after = model.decode_batch(token, resolved)
     with pytest.MonkeyPatch.context() as patch:
         general_step_only(patch)
