@@ -27,6 +27,7 @@ MLP_PASS_BYTES = 24 << 20
 # Rows counts whose resolved layers `LlamaAdapter.native_layers` keeps at once (a decoding step's and a few
 # prompts'); one more starts the set afresh.
 NATIVE_LAYERS_KEPT = 8
+UNRESOLVED = object()  # a key `native_layers` has not resolved (None is a resolved answer: not native)
 # Norms computing weight * x / rms(x) as Llama's does (each family's own copy of the class), which the native kernel
 # runs in one pass; any other norm (Gemma's 1 + weight, for one) runs as its module.
 PLAIN_RMS_NORMS = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
@@ -125,13 +126,15 @@ class LlamaAdapter:
             self._native_layers.clear()
             self._native_layers_of = tensors, versions
         key = (rows, dtype, native.most_panel_rows(), MLP_PASS_BYTES)
-        if key not in self._native_layers:
+        # one look-up, not a test and a read: steps in other threads (a batch restoration's) may clear the set
+        kept = self._native_layers.get(key, UNRESOLVED)
+        if kept is UNRESOLVED:
             if len(self._native_layers) >= NATIVE_LAYERS_KEPT:  # prompts of many lengths: keep the latest few
                 self._native_layers.clear()
             probe = torch.empty(rows, self.config.hidden_size, dtype=dtype)
             weights = [self.native_layer(block, probe) for block in self.decoder.layers]
-            self._native_layers[key] = None if any(w is None for w in weights) else weights
-        return self._native_layers[key]
+            kept = self._native_layers[key] = None if any(w is None for w in weights) else weights
+        return kept
 
     def native_layer(self, block: nn.Module, rows: torch.Tensor) -> LayerWeights | None:
         """The layer's norms and products as the native kernels take them for rows like `rows` (`ResolvedStep`), or
