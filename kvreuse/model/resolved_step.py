@@ -60,10 +60,13 @@ class _OneRequest:
                 self.keys_count, model.num_kv_heads, self.groups, self.dim, self.block, threads, self.bf16),
                 dtype=torch.uint8)
 
-    def takes(self) -> bool:
-        keys, values = self.cache.keys[0], self.cache.values[0]
+    @staticmethod
+    def takes(group: RowGroup) -> bool:
+        """Whether the kernels read the group's cache as it is laid out."""
+        keys, values = group.cache.keys[0], group.cache.values[0]
         return (keys.stride() == values.stride() and keys.stride(-1) == 1
-                and (self.rows_count == 1 or (native.heads_in_rows(keys) and native.prefill_attention_takes(self.dim))))
+                and (len(group) == 1  # the prefill kernel reads rows of contiguous heads, of whole vectors
+                     or (native.heads_in_rows(keys) and native.prefill_attention_takes(keys.shape[-1]))))
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.cache.write(layer, self.rows, k, v)
@@ -88,9 +91,6 @@ class _Pooled:
         self.pool, self.step = pool, step
         self.one_query = OneQueryEach(model, step.span.stop - step.span.start, step.end, step.lengths,
                                        step.positions, threads)
-
-    def takes(self) -> bool:
-        return self.step.in_order
 
     def write(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         self.pool.write_one_each(layer, self.step, k, v)
@@ -163,16 +163,15 @@ class ResolvedStep:
                        or g.outputs is not None or g.keys_until is not None for g in groups)
                 or not all(_rows_of_one_layout(c, s) for c, s in zip(shape.rotary.cos, shape.rotary.sin))):
             return None
-        threads = torch.get_num_threads()
-        if shape.pooled is not None:
-            target: _OneRequest | _Pooled = _Pooled(model, *shape.pooled, threads)
-        elif len(groups) == 1:
-            target = _OneRequest(model, groups[0], threads)
-        else:
+        # checked before the targets' buffers are allocated: a step the general step runs allocates nothing here
+        pooled = shape.pooled
+        if not (pooled[1].in_order if pooled is not None else len(groups) == 1 and _OneRequest.takes(groups[0])):
             return None
         weights = model.adapter.native_layers(sum(len(g) for g in groups), model.dtype)
-        if not target.takes() or weights is None:
+        if weights is None:
             return None
+        threads = torch.get_num_threads()
+        target = _Pooled(model, *pooled, threads) if pooled is not None else _OneRequest(model, groups[0], threads)
         return ResolvedStep(model, weights, target, shape)
 
     def takes(self, hidden: torch.Tensor) -> bool:

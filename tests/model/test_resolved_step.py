@@ -186,3 +186,13 @@ def test_a_weight_changed_between_steps_is_the_one_the_next_step_uses(change):
         general_step_only(patch)
         assert torch.equal(after, model.decode_batch(token, general))
     assert not torch.equal(after, before_the_change)
+
+
+def test_the_adapter_keeps_the_resolved_layers_of_a_few_rows_counts_only():
+    """Prompts of many lengths do not grow what the adapter keeps between steps past NATIVE_LAYERS_KEPT."""
+    from kvreuse.model.adapters import NATIVE_LAYERS_KEPT
+
+    model = tiny("llama")
+    for length in range(2, 2 + 2 * NATIVE_LAYERS_KEPT):
+        model.prefill(random_ids(length, seed=length))
+        assert 1 <= len(model.adapter._native_layers) <= NATIVE_LAYERS_KEPT
