@@ -229,13 +229,18 @@ class ReuseEngine:
                 self.write_back.submit(p.key, partial(self._compile, p.segment, p.key, method))
 
     def _write_back_prefix(self, request: Request, restored: int) -> None:
-        """Store the exact prefix's whole blocks past the `restored` tokens (they were just computed)."""
+        """Store the exact prefix's whole blocks past the `restored` tokens (they were just computed), or a prefix
+        shorter than a block (a system prompt, a chat header) as one partial block. `store_prefix` stores the
+        partial block that ends the prefix either way: its rows are computed there anyway, so a conversation
+        growing turn by turn costs no more background work than its whole blocks did."""
         prefix = exact_prefix(request)
-        whole_blocks = len(prefix.token_ids) // self.prefix_block_size if prefix else 0
-        if whole_blocks * self.prefix_block_size > restored:
+        length = len(prefix.token_ids) if prefix else 0
+        whole_blocks = length // self.prefix_block_size
+        if whole_blocks * self.prefix_block_size > restored or (whole_blocks == 0 and length > restored):
             restorer = self.restorer_for(request)
-            last_key = restorer.block_keys(prefix.token_ids)[whole_blocks - 1]
-            self.write_back.submit(last_key, partial(restorer.store_prefix, prefix.token_ids))
+            last_key = restorer.block_keys(prefix.token_ids, partial=whole_blocks == 0)[-1]
+            if whole_blocks or not self.store.contains(last_key):
+                self.write_back.submit(last_key, partial(restorer.store_prefix, prefix.token_ids))
 
     def wait_for_write_back(self) -> None:
         self.write_back.wait()

@@ -40,7 +40,7 @@ class Block:
     key: str
     rows: slice
     tier: int
-    stored_tokens: int  # tokens the entry holds (the block size)
+    stored_tokens: int  # tokens the entry holds (the block size; fewer for a prefix's partial last block)
 
     @property
     def length(self) -> int:

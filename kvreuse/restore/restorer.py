@@ -163,8 +163,9 @@ class PrefixRestorer:
 
     # ---- lookup ---------------------------------------------------------------------------------------
 
-    def block_keys(self, token_ids: Sequence[int] | torch.Tensor) -> list[str]:
-        return prefix_block_keys(_as_list(token_ids), self.block_size, space=self.key_space)
+    def block_keys(self, token_ids: Sequence[int] | torch.Tensor, partial: bool = False) -> list[str]:
+        """The keys of the whole blocks of `token_ids`, and of the partial block at its end if `partial`."""
+        return prefix_block_keys(_as_list(token_ids), self.block_size, space=self.key_space, partial=partial)
 
     def _tier_of(self, key: str) -> int | None:
         if isinstance(self.store, TieredStore):
@@ -187,17 +188,23 @@ class PrefixRestorer:
 
     def blocks_to_restore(self, token_ids: Sequence[int] | torch.Tensor, max_tokens: int | None = None
                           ) -> list[Block]:
-        """The stored blocks a restoration uses, clipped so that the last prompt token is always computed;
-        whole blocks within the first `max_tokens` tokens only, if given."""
+        """The stored blocks a restoration uses, clipped so that the last prompt token is always computed. With
+        `max_tokens` (an exact prefix's length), the blocks within it: its whole blocks, then the partial block
+        at its end (`store_prefix` stores one: a system prompt shorter than a block is reused too)."""
         end = len(token_ids) - 1
-        if max_tokens is not None:
-            token_ids = token_ids[: max_tokens - max_tokens % self.block_size]
+        whole = token_ids if max_tokens is None else token_ids[: max_tokens - max_tokens % self.block_size]
         blocks = []
-        for i, (key, tier) in enumerate(self.stored_blocks(token_ids)):
+        for i, (key, tier) in enumerate(self.stored_blocks(whole)):
             start = i * self.block_size
             if start >= end:
                 break
             blocks.append(Block(i, key, slice(start, min(start + self.block_size, end)), tier, self.block_size))
+        start = len(blocks) * self.block_size
+        if max_tokens is not None and start == len(whole) < max_tokens and start < end:
+            key = self.block_keys(token_ids[:max_tokens], partial=True)[-1]
+            tier = self._tier_of(key)
+            if tier is not None:
+                blocks.append(Block(len(blocks), key, slice(start, min(max_tokens, end)), tier, max_tokens - start))
         return blocks
 
     # ---- restoration inside a fusion plan ---------------------------------------------------------------
@@ -297,10 +304,12 @@ class PrefixRestorer:
 
     @torch.inference_mode()
     def restore(self, token_ids: Sequence[int] | torch.Tensor, strategy: str = "auto",
-                cache_capacity: int | None = None, *, write_back: bool = False) -> RestoreResult:
+                cache_capacity: int | None = None, *, write_back: bool = False,
+                with_tail: bool = False) -> RestoreResult:
         """Restore the stored prefix of `token_ids` and compute the rest; the last token is always computed.
 
-        write_back: store the prompt's whole blocks that were not stored (computed here anyway)."""
+        write_back: store the prompt's whole blocks that were not stored (computed here anyway); with_tail: and
+        the partial block at its end (where `token_ids` end as an exact prefix does, not with a question)."""
         started = time.perf_counter()
         restoration = self.restore_prefix(token_ids, strategy, cache_capacity)
         job = restoration.job
@@ -310,7 +319,7 @@ class PrefixRestorer:
         hidden = job.compute_rows(remainder, capture)
         logits = self.model.logits(hidden[-1:])[0]
         done = time.perf_counter()
-        written = self._write_back(ids, remainder, capture) if capture else 0
+        written = self._write_back(ids, remainder, capture, with_tail) if capture else 0
         stats = dict(restoration.stats, total_seconds=done - started, blocks_written=written)
         return RestoreResult(logits, job.cache, stats)
 
@@ -341,20 +350,23 @@ class PrefixRestorer:
     # ---- storing --------------------------------------------------------------------------------------
 
     def store_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> int:
-        """Store each whole block of `token_ids` the store lacks, with its boundary activations: the stored
-        prefix is loaded, the rest computed. Returns how many blocks were written."""
-        return self.restore(token_ids, "load", write_back=True).stats["blocks_written"]
+        """Store each block of the exact prefix `token_ids` the store lacks (its whole blocks and the partial one
+        at its end), with its boundary activations: the stored prefix is loaded, the rest computed. Returns how
+        many blocks were written."""
+        return self.restore(token_ids, "load", write_back=True, with_tail=True).stats["blocks_written"]
 
-    def _write_back(self, ids: torch.Tensor, rows: slice, capture: Capture) -> int:
-        """Put the whole blocks inside `rows` (whose KV and boundaries `capture` holds) that are not stored."""
-        keys = self.block_keys(ids)
+    def _write_back(self, ids: torch.Tensor, rows: slice, capture: Capture, with_tail: bool) -> int:
+        """Put the whole blocks inside `rows` (whose KV and boundaries `capture` holds) that are not stored, and
+        `with_tail` the partial block that ends them."""
+        keys = self.block_keys(ids, partial=with_tail)
         k, v = capture.stacked()  # [layers, rows, heads, dim]
         boundary = torch.stack(capture.boundary) if capture.boundary else None
         written = 0
-        for index in range(-(-rows.start // self.block_size), rows.stop // self.block_size):
+        for index in range(-(-rows.start // self.block_size), len(keys)):
+            start, stop = index * self.block_size, min((index + 1) * self.block_size, rows.stop)
             if self._tier_of(keys[index]) is not None:
                 continue
-            local = slice(index * self.block_size - rows.start, (index + 1) * self.block_size - rows.start)
+            local = slice(start - rows.start, stop - rows.start)
             self.store.put(self._entry(keys[index], k[:, local], v[:, local],
                                        None if boundary is None else boundary[:, local]))
             written += 1

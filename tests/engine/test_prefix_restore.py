@@ -48,9 +48,9 @@ def test_the_restored_prefix_with_chunks_computed_on_top_is_exact(tiny_model, st
         request = conversation(prefix_tokens=23)
         engine.compile(request, ["prefix"])
         out = engine.prefill(request, "prefix", extra_capacity=3)
-        assert out.stats.prefix.restored_tokens == 20  # 5 whole blocks; the 3 tokens after them are computed
+        assert out.stats.prefix.restored_tokens == 23  # 5 whole blocks and the partial one that ends the prefix
         restored = out.stats.prefix.loaded_tokens + out.stats.prefix.recomputed_tokens
-        assert restored == pytest.approx(20)
+        assert restored == pytest.approx(23)
         full = full_prefill(engine, request)
         torch.testing.assert_close(out.logits, full.logits, **TOLERANCE)
         for layer in range(engine.model.num_layers):
@@ -66,21 +66,61 @@ def test_the_restored_prefix_with_chunks_computed_on_top_is_exact(tiny_model, st
 def test_a_growing_conversation_reuses_its_longest_stored_prefix(engine):
     first = engine.prefill(conversation(prefix_tokens=10), "prefix")
     assert first.stats.prefix.restored_tokens == 0
-    engine.wait_for_write_back()  # the two whole blocks computed for the first turn are now stored
-    later = conversation(prefix_tokens=30)  # the history grew by a turn
+    engine.wait_for_write_back()  # the first turn's two whole blocks are now stored, and its partial last one
+    later = conversation(prefix_tokens=30)  # the history grew by a turn: that partial block is not one of its
     out = engine.prefill(later, "prefix")
     assert out.stats.prefix.restored_tokens == 8
     assert out.stats.prefix.seconds > 0
     torch.testing.assert_close(out.logits, full_prefill(engine, later).logits, **TOLERANCE)
     engine.wait_for_write_back()
-    assert engine.prefill(later, "prefix").stats.prefix.restored_tokens == 28
+    assert engine.prefill(later, "prefix").stats.prefix.restored_tokens == 30
+
+
+def test_a_prefix_shorter_than_a_block_is_stored_whole_and_restored_exactly(tiny_model):
+    """A system prompt under a block (SmolLM2's chat template head is 24 tokens) is stored as one partial block
+    after the first request, then loaded by every request that starts with it, and only by those: its key names
+    every one of its tokens."""
+    engine = make_tiny_engine(tiny_model, prefix_block_size=16, prefix_strategy="load")
+    try:
+        request = conversation(prefix_tokens=10)
+        assert engine.prefill(request, "prefix").stats.prefix.restored_tokens == 0
+        engine.wait_for_write_back()
+        out = engine.prefill(request, "prefix", extra_capacity=2)
+        assert out.stats.prefix.restored_tokens == 10 and out.stats.prefix.loaded_tokens == 10
+        assert out.stats.fusion.computed_tokens_layer0 == len(request) - 10
+        full = full_prefill(engine, request)
+        torch.testing.assert_close(out.logits, full.logits, **TOLERANCE)
+        for layer in range(engine.model.num_layers):
+            for got, want in zip(out.cache.layer(layer), full.cache.layer(layer)):
+                torch.testing.assert_close(got, want, **TOLERANCE)
+        head = request.segments[0].token_ids
+        for other in (head[:-1] + [head[-1] + 1], head[:9], head + [7]):  # its last token, one fewer, one more
+            changed = Request([Segment(SegmentKind.PREFIX, other), *request.segments[1:]])
+            assert engine.prefill(changed, "prefix").stats.prefix.restored_tokens == 0
+    finally:
+        engine.close()
+
+
+def test_a_prefix_s_partial_last_block_follows_its_whole_ones(engine):
+    request = conversation(prefix_tokens=18)  # 4 whole blocks of 4, then 2 tokens
+    engine.compile(request, ["prefix"])
+    restorer = engine.restorer_for(request)
+    keys = restorer.block_keys(request.token_ids[:18], partial=True)
+    assert len(keys) == 5 and all(engine.store.contains(k) for k in keys)
+    blocks = restorer.blocks_to_restore(request.token_ids, max_tokens=18)
+    assert [(b.key, b.rows, b.stored_tokens) for b in blocks][-2:] == [(keys[3], slice(12, 16), 4),
+                                                                      (keys[4], slice(16, 18), 2)]
+    # without the prefix's length, only whole blocks: where the prompt's own tokens end no prefix does
+    assert [b.key for b in restorer.blocks_to_restore(request.token_ids)] == keys[:4]
+    engine.store.delete(keys[2])  # a gap: what follows it is not a prefix of this prompt any more
+    assert [b.key for b in restorer.blocks_to_restore(request.token_ids, max_tokens=18)] == keys[:2]
 
 
 def test_chunk_fusion_on_a_restored_prefix_equals_it_on_a_computed_one(engine):
     request = conversation(prefix_tokens=18)
     engine.compile(request, ["naive"])  # chunk compiled alone: naive reuse is approximate, the same either way
     restored = engine.prefill(request, "naive")
-    assert restored.stats.prefix.restored_tokens == 16 and restored.stats.chunk_hits == 1
+    assert restored.stats.prefix.restored_tokens == 18 and restored.stats.chunk_hits == 1
     computed = make_tiny_engine(engine.model, engine.store, prefix_block_size=64).prefill(request, "naive")
     assert computed.stats.prefix.restored_tokens == 0 and computed.stats.chunk_hits == 1
     torch.testing.assert_close(restored.logits, computed.logits, **TOLERANCE)
@@ -101,7 +141,7 @@ def test_a_prefix_block_lost_after_lookup_is_recomputed_exactly(engine):
     lossy.compile(request, ["prefix"])
     store.lost.add(lossy.restorer_for(request).block_keys(request.token_ids)[2])
     out = lossy.prefill(request, "prefix")
-    assert out.stats.prefix.restored_tokens == 16
+    assert out.stats.prefix.restored_tokens == 18
     assert out.stats.prefix.recomputed_tokens_by_tier == {"memory": 4}
     torch.testing.assert_close(out.logits, full_prefill(lossy, request).logits, **TOLERANCE)
 
@@ -112,7 +152,7 @@ def test_a_plan_with_restored_rows_needs_their_cache(engine):
     restoration = engine.restorer_for(request).restore_prefix(request.token_ids, "load", len(request), max_tokens=18)
     placed = engine.lookup(request, parse_method("prefix"), restored=restoration.rows)
     plan = parse_method("prefix").plan(request, placed)
-    assert plan.restored_rows == 16 and int(plan.compute_rows[0]) == 16
+    assert plan.restored_rows == 18 and int(plan.compute_rows[0]) == 18
     with pytest.raises(ValueError, match="restored"):
         FusionExecutor(engine.model, engine.store).run(plan, request.token_ids)
 
@@ -162,7 +202,7 @@ def test_prefixes_restored_together_equal_each_request_prefilled_alone(tiny_mode
         batch = list(engine.prefill_batch([(r, method, 4) for r in requests]))
         for request, out in zip(requests, batch):
             assert out.stats.prefix.batch == 4
-            assert out.stats.prefix.restored_tokens == len(request.segments[0].token_ids) // BLOCK * BLOCK
+            assert out.stats.prefix.restored_tokens == len(request.segments[0].token_ids)
             alone = engine.prefill(request, method, extra_capacity=4)
             assert alone.stats.prefix.batch == 1
             torch.testing.assert_close(out.logits, alone.logits, **TOLERANCE)
@@ -207,7 +247,7 @@ def test_a_batch_with_one_stored_prefix_restores_it_alone_and_a_bad_request_fail
         fresh = Request([Segment(SegmentKind.PREFIX, random_ids(9, 40)), *fresh.segments[1:]])
         too_long = (stored, "prefix", 10**6)
         out = list(engine.prefill_batch([(stored, "prefix", 4), too_long, (fresh, "prefix", 4)]))
-        assert out[0].stats.prefix.batch == 1 and out[0].stats.prefix.restored_tokens == 16
+        assert out[0].stats.prefix.batch == 1 and out[0].stats.prefix.restored_tokens == 17
         assert isinstance(out[1], ValueError) and "context window" in str(out[1])
         assert out[2].stats.prefix.restored_tokens == 0
     finally:
@@ -227,12 +267,12 @@ def test_every_split_of_the_stored_prefix_inside_the_plan_is_exact(tiny_model, c
         computed_layers = min(computed_layers, tiny_model.num_layers - 1)
         split = PrefixSplit("cake", blocks, computed_rows=computed_rows, computed_layers=computed_layers)
         plan = parse_method("prefix").plan(request, engine.lookup(request, parse_method("prefix"), split=split))
-        assert sum(s.load.numel() for s in plan.reused) == 20 - computed_rows
+        assert sum(s.load.numel() for s in plan.reused) == 23 - computed_rows
         assert {s.from_layer for s in plan.reused} <= {computed_layers}
         out = engine.executor.run(plan, request.token_ids)
         rows, layers = len(request), engine.model.num_layers
-        loaded = 20 - computed_rows
-        computed = computed_layers * rows + (layers - computed_layers) * (rows - 20) if computed_layers else (
+        loaded = 23 - computed_rows
+        computed = computed_layers * rows + (layers - computed_layers) * (rows - 23) if computed_layers else (
             layers * (rows - loaded))
         assert out.stats.computed_rows_mean == pytest.approx(computed / layers)
         full = full_prefill(engine, request)
@@ -264,12 +304,12 @@ def test_a_stored_prefix_and_stored_chunks_load_through_one_loader(engine, monke
     monkeypatch.setattr(LayerLoader, "_read", recording_read)
     monkeypatch.setattr(PrefixJob, "read", lambda *a: pytest.fail("a prefix block read beside the plan's loader"))
     out = engine.prefill(request, "naive")
-    blocks = engine.restorer_for(request).block_keys(request.token_ids)[:4]
+    blocks = engine.restorer_for(request).block_keys(request.token_ids[:18], partial=True)  # 4 whole, 1 partial
     chunk = engine.key_of(request, request.segments[1], parse_method("naive"))
     assert len(loaders) == 1
     assert reads == [(layer, key) for layer in range(engine.model.num_layers) for key in [*blocks, chunk]]
-    assert out.stats.prefix.restored_tokens == 16 and out.stats.prefix.loaded_tokens == 16
-    assert out.stats.chunk_hits == 1 and out.stats.cached_tokens == 16 + 13
+    assert out.stats.prefix.restored_tokens == 18 and out.stats.prefix.loaded_tokens == 18
+    assert out.stats.chunk_hits == 1 and out.stats.cached_tokens == 18 + 13
     naive = parse_method("naive")
     prefix_computed = engine.executor.run(naive.plan(request, engine.lookup(request, naive)), request.token_ids)
     torch.testing.assert_close(out.logits, prefix_computed.logits, **TOLERANCE)
@@ -290,8 +330,8 @@ def test_the_restorer_computes_part_of_the_prefix_when_its_reads_are_slow(make_t
         assert (split.computed_rows, split.computed_layers) != (0, 0) and split.strategy == strategy
         out = engine.prefill(request, "prefix")
         prefix = out.stats.prefix
-        assert prefix.restored_tokens == 20 and prefix.recomputed_tokens > 0 and prefix.loaded_tokens > 0
-        assert prefix.loaded_tokens + prefix.recomputed_tokens == 20
+        assert prefix.restored_tokens == 23 and prefix.recomputed_tokens > 0 and prefix.loaded_tokens > 0
+        assert prefix.loaded_tokens + prefix.recomputed_tokens == 23
         torch.testing.assert_close(out.logits, full_prefill(engine, request).logits, **TOLERANCE)
         assert engine._restore_rates["step", 0] != StepCosts(compute=1e-3, read=2e-3)  # it learnt from the run
     finally:

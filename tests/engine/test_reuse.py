@@ -217,7 +217,8 @@ def test_loaded_tokens_are_counted_by_the_tier_serving_them(tiny_model, make_eng
         engine.compile(request, ["naive"])
         engine.store.tiers[0].clear()  # only the disk tier holds the entries now
         stats = engine.prefill(request, "naive").stats
-        assert stats.loaded_tokens_by_tier == {tier_label(engine.store, 1): stats.fusion.loaded_tokens}
+        chunk_rows = stats.fusion.loaded_tokens - stats.prefix.loaded_tokens  # the prefix's are counted apart
+        assert stats.loaded_tokens_by_tier == {tier_label(engine.store, 1): chunk_rows}
     finally:
         engine.close()
 
@@ -265,7 +266,8 @@ def test_cost_placement_keeps_new_chunks_out_of_memory_when_the_slow_tier_hides_
         keys = [p.key for p in engine.lookup(request, parse_method("cacheblend:0.15")) if p.hit]
         assert keys and all(store.locate(k) == 1 and not store.tiers[0].contains(k) for k in keys)
         placed = engine.prefill(request, "cacheblend:0.15")
-        assert placed.stats.loaded_tokens_by_tier == {"hdd": placed.stats.fusion.loaded_tokens}
+        chunk_rows = placed.stats.fusion.loaded_tokens - placed.stats.prefix.loaded_tokens
+        assert placed.stats.loaded_tokens_by_tier == {"hdd": chunk_rows}
         store.flush()
         assert all(store.tiers[0].contains(k) for k in keys)  # a hit promotes them: hot entries live in memory
     finally:
@@ -301,9 +303,11 @@ def test_only_stored_rows_no_layer_recomputes_to_the_end_count_as_cached(tiny_en
     tiny_engine.compile(request, [method])
     stats = tiny_engine.prefill(request, method).stats
     chunk_rows = sum(len(c.token_ids) for c in request.of_kind(SegmentKind.CHUNK))
-    assert stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK)) and stats.fusion.loaded_tokens == chunk_rows
+    prefix_rows = len(request.of_kind(SegmentKind.PREFIX)[0].token_ids)  # stored whole: loaded, and kept
+    assert stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
+    assert stats.fusion.loaded_tokens == chunk_rows + prefix_rows
     assert stats.fusion.kept_tokens == chunk_rows - round(recomputed_share * chunk_rows)
-    assert stats.cached_tokens == stats.fusion.kept_tokens  # no stored prefix here
+    assert stats.cached_tokens == stats.fusion.kept_tokens + prefix_rows
 
 
 def test_auto_s_candidates_share_one_store_probe_per_request(tiny_model, rag_request, make_engine):
@@ -320,16 +324,17 @@ def test_auto_s_candidates_share_one_store_probe_per_request(tiny_model, rag_req
     engine = make_engine(tiny_model, controller=AutoController(profile, table))
     request = rag_request()
     engine.compile(request)
-    probes, inner = [], engine.store.probe
+    probes, inner, locate = [], engine.store.probe, engine.store.locate
+    chunk_keys = {p.key for p in engine.lookup(request, parse_method("naive")) if p.key}
     engine.store.probe = lambda keys, extras=False: probes.append(list(keys)) or inner(keys, extras)
-    engine.store.locate = None  # would raise if anything located a span on its own
+    # the restorer locates the prefix's blocks; a chunk located on its own would be a second walk
+    engine.store.locate = lambda key: pytest.fail(f"chunk {key} located again") if key in chunk_keys else locate(key)
     try:
         out = engine.prefill(request, "auto")
     finally:
         del engine.store.probe, engine.store.locate
         engine.close()
     assert len(out.stats.auto.candidates) >= 3 and out.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
-    chunk_keys = {p.key for p in engine.lookup(request, parse_method("naive")) if p.key}
     assert len(probes) == 1 and sorted(probes[0]) == sorted(chunk_keys)
 
 

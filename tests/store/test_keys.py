@@ -47,6 +47,14 @@ def test_prefix_block_keys_chain():
     assert prefix_block_keys(tokens, 100, space=SPACE)[0] != keys[0]
 
 
+def test_a_partial_block_s_key_is_not_a_whole_block_s():
+    tokens = list(range(10))
+    partial = prefix_block_keys(tokens[:6], 4, space=SPACE, partial=True)
+    assert partial[0] == prefix_block_keys(tokens, 4, space=SPACE)[0]  # the whole block before it: the same
+    assert partial[1] not in prefix_block_keys(tokens[:8], 4, space=SPACE)
+    assert partial[1] != prefix_block_keys(tokens[:7], 4, space=SPACE, partial=True)[1]
+
+
 def test_bad_inputs_are_named():
     with pytest.raises(ValueError, match="block_size"):
         prefix_block_keys([1], 0, space=SPACE)
