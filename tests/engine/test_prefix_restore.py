@@ -116,6 +116,20 @@ def test_a_prefix_s_partial_last_block_follows_its_whole_ones(engine):
     assert [b.key for b in restorer.blocks_to_restore(request.token_ids, max_tokens=18)] == keys[:2]
 
 
+def test_only_a_prefix_under_a_block_is_written_back_for_its_partial_block_alone(engine, monkeypatch):
+    """A longer prefix's partial block is stored beside its whole blocks' write-back, never by a write-back of its
+    own: a conversation growing turn by turn does no more background work than its whole blocks did."""
+    long, short = conversation(prefix_tokens=18), conversation(prefix_tokens=3)  # blocks of 4
+    for request in (long, short):
+        engine.compile(request, ["prefix"])
+        prefix = request.segments[0].token_ids
+        engine.store.delete(engine.restorer_for(request).block_keys(prefix, partial=True)[-1])  # its partial block
+    submitted = []
+    monkeypatch.setattr(engine.write_back, "submit", lambda key, write: submitted.append(key))
+    assert engine.prefill(long, "prefix").stats.prefix.restored_tokens == 16 and submitted == []
+    assert engine.prefill(short, "prefix").stats.prefix.restored_tokens == 0 and len(submitted) == 1
+
+
 def test_chunk_fusion_on_a_restored_prefix_equals_it_on_a_computed_one(engine):
     request = conversation(prefix_tokens=18)
     engine.compile(request, ["naive"])  # chunk compiled alone: naive reuse is approximate, the same either way
