@@ -304,6 +304,63 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(const uint16_t
 }
 #endif
 
+/* fp32 rows through int8 weights in panels, [out / PANEL_WIDTH][in][PANEL_WIDTH] int8 followed by the panel's
+   PANEL_WIDTH fp32 scales (one an output: the largest |weight| of the output's row over 127): a decoding step's
+   products where the user asked for int8 weights (kvreuse.model.native.int8_panels). A decoding step reads every
+   weight once, so it takes a quarter of fp32's bytes; each panel row's PANEL_WIDTH bytes are widened to fp32 and
+   multiplied as panel_tile does, and each output's sum scaled once at the end. One or two rows keep two sets of
+   sums, for even and odd inputs: a single chain of FMAs an input would wait on each FMA's latency, where the
+   memory gives a panel row every few cycles. */
+static inline vec widened(const int8_t *p) {  /* VW int8 as fp32 (GCC's vector conversion of them is scalar) */
+#if VW == 16
+    return (vec)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+#elif defined(__AVX2__)
+    return (vec)_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+#else
+    vec out;
+    for (int i = 0; i < VW; i++) out[i] = p[i];
+    return out;
+#endif
+}
+
+static inline __attribute__((always_inline)) void panel_tile_int8(const float *x, int64_t x_stride, int64_t in,
+        const int8_t *panel, const float *scale, const float *bias, const float *plus, float *y, int64_t y_stride,
+        int64_t columns, const int R) {
+    const int sets = R <= 2 ? 2 : 1;
+    vec sums[2][PANEL_TILE_ROWS][2];
+    for (int s = 0; s < sets; s++)
+        for (int r = 0; r < R; r++) sums[s][r][0] = sums[s][r][1] = splat(0.f);
+    int64_t k = 0;
+    UNROLL(PANEL_UNROLL)
+    for (; k + sets <= in; k += sets) {
+        for (int s = 0; s < sets; s++) {
+            vec w0 = widened(panel + (k + s) * PANEL_WIDTH), w1 = widened(panel + (k + s) * PANEL_WIDTH + VW);
+            for (int r = 0; r < R; r++) {
+                vec xr = splat(x[r * x_stride + k + s]);
+                sums[s][r][0] += xr * w0;
+                sums[s][r][1] += xr * w1;
+            }
+        }
+    }
+    for (; k < in; k++) {  /* an odd input count's last input, with two sets */
+        vec w0 = widened(panel + k * PANEL_WIDTH), w1 = widened(panel + k * PANEL_WIDTH + VW);
+        for (int r = 0; r < R; r++) {
+            vec xr = splat(x[r * x_stride + k]);
+            sums[0][r][0] += xr * w0;
+            sums[0][r][1] += xr * w1;
+        }
+    }
+    for (int r = 0; r < R; r++) {
+        vec s0 = sets == 2 ? sums[0][r][0] + sums[1][r][0] : sums[0][r][0];
+        vec s1 = sets == 2 ? sums[0][r][1] + sums[1][r][1] : sums[0][r][1];
+        float row[PANEL_WIDTH];
+        store(row, s0 * load(scale) + load(bias));
+        store(row + VW, s1 * load(scale + VW) + load(bias + VW));
+        for (int64_t j = 0; j < columns; j++)
+            y[r * y_stride + j] = plus ? row[j] + plus[r * y_stride + j] : row[j];
+    }
+}
+
 #if PANEL_TILE_AVX2
 /* panel_tile_avx2 as row tile `tile` of panel p of `count`: the first row tile of a panel waits on memory for it;
    the next ones compute from L2 while the memory idles, so the second and third fetch the next panel into L2, half
@@ -325,13 +382,24 @@ static inline __attribute__((always_inline)) void panel_tile_avx2_at(const float
 
 /* y [rows, out] (row stride y_stride; plus, if given, has the same layout and is added) = x [rows, ...] (row stride
    x_stride) through a weight in panels (kvreuse.model.native.panels: `depth` inputs a panel row, or pairs of them
-   if bf16) and bias b [out] or NULL; all fp32, or all bf16 (taken only where BF16_DOT is built).
+   if bf16) and bias b [out] or NULL; all fp32, or all bf16 (taken only where BF16_DOT is built), or fp32 with the
+   weight in int8 (`format`: WEIGHTS_INT8).
    Up to STREAMING_ROWS fp32 rows with AVX2 (a decoding step's) the products wait on memory, not on the FMA units:
    a panel's first tile streams it in, fetching ahead (GCC's tile, with `fetch`, also at six rows, where the
    assembly tile fetches only for the next panel), and a last tile of fewer than six rows after full ones runs in
    the assembly tile over its rows and zero rows (copied once per call), so that it fetches the next panel as the
    full tiles do. Zen 3 EPYC, SmolLM2's projections, 30 layers, alternated in one process: 0.83-0.94x the time at
    2-16 rows; one row, and 17 rows on, level. */
+/* The weights' formats in panels: the rows' dtype, and int8 weights for fp32 rows (`format` in the kernels below) */
+enum { WEIGHTS_FP32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_INT8 = 2 };
+
+/* Panel p of weights in panels of `depth` rows (inputs, or pairs of them in bf16) */
+static inline const char *panel_at(const void *panels, int64_t p, int64_t depth, int format) {
+    int64_t bytes = format == WEIGHTS_INT8 ? depth * PANEL_WIDTH + PANEL_WIDTH * (int64_t)sizeof(float)
+                                           : depth * PANEL_WIDTH * (int64_t)sizeof(float);
+    return (const char *)panels + p * bytes;
+}
+
 /* The last tile's rows, then zero rows, six in all, where `panel_rows` streams more than six rows with a partial
    last tile (see there); NULL elsewhere. The caller frees it. */
 static float *padded_tail(const void *x, int64_t x_stride, int64_t rows, int64_t depth, int streaming) {
@@ -355,13 +423,27 @@ static inline int64_t panel_bias(const void *b, int64_t p, int64_t out, float *b
 /* The R rows (R <= PANEL_TILE_ROWS) from row m of a product, xm, through panel p of `count` into ym (+ pm), in the
    tile that suits them (see panel_rows) */
 static inline __attribute__((always_inline)) void row_tile(const char *xm, int64_t x_stride, int64_t depth,
-        const float *panel, int64_t p, int64_t count, int64_t m, const float *bias, const char *pm, char *ym,
-        int64_t y_stride, int64_t columns, int R, int streaming, const float *padded, int bf16) {
+        const char *panel_bytes, int64_t p, int64_t count, int64_t m, const float *bias, const char *pm, char *ym,
+        int64_t y_stride, int64_t columns, int R, int streaming, const float *padded, int format) {
     /* R a constant in each call: the tile's loops unroll and its sums stay in registers */
+    const float *panel = (const float *)panel_bytes;
+#define PANEL_TILE_INT8(R) case R: panel_tile_int8((const float *)xm, x_stride, depth, (const int8_t *)panel_bytes, \
+            (const float *)(panel_bytes + depth * PANEL_WIDTH), bias, (const float *)pm, (float *)ym, y_stride, \
+            columns, R); break;
+    if (format == WEIGHTS_INT8) {
+        switch (R) {
+            PANEL_TILE_INT8(1) PANEL_TILE_INT8(2) PANEL_TILE_INT8(3) PANEL_TILE_INT8(4) PANEL_TILE_INT8(5)
+            PANEL_TILE_INT8(6)
+#if PANEL_TILE_ROWS == 8
+            PANEL_TILE_INT8(7) PANEL_TILE_INT8(8)
+#endif
+        }
+        return;
+    }
 #if BF16_DOT
 #define PANEL_TILE_BF16(R) case R: panel_tile_bf16((const uint16_t *)xm, x_stride, depth, \
             (const uint32_t *)panel, bias, (const uint16_t *)pm, (uint16_t *)ym, y_stride, columns, R); break;
-    if (bf16) {
+    if (format == WEIGHTS_BF16) {
         switch (R) {
             PANEL_TILE_BF16(1) PANEL_TILE_BF16(2) PANEL_TILE_BF16(3) PANEL_TILE_BF16(4)
             PANEL_TILE_BF16(5) PANEL_TILE_BF16(6) PANEL_TILE_BF16(7) PANEL_TILE_BF16(8)
@@ -393,20 +475,21 @@ static inline __attribute__((always_inline)) void row_tile(const char *xm, int64
 }
 
 void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels, int64_t out,
-                const void *b, const void *plus, void *y, int64_t y_stride, int threads, int bf16) {
+                const void *b, const void *plus, void *y, int64_t y_stride, int threads, int format) {
+    const int bf16 = format == WEIGHTS_BF16;
     int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH, size = bf16 ? 2 : 4;
-    const int streaming = PANEL_TILE_AVX2 && !bf16 && rows <= STREAMING_ROWS;
+    const int streaming = PANEL_TILE_AVX2 && format == WEIGHTS_FP32 && rows <= STREAMING_ROWS;
     float *padded = padded_tail(x, x_stride, rows, depth, streaming);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < count; p++) {
         float bias[PANEL_WIDTH];
         int64_t columns = panel_bias(b, p, out, bias, bf16), first = p * PANEL_WIDTH;
-        const float *panel = (const float *)panels + p * depth * PANEL_WIDTH;  /* 4 bytes an entry: fp32, or a pair */
+        const char *panel = panel_at(panels, p, depth, format);
         for (int64_t m = 0; m < rows; m += PANEL_TILE_ROWS) {
             int R = rows - m < PANEL_TILE_ROWS ? (int)(rows - m) : PANEL_TILE_ROWS;
             const char *pm = plus ? (const char *)plus + (m * y_stride + first) * size : 0;
             row_tile((const char *)x + m * x_stride * size, x_stride, depth, panel, p, count, m, bias, pm,
-                     (char *)y + (m * y_stride + first) * size, y_stride, columns, R, streaming, padded, bf16);
+                     (char *)y + (m * y_stride + first) * size, y_stride, columns, R, streaming, padded, format);
         }
     }
     free(padded);
@@ -640,26 +723,26 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
    gate and up values never leave L1 (`panel_rows` writes them, 25 MB a layer for a 2K-token prefill of
    SmolLM2, and `silu_mul` reads them back). The same sums and rounding as the two kernels one after the other. */
 static void gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels,
-                             int64_t intermediate, const void *b, void *activation, int threads, int bf16) {
+                             int64_t intermediate, const void *b, void *activation, int threads, int format) {
+    const int bf16 = format == WEIGHTS_BF16;
     int64_t half = intermediate / PANEL_WIDTH, size = bf16 ? 2 : 4;
-    const int streaming = PANEL_TILE_AVX2 && !bf16 && rows <= STREAMING_ROWS;
+    const int streaming = PANEL_TILE_AVX2 && format == WEIGHTS_FP32 && rows <= STREAMING_ROWS;
     float *padded = padded_tail(x, x_stride, rows, depth, streaming);
     #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t p = 0; p < half; p++) {
         float gate_bias[PANEL_WIDTH], up_bias[PANEL_WIDTH];
         panel_bias(b, p, 2 * intermediate, gate_bias, bf16);
         panel_bias(b, half + p, 2 * intermediate, up_bias, bf16);
-        const float *gate_panel = (const float *)panels + p * depth * PANEL_WIDTH;
-        const float *up_panel = (const float *)panels + (half + p) * depth * PANEL_WIDTH;
+        const char *gate_panel = panel_at(panels, p, depth, format), *up_panel = panel_at(panels, half + p, depth, format);
         /* one row tile's gate and up outputs, each row of them PANEL_WIDTH apart (in fp32, or bf16: half of it) */
         float gate[PANEL_TILE_ROWS * PANEL_WIDTH], up[PANEL_TILE_ROWS * PANEL_WIDTH];
         for (int64_t m = 0; m < rows; m += PANEL_TILE_ROWS) {
             int R = rows - m < PANEL_TILE_ROWS ? (int)(rows - m) : PANEL_TILE_ROWS;
             const char *xm = (const char *)x + m * x_stride * size;
             row_tile(xm, x_stride, depth, gate_panel, p, half, m, gate_bias, 0, (char *)gate, PANEL_WIDTH, PANEL_WIDTH,
-                     R, streaming, padded, bf16);
+                     R, streaming, padded, format);
             row_tile(xm, x_stride, depth, up_panel, p, half, m, up_bias, 0, (char *)up, PANEL_WIDTH, PANEL_WIDTH, R,
-                     streaming, padded, bf16);
+                     streaming, padded, format);
             for (int r = 0; r < R; r++) {
                 int64_t to = (m + r) * intermediate + p * PANEL_WIDTH;
                 if (bf16) silu_mul_row(gate, up, r * PANEL_WIDTH, PANEL_WIDTH, activation, to, 1);
@@ -675,16 +758,16 @@ static void gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int6
    nine calls of these kernels a layer, each with its Python checks and allocations around it, which took a third
    of one sequence's step. The sums are the separate kernels' to the bit. */
 
-/* Panels' depth for `width` inputs: fp32 one a row, bf16 in pairs (the caller keeps bf16 widths even). */
-static inline int64_t panel_depth(int64_t width, int bf16) { return bf16 ? width / 2 : width; }
+/* Panels' depth for `width` inputs: fp32 and int8 one a row, bf16 in pairs (the caller keeps bf16 widths even). */
+static inline int64_t panel_depth(int64_t width, int format) { return format == WEIGHTS_BF16 ? width / 2 : width; }
 
 /* RMSNorm of rows x [n, width] (row stride x_stride) into `scratch` [n, width], then those rows' product with a
    weight in panels (+ bias) into y [n, out] */
 void normed_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t width, const void *norm_weight,
                        float eps, const void *panels, int64_t out, const void *b, void *scratch, void *y,
-                       int threads, int bf16) {
-    rms_norm(x, x_stride, rows, width, norm_weight, eps, scratch, width, threads, bf16);
-    panel_rows(scratch, width, rows, panel_depth(width, bf16), panels, out, b, 0, y, out, threads, bf16);
+                       int threads, int format) {
+    rms_norm(x, x_stride, rows, width, norm_weight, eps, scratch, width, threads, format == WEIGHTS_BF16);
+    panel_rows(scratch, width, rows, panel_depth(width, format), panels, out, b, 0, y, out, threads, format);
 }
 
 /* The end of a Llama layer for attended rows attn [n, attn_width] (contiguous) and their residual [n, hidden]
@@ -696,22 +779,23 @@ void layer_end(const void *attn, int64_t rows, int64_t attn_width, const void *r
                const void *o_panels, const void *o_bias, const void *norm_weight, float eps,
                const void *gate_up_panels, const void *gate_up_bias, int64_t intermediate, const void *down_panels,
                const void *down_bias, void *h, void *normed, void *gate_up, void *activation, void *y, int threads,
-               int bf16) {
+               int format) {
+    const int bf16 = format == WEIGHTS_BF16;
     int64_t size = bf16 ? 2 : 4;
-    panel_rows(attn, attn_width, rows, panel_depth(attn_width, bf16), o_panels, hidden, o_bias, residual, h, hidden,
-               threads, bf16);
+    panel_rows(attn, attn_width, rows, panel_depth(attn_width, format), o_panels, hidden, o_bias, residual, h, hidden,
+               threads, format);
     rms_norm(h, hidden, rows, hidden, norm_weight, eps, normed, hidden, threads, bf16);
     if (intermediate % PANEL_WIDTH == 0) {  /* gate_up is not used */
-        gated_panel_rows(normed, hidden, rows, panel_depth(hidden, bf16), gate_up_panels, intermediate, gate_up_bias,
-                         activation, threads, bf16);
+        gated_panel_rows(normed, hidden, rows, panel_depth(hidden, format), gate_up_panels, intermediate, gate_up_bias,
+                         activation, threads, format);
     } else {
-        panel_rows(normed, hidden, rows, panel_depth(hidden, bf16), gate_up_panels, 2 * intermediate, gate_up_bias, 0,
-                   gate_up, 2 * intermediate, threads, bf16);
+        panel_rows(normed, hidden, rows, panel_depth(hidden, format), gate_up_panels, 2 * intermediate, gate_up_bias, 0,
+                   gate_up, 2 * intermediate, threads, format);
         silu_mul(gate_up, (char *)gate_up + intermediate * size, 2 * intermediate, rows, intermediate, activation,
                  threads, bf16);
     }
-    panel_rows(activation, intermediate, rows, panel_depth(intermediate, bf16), down_panels, hidden, down_bias, h, y,
-               hidden, threads, bf16);
+    panel_rows(activation, intermediate, rows, panel_depth(intermediate, format), down_panels, hidden, down_bias, h, y,
+               hidden, threads, format);
 }
 
 /* RoPE of one row's heads (heads contiguous, from offset `from`) by the row's tables cos, sin [dim] (from offset

@@ -224,25 +224,59 @@ def panels(weight: torch.Tensor) -> torch.Tensor:
     return laid if pair == 2 else laid.squeeze(-1)
 
 
+def int8_panels(weight: torch.Tensor) -> torch.Tensor:
+    """An fp32 weight [out, in] in int8 for `panel_rows`, laid out as `panels` lays fp32 out, each panel's int8
+    [in, w] followed by its w outputs' fp32 scales: [ceil(out / w), in * w + 4 * w] bytes (`_int8_rows`)."""
+    if weight.dim() != 2 or weight.device.type != "cpu" or weight.dtype != torch.float32 or not available():
+        raise ValueError(f"int8_panels: takes an fp32 CPU weight [out, in], got {tuple(weight.shape)} {weight.dtype} "
+                         f"on {weight.device}")
+    width, (out_features, in_features) = _built(library()).panel_width, weight.shape
+    quantized, scales = _int8_rows(weight.detach())
+    quantized = torch.nn.functional.pad(quantized, (0, 0, 0, -out_features % width))
+    scales = torch.nn.functional.pad(scales, (0, -out_features % width), value=1.0)
+    laid = quantized.view(-1, width, in_features).transpose(1, 2).reshape(-1, in_features * width)
+    return torch.cat([laid, scales.view(-1, width).contiguous().view(torch.int8)], dim=1)
+
+
+def int8_dequantized(weight: torch.Tensor) -> torch.Tensor:
+    """The fp32 weight [out, in] whose products `panel_rows` runs over `int8_panels(weight)`: every weight rounded
+    to its output's int8 step, what int8 decoding multiplies (its tests' reference, its fidelity's explanation)."""
+    quantized, scales = _int8_rows(weight)
+    return quantized.float() * scales[:, None]
+
+
+def _int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each output's row of an fp32 weight [out, in] as int8 and its scale: its largest |weight| / 127, the row
+    divided by it and rounded to the nearest integer (symmetric, per output channel: the usual int8 weights of LLM
+    inference, whose error per weight is at most half a scale step). An all-zero row gets scale 1."""
+    scales = weight.abs().amax(dim=1) / 127
+    scales = torch.where(scales > 0, scales, torch.ones_like(scales))
+    return torch.round(weight / scales[:, None]).clamp_(-127, 127).to(torch.int8), scales
+
+
 def panel_rows(rows: torch.Tensor, weight_panels: torch.Tensor, out_features: int, bias: torch.Tensor | None = None,
                plus: torch.Tensor | None = None) -> torch.Tensor:
     """rows [n, in] @ weight.T (+ bias [out_features]) (+ plus [n, out_features]: a residual) for a weight given as
-    its `panels`: [n, out_features], summed in fp32. All fp32, or all bf16: then the product plus bias is rounded
-    to bf16 once, and `plus` added to that, as torch adds a residual to a bf16 layer's output."""
+    its `panels` (or `int8_panels`): [n, out_features], summed in fp32. All fp32, or fp32 rows over int8 panels
+    (each output's sum scaled, then its bias added), or all bf16: then the product plus bias is rounded to bf16
+    once, and `plus` added to that, as torch adds a residual to a bf16 layer's output."""
     if not _panel_rows_take(rows, weight_panels, out_features, bias, plus):
         raise ValueError(f"panel_rows: rows {tuple(rows.shape)} {rows.dtype} into {out_features} outputs over panels "
                          f"{tuple(weight_panels.shape)} {weight_panels.dtype}, bias "
                          f"{None if bias is None else (tuple(bias.shape), bias.dtype)}, plus "
                          f"{None if plus is None else (tuple(plus.shape), plus.dtype)}: CPU tensors all fp32, or all "
-                         f"bf16 with AVX512-BF16, panels as `panels` lays them out")
-    (n, in_features), depth = rows.shape, weight_panels.shape[1]
+                         f"bf16 with AVX512-BF16 (fp32 rows also over int8 panels), panels as `panels` or "
+                         f"`int8_panels` lay them out")
+    n, in_features = rows.shape
+    depth = in_features if weight_panels.dtype == torch.int8 else weight_panels.shape[1]
     bf16 = rows.dtype == torch.bfloat16
     out = torch.empty(n, out_features, dtype=rows.dtype)
     added = None if plus is None else plus.contiguous()
     # bf16 rows of an odd width get the zero column their panels have
     x = torch.nn.functional.pad(rows, (0, 1)) if bf16 and in_features % 2 else rows.contiguous()
     library().panel_rows(x.data_ptr(), x.shape[1], n, depth, weight_panels.data_ptr(), out_features,
-                         pointer(bias), pointer(added), out.data_ptr(), out_features, torch.get_num_threads(), bf16)
+                         pointer(bias), pointer(added), out.data_ptr(), out_features, torch.get_num_threads(),
+                         weights_format(weight_panels))
     return out
 
 
@@ -257,7 +291,14 @@ def _panel_rows_take(rows: torch.Tensor, weight_panels: torch.Tensor, out_featur
 def _panels_fit(in_features: int, dtype: torch.dtype, weight_panels: torch.Tensor, out_features: int,
                 bias: torch.Tensor | None) -> bool:
     """Whether `panels` laid these panels out for a weight [out_features, in_features] of `dtype` (and `bias` is
-    that weight's)."""
+    that weight's), or `int8_panels` for an fp32 one."""
+    if weight_panels.dtype == torch.int8:
+        width = _built(library()).panel_width if available() else 0
+        return (dtype == torch.float32 and weight_panels.dim() == 2 and weight_panels.device.type == "cpu"
+                and weight_panels.is_contiguous() and width > 0
+                and weight_panels.shape == (-(-out_features // width), (in_features + 4) * width)
+                and (bias is None or (bias.shape == (out_features,) and bias.dtype == dtype and bias.is_contiguous()
+                                      and bias.device.type == "cpu")))
     bf16 = dtype == torch.bfloat16
     if (weight_panels.dim() != 3 + bf16 or weight_panels.dtype != dtype or not panels_take(dtype)
             or weight_panels.device.type != "cpu" or not weight_panels.is_contiguous()):
@@ -269,6 +310,17 @@ def _panels_fit(in_features: int, dtype: torch.dtype, weight_panels: torch.Tenso
                                   and bias.device.type == "cpu")))
 
 
+# `format` of native.c's products: the weights' layout in panels
+WEIGHTS_FP32, WEIGHTS_BF16, WEIGHTS_INT8 = 0, 1, 2
+
+
+def weights_format(weight_panels: torch.Tensor) -> int:
+    """native.c's `format` for a product over these panels: the rows' dtype, or int8 weights for fp32 rows."""
+    if weight_panels.dtype == torch.int8:
+        return WEIGHTS_INT8
+    return WEIGHTS_BF16 if weight_panels.dtype == torch.bfloat16 else WEIGHTS_FP32
+
+
 def parts_take(rows: torch.Tensor, *widths: int) -> bool:
     """Whether `normed_panel_rows` and `layer_end` take rows of this dtype whose products have inputs of these
     widths: fp32, or bf16 of even widths (panels hold bf16 in pairs, and these kernels pad none)."""
@@ -277,8 +329,8 @@ def parts_take(rows: torch.Tensor, *widths: int) -> bool:
 
 @dataclass(frozen=True)
 class Panels:
-    """A weight [out_features, in_features] laid out by `panels`, with its bias: what the kernels that run a layer's
-    parts in one call take. Checked once, as it is made, so that a call checks only its rows."""
+    """A weight [out_features, in_features] laid out by `panels` (or `int8_panels`), with its bias: what the kernels
+    that run a layer's parts in one call take. Checked once, as it is made, so that a call checks only its rows."""
 
     panels: torch.Tensor
     in_features: int
@@ -286,14 +338,24 @@ class Panels:
     bias: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
-        if not _panels_fit(self.in_features, self.panels.dtype, self.panels, self.out_features, self.bias):
+        if not _panels_fit(self.in_features, self.rows_dtype, self.panels, self.out_features, self.bias):
             raise ValueError(f"Panels: {tuple(self.panels.shape)} {self.panels.dtype} panels (bias "
                              f"{None if self.bias is None else tuple(self.bias.shape)}) are not those of a weight "
                              f"[{self.out_features}, {self.in_features}]")
 
+    @property
+    def rows_dtype(self) -> torch.dtype:
+        """The dtype of the rows (and bias) multiplied: the weight's own, or fp32 over int8."""
+        return torch.float32 if self.panels.dtype == torch.int8 else self.panels.dtype
+
+    @property
+    def format(self) -> int:
+        return weights_format(self.panels)
+
     @staticmethod
-    def of(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Panels:
-        return Panels(panels(weight), weight.shape[1], weight.shape[0], bias)
+    def of(weight: torch.Tensor, bias: torch.Tensor | None = None, int8: bool = False) -> Panels:
+        """`weight` (and `bias`) laid out by `panels`, or by `int8_panels` if `int8`."""
+        return Panels(int8_panels(weight) if int8 else panels(weight), weight.shape[1], weight.shape[0], bias)
 
 
 def normed_panel_rows(rows: torch.Tensor, norm_weight: torch.Tensor, eps: float, weight: Panels) -> torch.Tensor:
@@ -301,7 +363,7 @@ def normed_panel_rows(rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     product of its normalised input."""
     n, width = rows.shape
     if (not _rows(rows) or rows.device.type != "cpu" or weight.in_features != width or norm_weight.shape != (width,)
-            or not norm_weight.is_contiguous() or not rows.dtype == norm_weight.dtype == weight.panels.dtype
+            or not norm_weight.is_contiguous() or not rows.dtype == norm_weight.dtype == weight.rows_dtype
             or not parts_take(rows, width)):
         raise ValueError(f"normed_panel_rows: rows {tuple(rows.shape)} {rows.stride()} {rows.dtype}, a norm weight "
                          f"{tuple(norm_weight.shape)} {norm_weight.dtype}, a weight [{weight.out_features}, "
@@ -311,8 +373,7 @@ def normed_panel_rows(rows: torch.Tensor, norm_weight: torch.Tensor, eps: float,
     out = torch.empty(n, weight.out_features, dtype=rows.dtype)
     library().normed_panel_rows(rows.data_ptr(), rows.stride(0), n, width, norm_weight.data_ptr(), eps,
                                 weight.panels.data_ptr(), weight.out_features, pointer(weight.bias),
-                                scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(),
-                                rows.dtype == torch.bfloat16)
+                                scratch.data_ptr(), out.data_ptr(), torch.get_num_threads(), weight.format)
     return out
 
 
@@ -327,8 +388,9 @@ def layer_end(attn: torch.Tensor, residual: torch.Tensor, o_proj: Panels, norm_w
             or norm_weight.shape != (hidden,) or not norm_weight.is_contiguous()
             or (o_proj.in_features, o_proj.out_features, gate_up.in_features, gate_up.out_features,
                 down.out_features) != (attn_width, hidden, hidden, 2 * intermediate, hidden)
-            or not (dtype == residual.dtype == norm_weight.dtype == o_proj.panels.dtype == gate_up.panels.dtype
-                    == down.panels.dtype)
+            or not (dtype == residual.dtype == norm_weight.dtype == o_proj.rows_dtype == gate_up.rows_dtype
+                    == down.rows_dtype)
+            or not o_proj.format == gate_up.format == down.format
             or not parts_take(attn, attn_width, hidden, intermediate)):
         raise ValueError(f"layer_end: rows {tuple(attn.shape)} {dtype} with a residual {tuple(residual.shape)} "
                          f"{residual.dtype} through weights o [{o_proj.out_features}, {o_proj.in_features}], gate/up "
@@ -341,7 +403,7 @@ def layer_end(attn: torch.Tensor, residual: torch.Tensor, o_proj: Panels, norm_w
                         pointer(o_proj.bias), norm_weight.data_ptr(), eps, gate_up.panels.data_ptr(),
                         pointer(gate_up.bias), intermediate, down.panels.data_ptr(), pointer(down.bias),
                         *(t.data_ptr() for t in intermediates), out.data_ptr(), torch.get_num_threads(),
-                        dtype == torch.bfloat16)
+                        o_proj.format)
     return out
 
 

@@ -679,16 +679,26 @@ def _panel_dtypes() -> list[torch.dtype]:
     return [d for d in DTYPES if native.panels_take(d)]
 
 
+def _panel_kinds() -> list[tuple[torch.dtype, bool]]:
+    """(rows' dtype, int8 weights) of every product in panels the kernels run."""
+    return [(d, False) for d in _panel_dtypes()] + [(torch.float32, True)]
+
+
+def _kind_id(kind: tuple[torch.dtype, bool]) -> str:
+    return "fp32 over int8" if kind[1] else str(kind[0]).removeprefix("torch.")
+
+
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 7, 300])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", _panel_dtypes())
-def test_normed_panel_rows_are_the_norm_then_the_product_to_the_bit(threads, rows, bias, dtype):
+@pytest.mark.parametrize("kind", _panel_kinds(), ids=_kind_id)
+def test_normed_panel_rows_are_the_norm_then_the_product_to_the_bit(threads, rows, bias, kind):
+    dtype, int8 = kind
     x = (torch.randn(rows, 2, 96)[:, 1] * 3).to(dtype)  # rows of a wider tensor
     norm_weight, weight = torch.randn(96).to(dtype), torch.randn(72, 96).to(dtype)
     b = torch.randn(72).to(dtype) if bias else None
-    laid = native.Panels.of(weight, b)
+    laid = native.Panels.of(weight, b, int8=int8)
     with _threads(threads):
         got = native.normed_panel_rows(x, norm_weight, 1e-5, laid)
         apart = native.panel_rows(native.rms_norm(x, norm_weight, 1e-5), laid.panels, 72, b)
@@ -699,16 +709,17 @@ def test_normed_panel_rows_are_the_norm_then_the_product_to_the_bit(threads, row
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("rows", [1, 4, 13, 300])
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("dtype", _panel_dtypes())
+@pytest.mark.parametrize("kind", _panel_kinds(), ids=_kind_id)
 @pytest.mark.parametrize("intermediate", [96, 72])  # whole panels (gate and up taken as their tiles come), or not
-def test_layer_end_is_its_kernels_one_after_another_to_the_bit(threads, rows, bias, dtype, intermediate):
+def test_layer_end_is_its_kernels_one_after_another_to_the_bit(threads, rows, bias, kind, intermediate):
     """h = attn @ o + residual, then h + down(silu(gate) * up) of norm(h): each step's kernel, in one call."""
+    dtype, int8 = kind
     hidden, attn_width = 64, 96
     attn, residual = (torch.randn(rows, width).to(dtype) for width in (attn_width, hidden))
     weights = {name: torch.randn(shape).to(dtype) / 4 for name, shape in
                (("o", (hidden, attn_width)), ("gate_up", (2 * intermediate, hidden)), ("down", (hidden, intermediate)))}
     biases = {name: torch.randn(w.shape[0]).to(dtype) if bias else None for name, w in weights.items()}
-    laid = {name: native.Panels.of(w, biases[name]) for name, w in weights.items()}
+    laid = {name: native.Panels.of(w, biases[name], int8=int8) for name, w in weights.items()}
     norm_weight = torch.randn(hidden).to(dtype)
     with _threads(threads):
         got = native.layer_end(attn, residual, laid["o"], norm_weight, 1e-5, laid["gate_up"], laid["down"])
@@ -879,3 +890,55 @@ def test_kernels_refuse_heads_that_do_not_lie_side_by_side_and_the_runtime_rotat
     rotary = tiny_model.rotary(torch.arange(5))
     q = torch.randn(tiny_model.num_q_heads, 5, tiny_model.head_dim).transpose(0, 1)
     torch.testing.assert_close(tiny_model.rope(0, q, rotary), tiny_model.rope(0, q.contiguous(), rotary))
+
+
+@needs_compiler
+def test_int8_panels_hold_each_output_s_int8_row_and_its_scale():
+    weight = torch.randn(45, 13) * torch.linspace(0.1, 4, 45)[:, None]  # outputs of different ranges
+    weight[7] = 0  # an output of zeros
+    laid, width = native.int8_panels(weight), native.library().panel_width()
+    count = -(-45 // width)
+    assert laid.dtype == torch.int8 and laid.shape == (count, 13 * width + 4 * width)
+    values = laid[:, : 13 * width].reshape(count, 13, width).transpose(1, 2).reshape(-1, 13).float()
+    scales = laid[:, 13 * width :].contiguous().view(torch.float32).reshape(-1)
+    assert values.abs().max() == 127 and torch.equal(values[45:], torch.zeros(count * width - 45, 13))
+    assert torch.equal(scales[:45], torch.where(weight.abs().amax(1) > 0, weight.abs().amax(1) / 127, 1.0))
+    assert torch.equal(values[:45] * scales[:45, None], native.int8_dequantized(weight))
+    assert (native.int8_dequantized(weight) - weight).abs().le(scales[:45, None] / 2 + 1e-7).all()
+
+
+@needs_compiler
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 9, 17, 40])
+@pytest.mark.parametrize("shape", [(40, 33), (96, 64), (7, 1)], ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("plus", [False, True])
+def test_panel_rows_over_int8_panels_multiply_the_int8_weights(threads, rows, shape, bias, plus):
+    generator = torch.Generator().manual_seed(rows * 1000 + shape[0])
+    weight, x = torch.randn(shape, generator=generator), torch.randn(rows, shape[1], generator=generator)
+    b = torch.randn(shape[0], generator=generator) if bias else None
+    residual = torch.randn(rows, shape[0], generator=generator) if plus else None
+    with _threads(threads):
+        got = native.panel_rows(x, native.int8_panels(weight), shape[0], b, residual)
+    expected = x.double() @ native.int8_dequantized(weight).double().T
+    expected += 0 if b is None else b.double()
+    expected += 0 if residual is None else residual.double()
+    torch.testing.assert_close(got, expected.float(), rtol=1e-5, atol=1e-5)
+
+
+@needs_compiler
+def test_int8_panels_refuse_what_they_cannot_take():
+    weight = torch.randn(8, 4)
+    laid = native.int8_panels(weight)
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 4).bfloat16(), laid, 8)  # int8 weights take fp32 rows
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 5), laid, 8)  # rows of another width
+    with pytest.raises(ValueError, match="panel_rows"):
+        native.panel_rows(torch.randn(2, 4), laid[:, :-4], 8)  # a panel without its scales
+    with pytest.raises(ValueError, match="int8_panels"):
+        native.int8_panels(weight.bfloat16())
+    o_proj, gate_up, down = (native.Panels.of(torch.randn(shape), int8=int8)
+                             for shape, int8 in (((8, 16), True), ((32, 8), False), ((8, 16), True)))
+    with pytest.raises(ValueError, match="layer_end"):  # weights of two formats
+        native.layer_end(torch.randn(2, 16), torch.randn(2, 8), o_proj, torch.ones(8), 1e-5, gate_up, down)
