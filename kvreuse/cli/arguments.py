@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvreuse.model.loader import DTYPES
+from kvreuse.model.runtime import DECODE_WEIGHTS
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:
@@ -13,6 +14,9 @@ def add_model_args(parser: argparse.ArgumentParser) -> None:
         help="local Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
     )
     parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    parser.add_argument("--decode-weights", default="model", choices=DECODE_WEIGHTS,
+                        help="the weights decoding multiplies: the model's own (default), or int8 copies of them "
+                             "(fp32 models; prompts keep fp32: see docs/RESULTS.md for its fidelity)")
 
 
 def positive_int(text: str) -> int:

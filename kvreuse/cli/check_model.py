@@ -17,7 +17,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_check_model(args: argparse.Namespace) -> int:
-    from kvreuse.model.check import gate_prompt_ids, run_gate
+    from kvreuse.model.check import gate_prompt_ids, int8_decoding_drift, run_gate
     from kvreuse.model.loader import load_model
 
     loaded = load_model(args.model, "float32")
@@ -25,6 +25,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
     results = run_gate(loaded.runtime, prompt_ids)
     for result in results:
         print(f"{'PASS' if result.passed else 'FAIL'}  {result.name}: {result.detail}")
+    print(f"INFO  {int8_decoding_drift(loaded.runtime, prompt_ids)}")
     passed = all(r.passed for r in results)
     print(f"{loaded.name}: {'passes' if passed else 'FAILS'} the correctness gate")
     return 0 if passed else 1

@@ -36,7 +36,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop
     )
     documents = [Path(p).read_text() for p in args.document]
-    engine = ReuseEngine.load(args.model, args.store, args.dtype)
+    engine = ReuseEngine.load(args.model, args.store, args.dtype, args.decode_weights)
     try:
         request = engine.build_request(documents, args.prompt)
         if args.warm:

@@ -32,6 +32,8 @@ FLAGS = {
     "--max-request-bytes": (int, "larger request bodies are refused with 413 (default 4 MiB)"),
     "--shutdown-timeout": (float, "seconds a stopping server lets requests finish before cancelling them (10)"),
     "--dtype": (str, "float32 (default), bfloat16 or float16"),
+    "--decode-weights": (str, "the weights decoding multiplies: model (default: the model's own) or int8 (int8 "
+                              "copies; fp32 models; prompts and stored KV keep fp32)"),
     "--log-level": (str, "uvicorn's log level (default info)"),
 }
 
@@ -68,7 +70,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     config = config_from_args(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     placement = PlacementPolicy() if config.placement == "cost" else None
-    engine = ReuseEngine.load(config.model, config.store, config.dtype, prefix_block_size=config.prefix_block_size,
+    engine = ReuseEngine.load(config.model, config.store, config.dtype, config.decode_weights,
+                              prefix_block_size=config.prefix_block_size,
                               batch_restore=config.batch_restore, placement=placement)
     app = create_app(EngineService(engine, config))
     uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,

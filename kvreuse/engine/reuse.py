@@ -43,6 +43,7 @@ from kvreuse.fusion.plan import Block, FusionPlan, PlacedSegment, PrefixSplit
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
+from kvreuse.model.runtime import DECODE_WEIGHTS
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.restore.batch import BatchRestorer
 from kvreuse.restore.job import IOChannels
@@ -104,10 +105,16 @@ class ReuseEngine:
             self._restore_rates |= step_costs_from(profile, self.store)
 
     @classmethod
-    def load(cls, model: str | None = None, store: str = DEFAULT_STORE, dtype: str = "float32", **options
-             ) -> ReuseEngine:
-        """options: the constructor's keyword options (prefix_block_size, prefix_strategy)."""
+    def load(cls, model: str | None = None, store: str = DEFAULT_STORE, dtype: str = "float32",
+             decode_weights: str = "model", **options) -> ReuseEngine:
+        """decode_weights: "model" (decoding multiplies the model's weights) or "int8" (int8 copies of them,
+        LayerwiseModel.decode_in_int8: an fp32 model only). options: the constructor's keyword options
+        (prefix_block_size, prefix_strategy)."""
+        if decode_weights not in DECODE_WEIGHTS:
+            raise ValueError(f"decode weights {decode_weights!r} are not one of {', '.join(DECODE_WEIGHTS)}")
         loaded = load_model(model, dtype)
+        if decode_weights == "int8":
+            loaded.runtime.decode_in_int8()
         return cls(loaded, open_store(store, model_fingerprint=loaded.fingerprint, dtype=dtype), **options)
 
     @property

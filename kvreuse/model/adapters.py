@@ -16,7 +16,7 @@ from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from kvreuse.model import native
-from kvreuse.model.linear import in_panels, linear
+from kvreuse.model.linear import in_panels, int8_panels, linear
 from kvreuse.model.resolved_step import LayerWeights
 
 # Bytes of the gate and up products' output (2 x intermediate values a row) one pass through the MLP makes: more
@@ -115,8 +115,9 @@ class LlamaAdapter:
         hidden = linear(attn_out, attn.o_proj, plus=residual)
         return self.mlp(mlp, self.norm(norm, hidden), plus=hidden)
 
-    def native_layers(self, rows: int, dtype: torch.dtype) -> list[LayerWeights] | None:
-        """Every layer's `native_layer` for a step of `rows` rows of `dtype`, or None if a layer's do not run there.
+    def native_layers(self, rows: int, dtype: torch.dtype, int8: bool = False) -> list[LayerWeights] | None:
+        """Every layer's `native_layer` for a step of `rows` rows of `dtype` (over int8 weights if `int8`), or None if
+        a layer's do not run there.
         Kept between steps while the parameters are unchanged (one pass over them, about 0.1 ms for SmolLM2, where
         resolving the 30 layers took 0.8 ms of a 20 ms decoding step) and the limits those checks read are the same."""
         tensors = [t for module in self._modules_with_weights for t in module._parameters.values() if t is not None]
@@ -125,26 +126,27 @@ class LlamaAdapter:
         if versions != known_versions or len(tensors) != len(known) or any(a is not b for a, b in zip(tensors, known)):
             self._native_layers.clear()
             self._native_layers_of = tensors, versions
-        key = (rows, dtype, native.most_panel_rows(), MLP_PASS_BYTES)
+        key = (rows, dtype, int8, native.most_panel_rows(), MLP_PASS_BYTES)
         # one look-up, not a test and a read: steps in other threads (a batch restoration's) may clear the set
         kept = self._native_layers.get(key, UNRESOLVED)
         if kept is UNRESOLVED:
             if len(self._native_layers) >= NATIVE_LAYERS_KEPT:  # prompts of many lengths: keep the latest few
                 self._native_layers.clear()
             probe = torch.empty(rows, self.config.hidden_size, dtype=dtype)
-            weights = [self.native_layer(block, probe) for block in self.decoder.layers]
+            weights = [self.native_layer(block, probe, int8) for block in self.decoder.layers]
             kept = self._native_layers[key] = None if any(w is None for w in weights) else weights
         return kept
 
-    def native_layer(self, block: nn.Module, rows: torch.Tensor) -> LayerWeights | None:
-        """The layer's norms and products as the native kernels take them for rows like `rows` (`ResolvedStep`), or
-        None where `project_qkv` or `finish_layer` would not run them as one native call each."""
+    def native_layer(self, block: nn.Module, rows: torch.Tensor, int8: bool = False) -> LayerWeights | None:
+        """The layer's norms and products as the native kernels take them for rows like `rows` (`ResolvedStep`), its
+        products over its weights in int8 if `int8` (fp32 rows), or None where `project_qkv` or `finish_layer`
+        would not run them as one native call each."""
         attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
         if not (isinstance(mlp.act_fn, SILU) and all(self._norm_runs_native(norm, rows) for norm in norms)
-                and rows.shape[0] <= _pass_rows(mlp, rows)):
+                and rows.shape[0] <= _pass_rows(mlp, rows) and (not int8 or rows.dtype == torch.float32)):
             return None
-        qkv, o_proj, gate_up, down = (in_panels(rows, *layers) for layers in (_qkv(attn), (attn.o_proj,),
-                                                                              _gate_up(mlp), (mlp.down_proj,)))
+        qkv, o_proj, gate_up, down = (int8_panels(*layers) if int8 else in_panels(rows, *layers)
+                                      for layers in (_qkv(attn), (attn.o_proj,), _gate_up(mlp), (mlp.down_proj,)))
         if (qkv is None or o_proj is None or gate_up is None or down is None
                 or not native.parts_take(rows, rows.shape[1], o_proj.in_features, down.in_features)):
             return None
@@ -189,7 +191,7 @@ class Qwen3Adapter(LlamaAdapter):
         q, k, v = super().project_qkv(block, hidden)
         return block.self_attn.q_norm(q), block.self_attn.k_norm(k), v
 
-    def native_layer(self, block: nn.Module, rows: torch.Tensor) -> LayerWeights | None:
+    def native_layer(self, block: nn.Module, rows: torch.Tensor, int8: bool = False) -> LayerWeights | None:
         return None  # q and k are normalised between the product and RoPE, which the resolved calls do not do
 
 

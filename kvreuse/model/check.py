@@ -5,6 +5,9 @@
 (c) chunks prefilled alone at offset 0, their stored keys rotated to the chunks' real offsets, give exactly the
     keys of a full prefill wherever a full prefill's keys do not depend on other chunks (every layer of the
     first chunk; layer 0 of every chunk).
+
+Beside the gate, not part of it: how far decoding over int8 weights (an option that rounds every weight, so
+never exact) moves from fp32's decoding on the gate's prompt (`int8_decoding_drift`).
 """
 
 from __future__ import annotations
@@ -107,6 +110,34 @@ def gate_prompt_ids(model: LayerwiseModel, encode: Callable[[str], list[int]], t
     while len(ids := encode(repeated)) <= needed:
         repeated += " " + text
     return ids
+
+
+@torch.inference_mode()
+def int8_decoding_drift(model: LayerwiseModel, prompt_ids: list[int], new_tokens: int = 32) -> str:
+    """fp32's greedy tokens decoded again over int8 weights (LayerwiseModel.decode_in_int8), each step fed fp32's
+    token: on how many steps int8's top token is fp32's, and the largest logit difference. A figure for a user
+    choosing `--decode-weights int8`, not a pass or fail."""
+    try:
+        model.decode_in_int8()
+    except ValueError as e:
+        return f"not available: {e}"
+    model.decode_in_int8(False)
+    ids = torch.tensor(prompt_ids)
+    fp32 = model.prefill(ids, cache=model.new_cache(len(ids) + new_tokens))
+    int8_cache = fp32.cache.clone()
+    tokens, fp32_logits = [int(fp32.logits.argmax())], []
+    for _ in range(new_tokens - 1):
+        fp32_logits.append(model.decode(tokens[-1], fp32.cache))
+        tokens.append(int(fp32_logits[-1].argmax()))
+    model.decode_in_int8()
+    try:
+        int8_logits = [model.decode(token, int8_cache) for token in tokens[:-1]]
+    finally:
+        model.decode_in_int8(False)
+    same = sum(int(a.argmax()) == int(b.argmax()) for a, b in zip(fp32_logits, int8_logits))
+    largest = max(float((a - b).abs().max()) for a, b in zip(fp32_logits, int8_logits))
+    return (f"decoding over int8 weights (--decode-weights int8, an option): fp32's top token on {same} of "
+            f"{len(fp32_logits)} steps fed fp32's tokens; largest logit difference {largest:.3f}")
 
 
 def run_gate(model: LayerwiseModel, prompt_ids: list[int], new_tokens: int = 32) -> list[CheckResult]:

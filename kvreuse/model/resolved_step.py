@@ -167,7 +167,7 @@ class ResolvedStep:
         pooled = shape.pooled
         if not (pooled[1].in_order if pooled is not None else len(groups) == 1 and _OneRequest.takes(groups[0])):
             return None
-        weights = model.adapter.native_layers(sum(len(g) for g in groups), model.dtype)
+        weights = model.adapter.native_layers(sum(len(g) for g in groups), model.dtype, shape.int8)
         if weights is None:
             return None
         threads = torch.get_num_threads()
@@ -184,7 +184,7 @@ class ResolvedStep:
         n, hidden_size, q_width = hidden.shape[0], self.hidden_size, self.q_heads * self.head_dim
         lib.normed_panel_rows(hidden.data_ptr(), hidden_size, n, hidden_size, w.input_norm.data_ptr(), w.input_eps,
                               w.qkv.panels.data_ptr(), w.qkv.out_features, native.pointer(w.qkv.bias),
-                              self.norm_scratch.data_ptr(), self.qkv.data_ptr(), threads, bf16)
+                              self.norm_scratch.data_ptr(), self.qkv.data_ptr(), threads, w.qkv.format)
         kind = self.model.rope_kind_of_layer[layer]
         cos, sin, rotated = self.cos[kind], self.sin[kind], self.rotated
         lib.rope(self.qkv.data_ptr(), self.qkv.stride(0), n, self.q_heads + self.kv_heads, self.head_dim,
@@ -196,7 +196,7 @@ class ResolvedStep:
                       w.o_proj.panels.data_ptr(), native.pointer(w.o_proj.bias), w.post_norm.data_ptr(), w.post_eps,
                       w.gate_up.panels.data_ptr(), native.pointer(w.gate_up.bias), self.intermediate,
                       w.down.panels.data_ptr(), native.pointer(w.down.bias),
-                      *(t.data_ptr() for t in self.layer_end_scratch), out.data_ptr(), threads, bf16)
+                      *(t.data_ptr() for t in self.layer_end_scratch), out.data_ptr(), threads, w.o_proj.format)
         return out
 
 

@@ -30,7 +30,7 @@ from kvreuse.model.allocator import keep_freed_memory
 from kvreuse.model.attention import attend, attention_mask
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.kv_pool import KVPool, PooledStep
-from kvreuse.model.linear import linear, pack_weights
+from kvreuse.model.linear import int8_panels, linear, linear_int8, pack_weights
 from kvreuse.model.resolved_step import ResolvedStep
 
 
@@ -58,6 +58,8 @@ Capture = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 LAST_ROW = slice(-1, None)  # a group's `outputs` where only its last row's next token is wanted
+# The weights a decoding step multiplies: the model's own (its dtype), or int8 copies (LayerwiseModel.decode_in_int8)
+DECODE_WEIGHTS = ("model", "int8")
 
 
 @dataclass
@@ -78,6 +80,9 @@ class RowGroup:
     # The rows (of those it keeps) whose output the step returns; the others end with their KV written. A prompt's
     # last layer: only its last row goes on to the LM head, so the others skip attention, o-projection and MLP.
     outputs: slice | None = None
+    # A decoding step's row (`decode`, `decode_batch`): its products run over int8 weights where the model decodes
+    # in int8 (`LayerwiseModel.decode_in_int8`); a prompt's rows, whose KV may be stored, never do.
+    decoding: bool = False
 
     def __len__(self) -> int:
         return self.positions.numel()
@@ -92,6 +97,7 @@ class StepShape:
     rotary: Rotary  # the joined rows' RoPE tables
     captures: bool  # some group records its KV
     pooled: tuple[KVPool, PooledStep] | None  # decoding rows that attend in one call over their pool
+    int8: bool = False  # decoding rows of a model that decodes in int8: products over int8 weights
     resolved: ResolvedStep | None = None  # the rows' layers as native calls resolved once
 
 
@@ -173,6 +179,7 @@ class LayerwiseModel:
         self._rotary_table: Rotary | None = None
         # The step under way, per thread: a batch restoration runs steps of different groups in several threads.
         self._step_under_way = threading.local()
+        self.int8_decoding = False  # decode_in_int8
         pack_weights([group for block in self.layers for group in self.adapter.products(block)]
                      + [(hf_model.lm_head,)])
         native.available()  # builds the C kernels now (the first time on this CPU), not in the first request
@@ -303,9 +310,33 @@ class LayerwiseModel:
         """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
         return self.adapter.finish_layer(self.layers[layer], residual, attn_out)
 
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Final norm and LM head; callers pass only the rows whose next token they need."""
-        return self.adapter.cap_logits(linear(self.adapter.norm(self.decoder.norm, hidden), self.hf_model.lm_head))
+    def logits(self, hidden: torch.Tensor, int8: bool = False) -> torch.Tensor:
+        """Final norm and LM head (over its weight in int8 if `int8`); callers pass only the rows whose next token
+        they need."""
+        normed, lm_head = self.adapter.norm(self.decoder.norm, hidden), self.hf_model.lm_head
+        return self.adapter.cap_logits(linear_int8(normed.contiguous(), lm_head) if int8 else linear(normed, lm_head))
+
+    def decode_in_int8(self, enabled: bool = True) -> None:
+        """Decode from now on (or, not `enabled`, no longer) with every projection's and the LM head's weights in
+        int8 (symmetric, one scale per output: `native.int8_panels`), multiplied by fp32 rows: a decoding step reads a
+        quarter of fp32's bytes.
+        Prompts, fusion plans and restorations keep the model's fp32 weights, so stored KV and first tokens are
+        unchanged; only the tokens after the first move (docs/RESULTS.md, its fidelity rows). A decoding step runs
+        over int8 weights wholly, where the native layer calls run it (`ResolvedStep`), or not at all (a pool's
+        sequences out of slot order take the general step, in fp32)."""
+        if not enabled:
+            self.int8_decoding = False
+            return
+        if self.dtype != torch.float32 or self.device.type != "cpu" or not native.available():
+            raise ValueError(f"int8 decoding takes an fp32 model on the CPU with kvreuse's native kernels; this one "
+                             f"is {str(self.dtype).removeprefix('torch.')} on {self.device}"
+                             + ("" if native.available() else ", without them (no C compiler, or KVREUSE_NATIVE=0)"))
+        # packed now, not in the first decoding step
+        if self.adapter.native_layers(1, self.dtype, int8=True) is None:
+            raise ValueError(f"int8 decoding runs layers of the Llama family (Llama, SmolLM2, Mistral, Qwen2) in "
+                             f"kvreuse's native calls; {type(self.hf_model).__name__}'s layers are not those")
+        int8_panels(self.hf_model.lm_head)
+        self.int8_decoding = True
 
     # ---- composites ------------------------------------------------------------------------------------
 
@@ -373,7 +404,8 @@ class LayerwiseModel:
                 _parts([len(g) for g in groups]),
                 groups[0].rotary if len(groups) == 1 else Rotary.cat([g.rotary for g in groups]),
                 any(g.capture is not None for g in groups),
-                pooled)
+                pooled,
+                self.int8_decoding and all(g.decoding for g in groups))
             shape.resolved = ResolvedStep.of(self, shape)
         return shape
 
@@ -416,7 +448,7 @@ class LayerwiseModel:
 
     def decode(self, token_id: int, cache: KVCache) -> torch.Tensor:
         """One decoding step: append `token_id` to `cache`, return the next-token logits."""
-        return self.prefill([token_id], cache).logits
+        return self.decode_batch([token_id], [cache])[0]
 
     @torch.inference_mode()
     def decode_batch(self, token_ids: list[int], caches: list[KVCache]) -> torch.Tensor:
@@ -427,11 +459,13 @@ class LayerwiseModel:
             raise ValueError(f"decode_batch needs one token per cache, got {len(token_ids)} and {len(caches)}")
         positions = torch.tensor([cache.next_position for cache in caches], device=self.device)
         rotary = self.rotary(positions)
-        groups = [RowGroup(cache, cache.allocate(positions[i : i + 1]), positions[i : i + 1], rotary[i : i + 1])
+        groups = [RowGroup(cache, cache.allocate(positions[i : i + 1]), positions[i : i + 1], rotary[i : i + 1],
+                           decoding=True)
                   for i, cache in enumerate(caches)]
         driver = Straight(self.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device)), groups)
         self.run_layers(range(self.num_layers), driver)
-        return self.logits(driver.hidden)
+        shape = self._step_under_way.shape
+        return self.logits(driver.hidden, int8=shape.int8 and shape.resolved is not None)
 
 
 def _pool_decoding(groups: Sequence[RowGroup]) -> KVPool | None:

@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from kvreuse.fusion.methods import DEFAULT_METHOD
+from kvreuse.model.runtime import DECODE_WEIGHTS
 from kvreuse.store.spec import parse_size
 
 ENV_PREFIX = "KVREUSE_"
@@ -41,6 +42,7 @@ class ServerConfig:
     max_request_bytes: int = 4 << 20  # a larger body is refused (413) before it is read whole
     shutdown_timeout: float = 10.0  # seconds a stopping server lets requests in flight finish, then cancels them
     dtype: str = "float32"
+    decode_weights: str = "model"  # or "int8": decoding over int8 copies of the weights (LayerwiseModel.decode_in_int8)
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -58,6 +60,7 @@ class ServerConfig:
             "default_max_tokens": self.default_max_tokens >= 1,
             "max_request_bytes": self.max_request_bytes >= 1024,
             "shutdown_timeout": self.shutdown_timeout >= 0,
+            "decode_weights": self.decode_weights in DECODE_WEIGHTS,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

@@ -20,3 +20,18 @@ def test_generate_reuses_a_warmed_document(tmp_path, capsys, embedded_model):
 def test_missing_document_is_a_clear_error(tmp_path, capsys):
     assert main(["generate", "--prompt", "hi", "--document", str(tmp_path / "none.txt")]) == 2
     assert "none.txt" in capsys.readouterr().err
+
+
+def test_generate_decodes_over_int8_weights_when_asked(tiny_model_dir, capsys, monkeypatch):
+    from kvreuse.model.runtime import LayerwiseModel
+
+    switched = []
+    decode_in_int8 = LayerwiseModel.decode_in_int8
+    monkeypatch.setattr(LayerwiseModel, "decode_in_int8",
+                        lambda self, enabled=True: switched.append(enabled) or decode_in_int8(self, enabled))
+    args = ["generate", "--model", str(tiny_model_dir), "--prompt", "hi", "--max-tokens", "3"]
+    assert main(args) == 0 and switched == []
+    assert main(args + ["--decode-weights", "int8"]) == 0 and switched == [True]
+    with pytest.raises(SystemExit):
+        main(args + ["--decode-weights", "int4"])
+    assert "--decode-weights: invalid choice: 'int4'" in capsys.readouterr().err

@@ -12,6 +12,7 @@ def test_check_model_command_passes_the_gate_on_the_embedded_model(embedded_mode
     assert main(["check-model"]) == 0
     out = capsys.readouterr().out
     assert out.count("PASS") == 3 and "FAIL" not in out
+    assert "INFO  decoding over int8 weights" in out and "of 31 steps fed fp32's tokens" in out
 
 
 def test_gguf_path_and_converted_directory_load_the_same_model(embedded_model):
@@ -31,4 +32,5 @@ def test_check_model_passes_on_gemma3_past_its_sliding_window(capsys):
     assert main(["check-model", "gemma3-270m"]) == 0
     out = capsys.readouterr().out
     assert out.count("PASS") == 3 and "FAIL" not in out
+    assert "INFO  not available: int8 decoding runs layers of the Llama family" in out  # Gemma 3 normalises q, k
     assert int(out.split(" tokens)")[0].rsplit(", ", 1)[1]) > 512

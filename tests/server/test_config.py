@@ -49,6 +49,7 @@ def test_flags_reach_the_config():
         ("", {"KVREUSE_PORT": "eighty"}, "KVREUSE_PORT: port must be int"),
         ("", {"KVREUSE_MAX_CONCURRENCY": "0"}, "max_concurrency: invalid value 0"),
         ("decode_pool: lots\n", {}, "decode_pool: invalid value 'lots'"),
+        ("decode_weights: int4\n", {}, "decode_weights: invalid value 'int4'"),
     ],
 )
 def test_bad_settings_name_themselves(tmp_path, yaml_text, environ, message):
@@ -91,3 +92,27 @@ def test_kvreuse_serve_refuses_bad_settings_before_loading_anything(capsys):
 
     assert main(["serve", "--max-queue", "-1"]) == 2
     assert "max_queue: invalid value -1" in capsys.readouterr().err
+
+
+def test_serve_loads_the_engine_with_the_config_s_model_settings(monkeypatch):
+    """What `kvreuse serve` hands the engine it loads (the server itself is not started)."""
+    import uvicorn
+
+    from kvreuse.engine import reuse
+    from kvreuse.server import app, service
+
+    loaded = {}
+
+    def load(*args, **kwargs):
+        loaded.update(args=args, kwargs=kwargs)
+        return object()
+
+    monkeypatch.setattr(reuse.ReuseEngine, "load", load)
+    monkeypatch.setattr(service, "EngineService", lambda engine, config: None)
+    monkeypatch.setattr(app, "create_app", lambda engine_service: None)
+    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    args = build_parser().parse_args(["serve", "some/model", "--dtype", "float32", "--decode-weights", "int8",
+                                      "--prefix-block-size", "64"])
+    assert args.func(args) == 0
+    assert loaded["args"] == ("some/model", "memory:4GB", "float32", "int8")
+    assert loaded["kwargs"]["prefix_block_size"] == 64
