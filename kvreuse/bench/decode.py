@@ -25,10 +25,13 @@ from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.model.runtime import LayerwiseModel, PrefillResult
 
 WARM_UP_STEPS = 3
-# kvreuse's ways to decode, each measured in turn: (name, from a KV pool, with the native kernels). The third
-# is the pooled step with kvreuse.model.native switched off: what the kernels gain, in the same run.
+# kvreuse's ways to decode, each measured in turn: (name, from a KV pool, with the native kernels, over int8
+# weights). The third is the pooled step with kvreuse.model.native switched off: what the kernels gain, in the same
+# run; the fourth the pooled step over int8 copies of the weights (`--decode-weights int8`, fp32 only).
 TORCH_KERNELS = "torch kernels"
-ENGINES = (("kvreuse", True, True), ("own caches", False, True), (TORCH_KERNELS, True, False))
+INT8_WEIGHTS = "int8 weights"
+ENGINES = (("kvreuse", True, True, False), ("own caches", False, True, False), (TORCH_KERNELS, True, False, False),
+           (INT8_WEIGHTS, True, True, True))
 
 
 @dataclass
@@ -75,11 +78,16 @@ def _kvreuse_step_medians(model: LayerwiseModel, prompts: list[list[int]], steps
     """The median step of each of kvreuse's ways to decode, taking turns `repeats` times, `steps` steps each, from
     the same prefilled prompts: a slow spell of the machine then falls on every way alike."""
     prefilled = _prefill(model, prompts, WARM_UP_STEPS + steps + 1)
-    samples: dict[str, list[float]] = {engine: [] for engine, _, _ in ENGINES}
+    engines = [e for e in ENGINES if not e[3] or (model.dtype == torch.float32 and native.available())]
+    samples: dict[str, list[float]] = {engine: [] for engine, *_ in engines}
     for _ in range(repeats):
-        for engine, pooled, native_kernels in ENGINES:
-            with contextlib.nullcontext() if native_kernels else native.disabled():
-                samples[engine] += _kvreuse_steps(model, prefilled, steps, pooled)
+        for engine, pooled, native_kernels, int8 in engines:
+            model.decode_in_int8(int8)
+            try:
+                with contextlib.nullcontext() if native_kernels else native.disabled():
+                    samples[engine] += _kvreuse_steps(model, prefilled, steps, pooled)
+            finally:
+                model.decode_in_int8(False)
     return {engine: statistics.median(seconds) for engine, seconds in samples.items()}
 
 
@@ -126,7 +134,8 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
     table = Table(title=f"Batched decoding, {model_name}, {prompt_tokens}-token prompts, {torch.get_num_threads()} "
                         f"threads, median step of {steps} x {repeats}")
     columns = ["batch", "dtype", "kvreuse ms/step", "kvreuse tokens/s", "own caches ms/step", "own caches / pool",
-               "torch kernels ms/step", "torch kernels / kvreuse", "floor ms", "kvreuse achieved / limit"]
+               "torch kernels ms/step", "torch kernels / kvreuse", "int8 weights ms/step", "int8 weights / kvreuse",
+               "floor ms", "kvreuse achieved / limit"]
     columns += ["vLLM ms/step", "vLLM tokens/s", "kvreuse / vLLM (time)", "vLLM achieved / limit"] if peer else []
     for column in columns:
         table.add_column(column, justify="right")
@@ -135,7 +144,10 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
                  f"{row.tokens_per_second('kvreuse'):.0f}", f"{1e3 * row.step_seconds['own caches']:.1f}",
                  f"{row.step_seconds['own caches'] / row.step_seconds['kvreuse']:.2f}",
                  f"{1e3 * row.step_seconds[TORCH_KERNELS]:.1f}",
-                 f"{row.step_seconds[TORCH_KERNELS] / row.step_seconds['kvreuse']:.2f}", f"{1e3 * row.floor:.1f}",
+                 f"{row.step_seconds[TORCH_KERNELS] / row.step_seconds['kvreuse']:.2f}",
+                 *((f"{1e3 * row.step_seconds[INT8_WEIGHTS]:.1f}",
+                    f"{row.step_seconds[INT8_WEIGHTS] / row.step_seconds['kvreuse']:.2f}")
+                   if INT8_WEIGHTS in row.step_seconds else ("-", "-")), f"{1e3 * row.floor:.1f}",
                  f"{row.achieved('kvreuse'):.2f}"]
         if peer and "vllm" in row.step_seconds:
             cells += [f"{1e3 * row.step_seconds['vllm']:.1f}", f"{row.tokens_per_second('vllm'):.0f}",
@@ -143,10 +155,12 @@ def _print(rows: list[DecodeRow], model_name: str, prompt_tokens: int, steps: in
         elif peer:
             cells += ["-", "-", "-", "-"]
         table.add_row(*cells)
-    Console(width=200).print(table)
+    Console(width=260).print(table)
     print("kvreuse: the runtime's batched decoding step (decode_batch, greedy) from a KV pool, as the server decodes; "
           "own caches: the same step with a cache per sequence (one attention call per sequence and layer); torch "
-          "kernels: the pooled step with kvreuse's native kernels switched off (kvreuse.model.native); vLLM: "
+          "kernels: the pooled step with kvreuse's native kernels switched off (kvreuse.model.native); int8 weights: "
+          "the pooled step over int8 copies of the weights (--decode-weights int8; fp32 only; its fidelity is not "
+          "fp32's, docs/RESULTS.md); vLLM: "
           "its time per output token (a sequence's first token to its last, `steps` steps of the whole batch in "
           "its engine), prefix caching off; kvreuse / vLLM below 1.0: "
           "kvreuse is faster; floor = the longer of the step's reads (the weights once, every sequence's KV of the "

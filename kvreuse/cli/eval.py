@@ -31,7 +31,8 @@ def add_commands(subparsers) -> None:
 def cmd_eval(args: argparse.Namespace) -> int:
     from kvreuse.eval.datasets import Chunking, load_dataset
     from kvreuse.eval.report import markdown_table, write_report
-    from kvreuse.eval.runner import ResultCache, RunSettings, aggregate, parse_methods, run, split_dtype
+    from kvreuse.eval.runner import (ResultCache, RunSettings, aggregate, engine_options, parse_methods, run,
+                                     split_dtype)
     from kvreuse.fusion.methods import DEFAULT_MAX_KL
 
     # Everything the user typed is checked before the model loads, so a typo fails in a second, not a minute.
@@ -44,7 +45,7 @@ def cmd_eval(args: argparse.Namespace) -> int:
     store = args.store or DEFAULT_STORE
     engine = ReuseEngine.load(model=args.model, store=store)
     dtypes = sorted({dtype for m in methods if (dtype := split_dtype(m)[1]) is not None})
-    engines = {dtype: ReuseEngine.load(model=args.model, store=store, dtype=dtype) for dtype in dtypes}
+    engines = {dtype: ReuseEngine.load(model=args.model, store=store, **engine_options(dtype)) for dtype in dtypes}
     try:
         if chunking.size is not None:  # cutting into N-token pieces needs the model's tokenizer
             dataset = load_dataset(args.dataset, chunking, engine.tokenizer, args.limit)

@@ -42,11 +42,21 @@ class Engine(Protocol):
                                 ) -> torch.Tensor: ...
 
 
+# What may follow '@' in a method besides a dtype: the method on an fp32 engine that decodes over int8 weights
+INT8_DECODE = "int8-decode"
+
+
 def split_dtype(method: str) -> tuple[str, str | None]:
-    """'cacheblend:0.15@bfloat16' -> ('cacheblend:0.15', 'bfloat16'): the method run by an engine in that dtype,
-    against the run's reference (full, in the run's own dtype). Without a suffix: (method, None)."""
+    """'cacheblend:0.15@bfloat16' -> ('cacheblend:0.15', 'bfloat16'): the method run by an engine in that dtype (or
+    INT8_DECODE's engine), against the run's reference (full, in the run's own dtype). Without a suffix: (method,
+    None)."""
     name, _, dtype = method.partition("@")
     return name, dtype or None
+
+
+def engine_options(variant: str) -> dict[str, str]:
+    """ReuseEngine.load's options for the engine of methods named `method@variant`."""
+    return {"dtype": "float32", "decode_weights": "int8"} if variant == INT8_DECODE else {"dtype": variant}
 
 
 def parse_methods(spec: str) -> list[str]:
@@ -59,8 +69,9 @@ def parse_methods(spec: str) -> list[str]:
         if not method:
             raise MethodSpecError(f"--methods: empty entry in {spec!r}; expected e.g. full,naive,cacheblend:0.15")
         name, dtype = split_dtype(method)
-        if method.endswith("@") or (dtype is not None and dtype not in DTYPES):
-            raise MethodSpecError(f"--methods: {method!r}: the dtype after '@' must be one of {', '.join(DTYPES)}")
+        if method.endswith("@") or (dtype is not None and dtype not in (*DTYPES, INT8_DECODE)):
+            raise MethodSpecError(f"--methods: {method!r}: what follows '@' must be one of {', '.join(DTYPES)} "
+                                  f"or {INT8_DECODE}")
         try:
             parse_method(name)
         except ValueError as e:

@@ -11,23 +11,26 @@ from kvreuse.cli import main
 def test_every_batch_and_dtype_is_measured(tiny_model_dir, tmp_path):
     rows = run(str(tiny_model_dir), [1, 3], 24, 4, 1, ["float32", "bfloat16"], ["vllm"], tmp_path / "no-venv")
     assert [(r.batch, r.dtype) for r in rows] == [(1, "float32"), (3, "float32"), (1, "bfloat16"), (3, "bfloat16")]
-    for row in rows:
-        assert set(row.step_seconds) == {"kvreuse", "own caches", "torch kernels"}
+    for row in rows:  # int8 weights: an fp32 model's decoding only
+        int8 = {"int8 weights"} if row.dtype == "float32" else set()
+        assert set(row.step_seconds) == {"kvreuse", "own caches", "torch kernels"} | int8
         assert row.tokens_per_second("kvreuse") == pytest.approx(row.batch / row.step_seconds["kvreuse"])
         assert row.floor > 0 and row.achieved("kvreuse") == pytest.approx(row.floor / row.step_seconds["kvreuse"])
     assert rows[1].floor > rows[0].floor  # more sequences read more KV
 
 
-def test_the_torch_kernels_step_runs_with_the_native_kernels_off(tiny_model_dir, tmp_path, monkeypatch):
+def test_the_torch_kernels_step_runs_with_the_native_kernels_off_and_int8_over_int8_weights(tiny_model_dir, tmp_path,
+                                                                                           monkeypatch):
     from kvreuse.bench import decode as decode_bench
     from kvreuse.model import native
 
     seen = []
     steps = decode_bench._kvreuse_steps
-    monkeypatch.setattr(decode_bench, "_kvreuse_steps",
-                        lambda *args, **kwargs: seen.append(native.available()) or steps(*args, **kwargs))
+    monkeypatch.setattr(decode_bench, "_kvreuse_steps", lambda model, *args, **kwargs: seen.append(
+        (native.available(), model.int8_decoding)) or steps(model, *args, **kwargs))
     run(str(tiny_model_dir), [2], 16, 2, 1, ["float32"], [], tmp_path / "no-venv")
-    assert seen == [native.library() is not None] * 2 + [False]
+    built = native.library() is not None
+    assert seen == [(built, False)] * 2 + [(False, False)] + ([(True, True)] if built else [])
 
 
 @pytest.mark.parametrize("pooled", [True, False])

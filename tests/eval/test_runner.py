@@ -8,6 +8,7 @@ from kvreuse.eval.runner import (
     ResultCache,
     RunSettings,
     aggregate,
+    engine_options,
     parse_methods,
     run,
     split_dtype,
@@ -44,7 +45,10 @@ def test_a_dtype_suffix_is_parsed_and_checked():
     assert parse_methods("naive@bfloat16,full@bfloat16") == ["full", "naive@bfloat16", "full@bfloat16"]
     assert split_dtype("cacheblend:0.15@bfloat16") == ("cacheblend:0.15", "bfloat16")
     assert split_dtype("naive") == ("naive", None)
-    for spec in ("naive@int3", "naive@", "nave@bfloat16"):
+    assert parse_methods("full@int8-decode") == ["full", "full@int8-decode"]
+    assert engine_options("int8-decode") == {"dtype": "float32", "decode_weights": "int8"}
+    assert engine_options("bfloat16") == {"dtype": "bfloat16"}
+    for spec in ("naive@int3", "naive@", "nave@bfloat16", "naive@int8"):
         with pytest.raises(MethodSpecError, match="--methods"):
             parse_methods(spec)
 
