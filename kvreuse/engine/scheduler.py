@@ -22,12 +22,15 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
+
 from kvreuse.engine.generate import Generation, TextStream, eos_token_ids
 from kvreuse.engine.reuse import FusedPrefill, ReuseEngine
 from kvreuse.engine.sampling import Sampler, SamplingParams
 from kvreuse.engine.stats import PrefillStats
 from kvreuse.fusion.segments import Request
 from kvreuse.model.kv_cache import KVCache
+from kvreuse.model import native
 from kvreuse.model.kv_pool import KVPool
 
 log = logging.getLogger(__name__)
@@ -106,11 +109,16 @@ class Scheduler:
         self._wake = threading.Event()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="kv-engine", daemon=True)
+        # torch's thread count is the calling thread's setting (OpenMP's, per thread): the engine thread takes it
+        self._threads = torch.get_num_threads()
 
     # ---- the caller's side (any thread) ------------------------------------------------------------------
 
     def start(self) -> None:
+        """Start the engine thread; called on the thread that loaded the engine, which then leaves torch work to
+        it (native.release_idle_threads: its idle OpenMP workers would halve the engine thread's speed)."""
         self.engine.write_back.between_steps()  # store writes run on the engine thread too, one per step
+        native.release_idle_threads()
         self._thread.start()
 
     def stop(self) -> None:
@@ -148,6 +156,7 @@ class Scheduler:
     # ---- the engine thread -----------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        torch.set_num_threads(self._threads)
         while not self._stopped:
             try:
                 self._step()

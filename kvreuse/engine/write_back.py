@@ -12,6 +12,8 @@ import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
+from kvreuse.model import native
+
 log = logging.getLogger(__name__)
 
 
@@ -30,7 +32,13 @@ class WriteBack:
             self._pending[key] = write
             thread = self._thread
         if thread is not None:
-            thread.submit(self.run_one)
+            thread.submit(self._run_one_in_background)
+
+    def _run_one_in_background(self) -> None:
+        """`run_one` on the writer thread, which then releases its idle OpenMP workers: kept, they would slow the
+        requests' parallel work on other threads for as long as the engine lives (native.release_idle_threads)."""
+        self.run_one()
+        native.release_idle_threads()
 
     def between_steps(self) -> None:
         """From now on, writes wait for `run_one` on the caller's thread (a scheduler's, between its steps)."""
@@ -46,7 +54,7 @@ class WriteBack:
                 return
             self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
             for _ in self._pending:
-                self._thread.submit(self.run_one)
+                self._thread.submit(self._run_one_in_background)
 
     def run_one(self) -> bool:
         """Run the oldest pending write on this thread; False if none was pending."""

@@ -91,6 +91,9 @@ void few_rows(const float *x, int64_t rows, int64_t in, const void *w, int64_t o
 /* Whether the kernels that multiply bf16 in vdpbf16ps are built (AVX512-BF16). */
 int has_bf16_dot(void) { return BF16_DOT; }
 
+/* The calling thread's idle OpenMP workers released (0 on success; see kvreuse.model.native.release_idle_threads) */
+int release_idle_threads(void) { return omp_pause_resource_all(omp_pause_soft); }
+
 /* ---- vectors ------------------------------------------------------------------------------------------
    GCC's vector types (`vec`: 16 floats with AVX-512, 8 without), for the attention kernels' softmax and the
    prefill attention's register tiles. */

@@ -22,6 +22,7 @@ from typing import Any, Callable, Sequence, TypeVar
 
 import torch
 
+from kvreuse.model import native
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore.job import JobAxis, PrefixJob, Run, forward
 from kvreuse.restore.restorer import (STRATEGIES, PrefixRestoration, PrefixRestorer, RestoreResult, _as_ids,
@@ -311,11 +312,14 @@ class BatchRestorer:
                     self._cond.notify_all()
 
     def _wait(self, take, idle):
-        """take() under the lock, waiting until it gives work; None once closed and idle."""
+        """take() under the lock, waiting until it gives work; None once closed and idle. A worker about to wait
+        releases its idle OpenMP workers first: kept, they would slow every other thread's parallel work (the
+        server's engine thread decoding) for as long as this restorer lives (native.release_idle_threads)."""
         with self._cond:
             while (work := take()) is None:
                 if self._closed and idle():
                     return None
+                native.release_idle_threads()
                 self._cond.wait()
             return work
 

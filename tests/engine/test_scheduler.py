@@ -201,3 +201,29 @@ def test_store_writes_run_on_the_engine_thread_between_steps(tiny_chat_engine):
     request = tiny_chat_engine.build_request(["Another passage, stored once the scheduler has stopped."], "alone?")
     tiny_chat_engine.generate(request, "naive", GREEDY)
     tiny_chat_engine.wait_for_write_back()  # alone again, the engine writes on its own thread
+
+
+def test_the_engine_thread_starts_with_the_caller_s_threads_and_without_its_idle_workers(tiny_chat_engine,
+                                                                                         monkeypatch):
+    """The thread that starts the scheduler releases its idle OpenMP workers first (beside the engine thread's
+    own they would make every parallel region wait for sleeping workers), and the engine thread runs torch with
+    the caller's thread count, which OpenMP keeps per thread."""
+    import torch
+
+    from kvreuse.engine import scheduler as scheduler_module
+
+    released = []
+    monkeypatch.setattr(scheduler_module.native, "release_idle_threads",
+                        lambda: released.append(threading.current_thread()))
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)
+    finally:
+        torch.set_num_threads(before)
+    try:
+        scheduler.start()
+        assert released == [threading.current_thread()]
+        assert scheduler.call(torch.get_num_threads).result(timeout=60) == 1
+    finally:
+        scheduler.stop()

@@ -7,6 +7,7 @@ import contextlib
 import os
 import resource
 import shutil
+import threading
 
 import pytest
 import torch
@@ -942,3 +943,19 @@ def test_int8_panels_refuse_what_they_cannot_take():
                              for shape, int8 in (((8, 16), True), ((32, 8), False), ((8, 16), True)))
     with pytest.raises(ValueError, match="layer_end"):  # weights of two formats
         native.layer_end(torch.randn(2, 16), torch.randn(2, 8), o_proj, torch.ones(8), 1e-5, gate_up, down)
+
+
+@needs_compiler
+def test_released_idle_threads_leave_later_parallel_work_as_it_was():
+    """Releasing the calling thread's idle OpenMP workers (before the server's engine thread starts) frees a team
+    the next parallel region starts again: products from this thread and from another are unchanged."""
+    weight, x = torch.randn(96, 64), torch.randn(5, 64)
+    laid = native.panels(weight)
+    expected = native.panel_rows(x, laid, 96)
+    assert native.release_idle_threads()
+    assert torch.equal(native.panel_rows(x, laid, 96), expected)
+    from_another: list[torch.Tensor] = []
+    worker = threading.Thread(target=lambda: from_another.append(native.panel_rows(x, laid, 96)))
+    worker.start()
+    worker.join()
+    assert torch.equal(from_another[0], expected)

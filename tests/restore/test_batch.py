@@ -215,3 +215,26 @@ def test_several_workers_split_the_batch_least_work_first():
     batch._active = list(requests)
     assert batch._next_step() == [(requests[1], Span(0, 256)), (requests[3], Span(0, 256))]
     assert batch._next_step() == [(requests[2], Span(0, 256)), (requests[0], Span(0, 256))]
+
+
+def test_workers_release_their_idle_openmp_workers_before_they_wait(make_tiny, monkeypatch):
+    """A restorer lives as long as its engine; its compute worker's idle OpenMP team would slow every other thread's
+    parallel work (the server's decoding) until then: it releases the team before each wait for work."""
+    import threading
+
+    from kvreuse.restore import batch as batch_module
+
+    released = []
+    monkeypatch.setattr(batch_module.native, "release_idle_threads",
+                        lambda: released.append(threading.current_thread().name))
+    model = LayerwiseModel(make_tiny("llama"))
+    restorer = PrefixRestorer(model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
+    prompt = ids_of(40, 1)
+    restorer.store_prefix(prompt[:32])
+    batch = BatchRestorer(restorer)
+    try:
+        batch.submit(prompt, "cake").result(timeout=60)
+        computed_and_idle = released.count("restore-compute-0")
+    finally:
+        batch.close()
+    assert computed_and_idle >= 2  # idle before the request came, and again once it was restored
