@@ -72,8 +72,8 @@ _SIGNATURES = {
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
-_RESULTS = {"has_bf16_dot": _INT, "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT, "prefill_attention_scratch": _INT64,
-            "prefill_attention_vector_width": _INT, "decode_attention_parts": _INT64}
+_RESULTS = {"has_bf16_dot": _INT, "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT,
+            "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT, "decode_attention_parts": _INT64}
 
 
 class NativeBuildError(RuntimeError):
@@ -307,22 +307,16 @@ def _panels_fit(in_features: int, dtype: torch.dtype, weight_panels: torch.Tenso
                 bias: torch.Tensor | None) -> bool:
     """Whether `panels` laid these panels out for a weight [out_features, in_features] of `dtype` (and `bias` is
     that weight's), or `int8_panels` for an fp32 one."""
-    if weight_panels.dtype == torch.int8:
-        width = _built(library()).panel_width if available() else 0
-        return (dtype == torch.float32 and weight_panels.dim() == 2 and weight_panels.device.type == "cpu"
-                and weight_panels.is_contiguous() and width > 0
-                and weight_panels.shape == (-(-out_features // width), (in_features + 4) * width)
-                and (bias is None or (bias.shape == (out_features,) and bias.dtype == dtype and bias.is_contiguous()
-                                      and bias.device.type == "cpu")))
-    bf16 = dtype == torch.bfloat16
-    if (weight_panels.dim() != 3 + bf16 or weight_panels.dtype != dtype or not panels_take(dtype)
-            or weight_panels.device.type != "cpu" or not weight_panels.is_contiguous()):
+    if (weight_panels.device.type != "cpu" or not weight_panels.is_contiguous() or not available()
+            or (bias is not None and not (bias.shape == (out_features,) and bias.dtype == dtype
+                                          and bias.is_contiguous() and bias.device.type == "cpu"))):
         return False
-    count, depth, width = weight_panels.shape[:3]
-    return (depth == ((in_features + 1) // 2 if bf16 else in_features) and count == -(-out_features // width)
-            and width == _built(library()).panel_width
-            and (bias is None or (bias.shape == (out_features,) and bias.dtype == dtype and bias.is_contiguous()
-                                  and bias.device.type == "cpu")))
+    width, count = _built(library()).panel_width, -(-out_features // _built(library()).panel_width)
+    if weight_panels.dtype == torch.int8:  # each panel's int8 rows, then its fp32 scales
+        return dtype == torch.float32 and weight_panels.shape == (count, (in_features + 4) * width)
+    bf16 = dtype == torch.bfloat16
+    return (weight_panels.dtype == dtype and panels_take(dtype) and weight_panels.dim() == 3 + bf16
+            and weight_panels.shape[:3] == (count, (in_features + 1) // 2 if bf16 else in_features, width))
 
 
 # `format` of native.c's products: the weights' layout in panels

@@ -45,3 +45,19 @@ def test_eval_runs_methods_in_bf16_against_fp32_full(tiny_model_dir, tmp_path, c
     # bf16's own rounding is a (small) deviation from the fp32 reference; its full recomputes every row
     assert 0 < summary["full@bfloat16"]["first_token_kl"] < 0.05
     assert summary["cacheblend:0.15@bfloat16"]["recompute_share"] > 0
+
+
+def test_eval_runs_methods_on_an_engine_decoding_over_int8_weights(tiny_model_dir, tmp_path, monkeypatch):
+    """full@int8-decode: fp32's prefill (its first token's KL is 0) on an engine whose decoding is int8's."""
+    from kvreuse.model.runtime import LayerwiseModel
+
+    switched = []
+    decode_in_int8 = LayerwiseModel.decode_in_int8
+    monkeypatch.setattr(LayerwiseModel, "decode_in_int8",
+                        lambda self, enabled=True: switched.append(enabled) or decode_in_int8(self, enabled))
+    out = tmp_path / "out"
+    argv = ["eval", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "2", "--model", str(tiny_model_dir),
+            "--methods", "full@int8-decode", "--out", str(out), "--max-tokens", "3", "--no-progress"]
+    assert main(argv) == 0 and switched == [True]
+    summary = {m["method"]: m for m in json.loads((out / "results.json").read_text())["methods"]}
+    assert list(summary) == ["full", "full@int8-decode"] and summary["full@int8-decode"]["first_token_kl"] == 0
