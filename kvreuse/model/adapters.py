@@ -143,7 +143,7 @@ class LlamaAdapter:
         would not run them as one native call each."""
         attn, mlp, norms = block.self_attn, block.mlp, (block.input_layernorm, block.post_attention_layernorm)
         if not (isinstance(mlp.act_fn, SILU) and all(self._norm_runs_native(norm, rows) for norm in norms)
-                and rows.shape[0] <= _pass_rows(mlp, rows) and (not int8 or rows.dtype == torch.float32)):
+                and rows.shape[0] <= _pass_rows(mlp, rows)):
             return None
         qkv, o_proj, gate_up, down = (int8_panels(*layers) if int8 else in_panels(rows, *layers)
                                       for layers in (_qkv(attn), (attn.o_proj,), _gate_up(mlp), (mlp.down_proj,)))

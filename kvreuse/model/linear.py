@@ -52,6 +52,13 @@ class _Packed:
     panels: native.Panels | None  # the stacked weight in native.panel_rows' layout, with its outputs and bias
     bias: torch.Tensor | None
 
+    @staticmethod
+    def of(layers: Sequence[nn.Linear], onednn: torch.Tensor | None, panels: native.Panels | None,
+           bias: torch.Tensor | None) -> _Packed:
+        """Packed forms of `layers`' weights, remembering the tensors (and versions) they were made from."""
+        sources = tuple(t for layer in layers for t in (layer.weight, layer.bias))
+        return _Packed(sources, tuple(_version(t) for t in sources), onednn, panels, bias)
+
     def made_from(self, layers: Sequence[nn.Linear]) -> bool:
         """Whether `layers` still hold the very tensors it was made from, unchanged. Asked before every product
         (a decoding step makes about 120): a plain loop that stops at the first difference, where building the
@@ -192,15 +199,12 @@ def _packed_weights(layers: Sequence[nn.Linear]) -> _Packed:
     first = layers[0].weight
     if packed is None or not packed.made_from(layers) or (
             packed.panels is None and _in_panels(first)):  # packed while the native kernels were switched off
-        sources = tuple(t for layer in layers for t in (layer.weight, layer.bias))
         with torch.no_grad():
-            weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else first
+            weight, bias = _stacked(layers)
             dtype = onednn_dtype(first)
             onednn = None if dtype is None else torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_FOR_ROWS)
-            bias = _stacked_bias(layers)
             panels = native.Panels.of(weight, bias) if _in_panels(first) else None
-            packed = _Packed(sources, tuple(_version(t) for t in sources), onednn, panels, bias)
-        _packed[layers[0]] = packed
+        packed = _packed[layers[0]] = _Packed.of(layers, onednn, panels, bias)
     return packed
 
 
@@ -210,12 +214,10 @@ def int8_panels(*layers: nn.Linear) -> native.Panels:
     multiplies (LayerwiseModel.decode_in_int8)."""
     packed = _packed_int8.get(layers[0])
     if packed is None or not packed.made_from(layers):
-        sources = tuple(t for layer in layers for t in (layer.weight, layer.bias))
         with torch.no_grad():
-            weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
-            bias = _stacked_bias(layers)
+            weight, bias = _stacked(layers)
             panels = native.Panels.of(weight, bias, int8=True)
-        packed = _packed_int8[layers[0]] = _Packed(sources, tuple(_version(t) for t in sources), None, panels, bias)
+        packed = _packed_int8[layers[0]] = _Packed.of(layers, None, panels, bias)
     return packed.panels
 
 
@@ -223,6 +225,12 @@ def linear_int8(rows: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
     """`linear` of fp32 rows over the layers' weights in int8 (`int8_panels`)."""
     panels = int8_panels(*layers)
     return native.panel_rows(rows, panels.panels, panels.out_features, panels.bias)
+
+
+def _stacked(layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The layers' weights stacked into one [sum of out_features, in_features], and their biases likewise."""
+    weight = torch.cat([layer.weight for layer in layers]) if len(layers) > 1 else layers[0].weight
+    return weight, _stacked_bias(layers)
 
 
 def _stacked_bias(layers: Sequence[nn.Linear]) -> torch.Tensor | None:

@@ -133,3 +133,15 @@ def test_check_model_s_int8_figure_counts_the_steps_whose_top_token_moved():
     assert float(drift.rsplit(" ", 1)[1]) > 1e-3 and not model.int8_decoding  # switched off again
     assert "not available: int8 decoding runs layers of the Llama family" in int8_decoding_drift(
         LayerwiseModel(make_tiny_model("qwen3")), prompt)
+
+
+def test_a_step_the_resolved_calls_do_not_run_decodes_wholly_in_fp32():
+    """A pool's sequences out of slot order take the general step: its layers and its LM head alike stay fp32."""
+    model = tiny("llama")
+    exact, int8 = (prefilled(model, [12, 20], pooled=True) for _ in range(2))
+    expected = model.decode_batch([5, 6], exact[::-1])
+    model.decode_in_int8()
+    try:
+        assert torch.equal(model.decode_batch([5, 6], int8[::-1]), expected)
+    finally:
+        model.decode_in_int8(False)
