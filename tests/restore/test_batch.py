@@ -221,6 +221,7 @@ def test_workers_release_their_idle_openmp_workers_before_they_wait(make_tiny, m
     """A restorer lives as long as its engine; its compute worker's idle OpenMP team would slow every other thread's
     parallel work (the server's decoding) until then: it releases the team before each wait for work."""
     import threading
+    import time
 
     from kvreuse.restore import batch as batch_module
 
@@ -234,6 +235,10 @@ def test_workers_release_their_idle_openmp_workers_before_they_wait(make_tiny, m
     batch = BatchRestorer(restorer)
     try:
         batch.submit(prompt, "cake").result(timeout=60)
+        # the future resolves inside the worker's step: it waits again (and releases) a moment later
+        deadline = time.monotonic() + 30
+        while released.count("restore-compute-0") < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
         computed_and_idle = released.count("restore-compute-0")
     finally:
         batch.close()
