@@ -1,7 +1,15 @@
-"""TextStream: stop conditions, and streamed text that is never taken back."""
+"""TextStream: stop conditions, streamed text that is never taken back, and text that is the whole decode's
+from windows of a few tokens."""
+
+import random
+
+import pytest
+from tokenizers import Tokenizer, decoders, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from kvreuse.engine.generate import TextStream
 from kvreuse.engine.sampling import SamplingParams
+from kvreuse.model.loader import resolve_model_dir
 
 EOS = 0
 
@@ -55,3 +63,71 @@ def test_eos_and_max_tokens_finish():
     s = stream()
     assert s.add(EOS) and s.finish_reason == "stop" and s.token_ids == []
     assert s.generation(prompt_tokens=4, ttft=0.1, total_seconds=0.2).finish_reason == "stop"
+
+
+def test_a_half_decoded_character_that_ends_the_stream_is_kept_as_the_whole_decode_has_it():
+    s = stream(max_tokens=2)
+    s.add(ord("a"))
+    assert s.add(1) and s.finish_reason == "length" and s.text == "a\ufffd" and s.new_text() == "a\ufffd"
+    s = stream()
+    s.add(ord("a"))
+    s.add(1)
+    assert s.add(EOS) and s.text == "a\ufffd"
+
+
+class CountingTokenizer(CharTokenizer):
+    def __init__(self):
+        self.longest = 0
+
+    def decode(self, ids, skip_special_tokens=True):
+        self.longest = max(self.longest, len(ids))
+        return super().decode(ids, skip_special_tokens)
+
+
+def test_each_token_decodes_a_window_of_a_few_tokens_not_the_whole_stream():
+    tokenizer = CountingTokenizer()
+    s = TextStream(tokenizer, SamplingParams(max_tokens=2000), {EOS})
+    rng = random.Random(0)
+    text = "".join(rng.choice(["a", "b", "c", "\x01\x02", "\x01a", "\x02"]) for _ in range(1000))
+    for ch in text:
+        s.add(ord(ch))
+    assert s.text == CharTokenizer().decode([ord(ch) for ch in text])
+    assert tokenizer.longest <= 4
+
+
+def _streamed(tokenizer, ids: list[int]) -> tuple[str, str]:
+    s = TextStream(tokenizer, SamplingParams(max_tokens=len(ids)), set())
+    deltas = []
+    for token in ids:
+        s.add(token)
+        deltas.append(s.new_text())
+    return "".join(deltas), s.text
+
+
+@pytest.fixture(scope="module")
+def embedded_tokenizer():
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
+
+
+def test_the_embedded_tokenizers_streamed_text_is_its_whole_decode(embedded_tokenizer):
+    """A byte-level BPE: characters split over tokens (accents, CJK, emoji), special tokens skipped, and random
+    ids whose bytes need not form characters at all."""
+    tok = embedded_tokenizer
+    text = "Café naïve – 東京の夜 🚀🌍 done. <|im_end|> Ünïcødé ½ × ∑ «quoted» … " * 3
+    rng = random.Random(1)
+    for ids in (tok.encode(text), [rng.randrange(len(tok)) for _ in range(400)]):
+        whole = tok.decode(ids, skip_special_tokens=True)
+        assert _streamed(tok, ids) == (whole, whole)
+
+
+def test_a_sentencepiece_tokenizers_leading_spaces_are_the_whole_decodes():
+    """Llama's decoder: "▁" as a space, byte tokens fused, the text's first space stripped: a token's text
+    depends on whether a token precedes it."""
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, ",": 3, "▁caf": 4, "<0xC3>": 5, "<0xA9>": 6, "!": 7}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    for ids in ([1, 3, 2, 7], [4, 5, 6, 1, 2], [2, 2, 5, 5, 6, 3, 1], [5, 6]):
+        whole = tok.decode(ids, skip_special_tokens=True)
+        assert _streamed(tok, ids) == (whole, whole), ids
