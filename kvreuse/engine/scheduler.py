@@ -6,13 +6,15 @@ and stored chunks are reused), steps every running sequence's decode as one batc
 write of what requests computed (`engine.write_back`: chunks to compile, prefix blocks). Up to
 `max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
 together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
-streaming while new ones arrive. A running sequence's KV lives in a slot of the scheduler's `KVPool`, so that
+streaming while new ones arrive, and while prompts are computed the running sequences take a decoding step between
+two layers once they have waited `max_token_gap` for a token. A running sequence's KV lives in a slot of the scheduler's `KVPool`, so that
 each decoding step attends every sequence in one call per layer (a sequence the pool cannot hold decodes from
 its own cache). Jobs report through a callback they supply, called on the engine thread.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -36,6 +38,7 @@ from kvreuse.model.kv_pool import KVPool
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05  # how often an idle engine thread looks at deadlines
 DEFAULT_POOL_BYTES = 4 << 30  # the running sequences' KV pool: SmolLM2 in fp32 holds 8 x 11K rows in it
+DEFAULT_MAX_TOKEN_GAP = 0.25  # seconds a running sequence waits for its next token while prompts are computed
 
 
 class QueueFull(RuntimeError):
@@ -93,12 +96,15 @@ class _Sequence:
 class Scheduler:
     def __init__(self, engine: ReuseEngine, max_running: int = 8, max_waiting: int = 128,
                  on_decode_step: Callable[[int], None] | None = None, max_prefill_batch: int = 4,
-                 pool_bytes: int = DEFAULT_POOL_BYTES):
+                 pool_bytes: int = DEFAULT_POOL_BYTES, max_token_gap: float | None = DEFAULT_MAX_TOKEN_GAP):
         if max_running < 1 or max_waiting < 0 or max_prefill_batch < 1:
             raise ValueError(f"max_running and max_prefill_batch must be >= 1 and max_waiting >= 0, got "
                              f"{max_running}, {max_prefill_batch}, {max_waiting}")
+        if max_token_gap is not None and not max_token_gap >= 0:
+            raise ValueError(f"max_token_gap must be >= 0 seconds (or None), got {max_token_gap}")
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
-        self.max_prefill_batch = max_prefill_batch
+        self.max_prefill_batch, self.max_token_gap = max_prefill_batch, max_token_gap
+        self._last_decode = 0.0  # when the last decoding step ended (perf_counter)
         self.on_decode_step = on_decode_step
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
@@ -211,14 +217,33 @@ class Scheduler:
         prefills = self.engine.prefill_batch([(job.request, job.method, job.sampling.max_tokens) for job in jobs])
         reported = 0
         try:
-            for job, fused in zip(jobs, prefills):
-                reported += 1
-                self._start(job, fused, queued=admitted - job.arrived)
+            with self._decoding_between_layers():
+                for job, fused in zip(jobs, prefills):
+                    reported += 1
+                    self._start(job, fused, queued=admitted - job.arrived)
         except Exception as e:  # a bug in the batch itself: its jobs fail, the engine and running sequences go on
             log.exception("batch prefill failed")
             for job in jobs[reported:]:
                 job.on_event(JobEvent(error=e))
         return True
+
+    def _decoding_between_layers(self) -> contextlib.AbstractContextManager:
+        """While prompts are computed, the running sequences take a decoding step between two layers once they
+        have waited max_token_gap for one: a long prompt no longer stops every stream for its whole prefill
+        (seconds here), at the cost of those steps in the new request's TTFT. Layers, not chunks of tokens, are
+        the unit, so that every method's plan and every restoration pause alike."""
+        if self.max_token_gap is None:
+            return contextlib.nullcontext()
+        return self.engine.model.between_layers(self._decode_if_waited)
+
+    def _decode_if_waited(self) -> None:
+        if not self._running or time.perf_counter() - self._last_decode < self.max_token_gap:
+            return
+        try:
+            self._decode_step()
+        except Exception as e:  # as in _loop: the running sequences fail, the prompt under way goes on
+            log.exception("decoding step between prefill layers failed")
+            self._fail_running(e)
 
     def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:
         """A prefilled job joins the running sequences and streams its first token; a failed one reports."""
@@ -250,6 +275,7 @@ class Scheduler:
             self.on_decode_step(len(batch))
         for seq, row in zip(batch, logits):
             self._advance(seq, seq.sampler(row))
+        self._last_decode = time.perf_counter()
 
     def _advance(self, seq: _Sequence, token: int) -> None:
         """Feed the sampled `token` to the sequence's text; report it, and end the sequence if it is done."""

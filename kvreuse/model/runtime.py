@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import itertools
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Callable, Iterable, Protocol, Sequence
 
@@ -179,6 +181,7 @@ class LayerwiseModel:
         self._rotary_table: Rotary | None = None
         # The step under way, per thread: a batch restoration runs steps of different groups in several threads.
         self._step_under_way = threading.local()
+        self._between_layers = threading.local()  # between_layers: per thread, as the engine thread alone pauses
         self.int8_decoding = False  # decode_in_int8
         pack_weights([group for block in self.layers for group in self.adapter.products(block)]
                      + [(hf_model.lm_head,)])
@@ -412,9 +415,32 @@ class LayerwiseModel:
     def run_layers(self, layers: Iterable[int], driver: LayerDriver) -> None:
         """The one loop over layers, under prefill, decode, every fusion plan and every restoration: at each
         layer the driver says which rows enter, and of which groups, and takes what the step gives back."""
-        for layer in layers:
+        between = getattr(self._between_layers, "call", None)
+        for i, layer in enumerate(layers):
+            if i and between is not None:
+                self._run_between_layers(between)
             hidden, groups = driver.enter(layer)
             driver.leave(layer, self.step(layer, hidden, groups))
+
+    @contextmanager
+    def between_layers(self, call: Callable[[], None]) -> Iterator[None]:
+        """Run `call` between any two layers of the loops this thread runs meanwhile (not those `call` runs):
+        a server's running sequences take their decoding steps while a long prompt is computed, instead of
+        waiting for all of it. A loop's state lives in its driver and its cache, so a step of other rows in
+        between leaves its results as they were (the step's shape is derived again, `_shape_of`)."""
+        outer = getattr(self._between_layers, "call", None)
+        self._between_layers.call = call
+        try:
+            yield
+        finally:
+            self._between_layers.call = outer
+
+    def _run_between_layers(self, call: Callable[[], None]) -> None:
+        self._between_layers.call = None
+        try:
+            call()
+        finally:
+            self._between_layers.call = call
 
     @torch.inference_mode()
     def prefill(

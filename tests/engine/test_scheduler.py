@@ -2,6 +2,7 @@
 
 import queue
 import threading
+import time
 
 import pytest
 
@@ -67,6 +68,45 @@ def test_a_sequence_joins_the_pool_only_after_its_first_token_is_sent(tiny_chat_
     scheduler.start()
     assert outcome(events)[1].result.finish_reason == "length"
     assert seen_before_adoption == [1]  # the first token's event, and nothing else yet
+
+
+@pytest.mark.parametrize("gap", [0.0, 60.0, None])
+def test_running_sequences_decode_between_the_layers_of_a_new_prompt(tiny_chat_engine, monkeypatch, gap):
+    """max_token_gap 0: a running sequence takes a decoding step between every two layers of a prompt admitted
+    beside it, and both generate what each would alone; a minute: its last step was too recent for one; None:
+    prompts are computed whole."""
+    steps, prefills = [], []
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_token_gap=gap,
+                          on_decode_step=lambda n: steps.append(time.perf_counter()))
+    real_prefill = tiny_chat_engine.prefill
+
+    def timed_prefill(*args, **kwargs):
+        start = time.perf_counter()
+        result = real_prefill(*args, **kwargs)
+        prefills.append((start, time.perf_counter()))
+        return result
+
+    monkeypatch.setattr(tiny_chat_engine, "prefill", timed_prefill)
+    running_events, new_events = queue.Queue(), queue.Queue()
+    long_sampling = SamplingParams(max_tokens=400, ignore_eos=True)
+    running = job_for(tiny_chat_engine, "a sequence that is decoding?", running_events, sampling=long_sampling)
+    new = job_for(tiny_chat_engine, "a new prompt, " + "much longer than the first, " * 20, new_events)
+    try:
+        scheduler.submit(running)
+        scheduler.start()
+        first = running_events.get(timeout=60)  # its first token: it is decoding
+        scheduler.submit(new)
+        new_text, new_last = outcome(new_events)
+        running_text, running_last = outcome(running_events)
+        running_text = first.text + running_text
+    finally:
+        scheduler.stop()
+    start, end = prefills[1]
+    between = [t for t in steps if start < t < end]
+    assert len(between) == (tiny_chat_engine.model.num_layers - 1 if gap == 0.0 else 0)
+    for job, text, last in ((new, new_text, new_last), (running, running_text, running_last)):
+        alone = tiny_chat_engine.generate(job.request, "full", job.sampling)
+        assert last.result.token_ids == alone.token_ids and text == alone.text
 
 
 def test_a_full_queue_refuses_the_job(tiny_chat_engine):

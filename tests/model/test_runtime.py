@@ -324,3 +324,34 @@ def test_a_group_s_outputs_are_taken_from_the_rows_it_narrowed_to(tiny_model):
     assert narrowed.shape[0] == len(keep) and last.shape[0] == 1
     torch.testing.assert_close(last, narrowed[-1:], atol=1e-4, rtol=0)
     torch.testing.assert_close(last_cache.layer(0)[0][keep], narrowed_cache.layer(0)[0][keep], atol=0, rtol=0)
+
+
+@torch.inference_mode()
+def test_decoding_steps_between_a_prompt_s_layers_leave_both_as_they_were(tiny_model, prompt_ids):
+    """A server decodes its running sequences between the layers of a long prompt (`between_layers`): the prompt's
+    logits and KV, and the decoded sequence's, equal each computed alone, and the steps run between the prompt's
+    layers only, not inside their own."""
+    running = tiny_model.prefill(prompt_ids[:9])
+    alone = tiny_model.prefill(prompt_ids[:9])
+    token = int(running.logits.argmax())
+    expected = []
+    steps = []
+
+    def decode_one_step() -> None:
+        nonlocal token
+        steps.append(len(steps))
+        logits = tiny_model.decode(token, running.cache)
+        expected.append(tiny_model.decode(token, alone.cache))
+        torch.testing.assert_close(logits, expected[-1], atol=1e-4, rtol=0)
+        token = int(logits.argmax())
+
+    with tiny_model.between_layers(decode_one_step):
+        paused = tiny_model.prefill(prompt_ids)
+    whole = tiny_model.prefill(prompt_ids)
+    assert len(steps) == tiny_model.num_layers - 1  # between every two layers, none inside the decoding steps
+    torch.testing.assert_close(paused.logits, whole.logits, atol=1e-4, rtol=0)
+    for layer in range(tiny_model.num_layers):
+        torch.testing.assert_close(paused.cache.layer(layer)[0], whole.cache.layer(layer)[0], atol=1e-4, rtol=0)
+        torch.testing.assert_close(running.cache.layer(layer)[1], alone.cache.layer(layer)[1], atol=1e-4, rtol=0)
+    tiny_model.prefill(prompt_ids[:5])  # outside the block: no step
+    assert len(steps) == tiny_model.num_layers - 1

@@ -16,6 +16,7 @@ import pytest
 from kvreuse.cli import build_parser
 from kvreuse.cli.serve import config_from_args
 from kvreuse.server.config import ServerConfig, load_config
+from kvreuse.server.service import EngineService
 
 
 def test_each_source_overrides_the_one_before(tmp_path):
@@ -34,10 +35,16 @@ def test_the_config_file_may_come_from_the_environment(tmp_path):
 
 def test_flags_reach_the_config():
     args = build_parser().parse_args(["serve", "some/model", "--port", "0", "--max-concurrency", "2",
-                                      "--served-model-name", "x", "y", "--decode-pool", "512MiB"])
+                                      "--served-model-name", "x", "y", "--decode-pool", "512MiB",
+                                      "--max-token-gap-ms", "40"])
     config = config_from_args(args)
-    assert (config.model, config.port, config.max_concurrency, config.served_model_name, config.decode_pool) == (
-        "some/model", 0, 2, ["x", "y"], "512MiB")
+    assert (config.model, config.port, config.max_concurrency, config.served_model_name, config.decode_pool,
+            config.max_token_gap_ms) == ("some/model", 0, 2, ["x", "y"], "512MiB", 40.0)
+
+
+def test_the_token_gap_reaches_the_scheduler_in_seconds(tiny_chat_engine):
+    service = EngineService(tiny_chat_engine, ServerConfig(max_token_gap_ms=40))
+    assert service.scheduler.max_token_gap == pytest.approx(0.04)
 
 
 @pytest.mark.parametrize(
@@ -50,6 +57,7 @@ def test_flags_reach_the_config():
         ("", {"KVREUSE_MAX_CONCURRENCY": "0"}, "max_concurrency: invalid value 0"),
         ("decode_pool: lots\n", {}, "decode_pool: invalid value 'lots'"),
         ("decode_weights: int4\n", {}, "decode_weights: invalid value 'int4'"),
+        ("", {"KVREUSE_MAX_TOKEN_GAP_MS": "-1"}, "max_token_gap_ms: invalid value -1.0"),
     ],
 )
 def test_bad_settings_name_themselves(tmp_path, yaml_text, environ, message):
