@@ -7,14 +7,14 @@ write of what requests computed (`engine.write_back`: chunks to compile, prefix 
 `max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
 together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
 streaming while new ones arrive, and while prompts are computed the running sequences take a decoding step between
-two layers once they have waited `max_token_gap` for a token. A running sequence's KV lives in a slot of the scheduler's `KVPool`, so that
-each decoding step attends every sequence in one call per layer (a sequence the pool cannot hold decodes from
-its own cache). Jobs report through a callback they supply, called on the engine thread.
+two layers once they have waited `max_token_gap` for a token (a prompt whose job is cancelled stops there). A
+running sequence's KV lives in a slot of the scheduler's `KVPool`, so that each decoding step attends every
+sequence in one call per layer (a sequence the pool cannot hold decodes from its own cache). Jobs report through
+a callback they supply, called on the engine thread.
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import threading
 import time
@@ -105,6 +105,7 @@ class Scheduler:
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
         self.max_prefill_batch, self.max_token_gap = max_prefill_batch, max_token_gap
         self._last_decode = 0.0  # when the last decoding step ended (perf_counter)
+        self._prefilling: GenerationJob | None = None  # the job whose prompt's layers the engine thread runs
         self.on_decode_step = on_decode_step
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
@@ -217,27 +218,35 @@ class Scheduler:
         prefills = self.engine.prefill_batch([(job.request, job.method, job.sampling.max_tokens) for job in jobs])
         reported = 0
         try:
-            with self._decoding_between_layers():
-                for job, fused in zip(jobs, prefills):
+            with self.engine.model.between_layers(self._between_prompt_layers):
+                for job in jobs:
+                    self._prefilling = job
+                    fused = next(prefills)
+                    self._prefilling = None
                     reported += 1
                     self._start(job, fused, queued=admitted - job.arrived)
         except Exception as e:  # a bug in the batch itself: its jobs fail, the engine and running sequences go on
             log.exception("batch prefill failed")
             for job in jobs[reported:]:
                 job.on_event(JobEvent(error=e))
+        finally:
+            self._prefilling = None
         return True
 
-    def _decoding_between_layers(self) -> contextlib.AbstractContextManager:
-        """While prompts are computed, the running sequences take a decoding step between two layers once they
-        have waited max_token_gap for one: a long prompt no longer stops every stream for its whole prefill
-        (seconds here), at the cost of those steps in the new request's TTFT. Layers, not chunks of tokens, are
-        the unit, so that every method's plan and every restoration pause alike."""
-        if self.max_token_gap is None:
-            return contextlib.nullcontext()
-        return self.engine.model.between_layers(self._decode_if_waited)
+    def _between_prompt_layers(self) -> None:
+        """Between two layers of a prompt computed on the engine thread (`LayerwiseModel.between_layers`):
 
-    def _decode_if_waited(self) -> None:
-        if not self._running or time.perf_counter() - self._last_decode < self.max_token_gap:
+        - a job cancelled or timed out meanwhile stops there: its error, raised through its prefill, is what the
+          batch reports for it (a client gone during a long prompt frees the engine at its next layer);
+        - the running sequences take a decoding step once they have waited max_token_gap for a token: a long
+          prompt no longer stops every stream for its whole prefill (seconds here), at the cost of those steps
+          in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every method's plan
+          pauses alike (a stored prefix restored by compute and I/O threads side by side runs on those threads,
+          without pauses)."""
+        if error := self._prefilling.failure(time.perf_counter()):
+            raise error
+        if (self.max_token_gap is None or not self._running
+                or time.perf_counter() - self._last_decode < self.max_token_gap):
             return
         try:
             self._decode_step()
@@ -247,7 +256,9 @@ class Scheduler:
 
     def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:
         """A prefilled job joins the running sequences and streams its first token; a failed one reports."""
-        if isinstance(fused, Exception):  # one job's failure must not stop the engine
+        if isinstance(fused, (JobCancelled, JobTimeout)):  # stopped between two layers of its prompt
+            job.on_event(JobEvent(error=fused))
+        elif isinstance(fused, Exception):  # one job's failure must not stop the engine
             log.error("prefill failed", exc_info=fused)
             job.on_event(JobEvent(error=fused))
         elif error := job.failure(time.perf_counter()):  # cancelled or timed out while it was prefilled

@@ -219,6 +219,30 @@ def test_a_job_cancelled_while_its_prompt_is_computed_ends_without_a_token(tiny_
     assert scheduler.running == scheduler.waiting == 0
 
 
+def test_a_job_cancelled_while_its_prompt_is_computed_stops_at_the_next_layer(tiny_chat_engine, scheduler,
+                                                                              monkeypatch):
+    """The prompt's layers stop between two layers once its job is cancelled, not after the last one."""
+    events, layers_run = queue.Queue(), []
+    job = job_for(tiny_chat_engine, "stop me at the next layer?", events)
+    model, real_run = tiny_chat_engine.model, tiny_chat_engine.executor.run
+    step = model.step
+
+    def cancel_then_run(*args, **kwargs):
+        job.cancel()
+        monkeypatch.setattr(model, "step", lambda layer, *a: layers_run.append(layer) or step(layer, *a))
+        try:
+            return real_run(*args, **kwargs)
+        finally:
+            monkeypatch.setattr(model, "step", step)
+
+    monkeypatch.setattr(tiny_chat_engine.executor, "run", cancel_then_run)
+    scheduler.submit(job)
+    scheduler.start()
+    text, last = outcome(events)
+    assert isinstance(last.error, JobCancelled) and text == ""
+    assert layers_run == [0] and model.num_layers > 1
+
+
 def test_store_writes_run_on_the_engine_thread_between_steps(tiny_chat_engine):
     """No torch work beside decoding: what a request computed is compiled and stored by the engine thread."""
     writers = []
