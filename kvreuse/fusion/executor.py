@@ -59,7 +59,8 @@ class FusionStats:
     prefix_load_seconds: float  # of load_seconds, reading an exact prefix's stored blocks
     load_wait_seconds: float
     loads_overlapped: bool
-    prefill_seconds: float
+    prefill_seconds: float  # the plan's own time: without paused_seconds
+    paused_seconds: float  # other work run between its layers (a server's decoding steps: LayerwiseModel.between_layers)
     deviation_checks: list[DeviationCheck]
 
     @property
@@ -315,7 +316,7 @@ class FusionExecutor:
         plan.restored_rows of them filled with exact KV, e.g. by `PrefixRestorer.restore_prefix`); the plan
         fills the rest of it. observer: called after each layer's KV is written (analyses). overlap_loads: read
         each layer on a loader thread while the previous one computes, or inline (see LayerLoader)."""
-        model, started = self.model, time.perf_counter()
+        model, started, paused_before = self.model, time.perf_counter(), self.model.seconds_between_layers()
         cache = self._starting_cache(plan, restored, extra_capacity)
         # A prefix restored layer-wise is read from its first stored layer on while the layers below compute.
         lookahead = model.num_layers if any(s.from_layer for s in plan.reused) else 1
@@ -328,8 +329,9 @@ class FusionExecutor:
         finally:
             loader.close()
         logits = model.logits(rows.hidden[-1:])[0]
-        elapsed = time.perf_counter() - started
-        return FusionResult(logits, cache, self._stats(plan, rows, loader, elapsed))
+        paused = model.seconds_between_layers() - paused_before
+        elapsed = time.perf_counter() - started - paused
+        return FusionResult(logits, cache, self._stats(plan, rows, loader, elapsed, paused))
 
     def _starting_cache(self, plan: FusionPlan, restored: KVCache | None, extra_capacity: int) -> KVCache:
         if restored is None and not plan.restored_rows:
@@ -341,7 +343,8 @@ class FusionExecutor:
                              f"positions 0..{plan.num_rows - 1}")
         return restored
 
-    def _stats(self, plan: FusionPlan, rows: PlanRows, loader: LayerLoader, elapsed: float) -> FusionStats:
+    def _stats(self, plan: FusionPlan, rows: PlanRows, loader: LayerLoader, elapsed: float,
+               paused: float) -> FusionStats:
         total, computed_rows = plan.approximate_rows, rows.computed_rows
         layers = len(computed_rows)
         return FusionStats(
@@ -361,6 +364,7 @@ class FusionExecutor:
             load_wait_seconds=loader.wait_seconds,
             loads_overlapped=loader.threaded,
             prefill_seconds=elapsed,
+            paused_seconds=paused,
             deviation_checks=rows.checks,
         )
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -437,10 +438,17 @@ class LayerwiseModel:
 
     def _run_between_layers(self, call: Callable[[], None]) -> None:
         self._between_layers.call = None
+        started = time.perf_counter()
         try:
             call()
         finally:
             self._between_layers.call = call
+            self._between_layers.seconds = self.seconds_between_layers() + time.perf_counter() - started
+
+    def seconds_between_layers(self) -> float:
+        """This thread's time in `between_layers` calls so far: a loop's own time is its wall time less the
+        growth of this (FusionStats.prefill_seconds)."""
+        return getattr(self._between_layers, "seconds", 0.0)
 
     @torch.inference_mode()
     def prefill(

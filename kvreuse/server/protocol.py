@@ -177,6 +177,8 @@ class KvreuseUsage(BaseModel):
     chunks: int
     load_seconds: float = Field(description="reading stored KV (overlaps compute)")
     compute_seconds: float = Field(description="prefill time not spent waiting for stored KV")
+    paused_seconds: float = Field(description="running sequences' decoding steps between the prompt's layers "
+                                              "(in ttft_seconds, not in compute_seconds)")
     queue_seconds: float
     ttft_seconds: float = Field(description="arrival to first token, queueing included")
 

@@ -95,6 +95,7 @@ def usage_of(result: Generation) -> Usage:
             chunks=s.chunks,
             load_seconds=fusion.load_seconds,
             compute_seconds=fusion.prefill_seconds - fusion.load_wait_seconds,
+            paused_seconds=fusion.paused_seconds,
             queue_seconds=s.queue_seconds,
             ttft_seconds=result.ttft,
         ),
