@@ -60,7 +60,7 @@ class FusionStats:
     load_wait_seconds: float
     loads_overlapped: bool
     prefill_seconds: float  # the plan's own time: without paused_seconds
-    paused_seconds: float  # other work run between its layers (a server's decoding steps: LayerwiseModel.between_layers)
+    paused_seconds: float  # other work run between its layers (a server's decoding steps: model.between_layers)
     deviation_checks: list[DeviationCheck]
 
     @property
