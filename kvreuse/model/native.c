@@ -515,33 +515,41 @@ static inline vec exp_of_score(vec x) {
 
 #define HIDDEN (-3.0e38f)  /* a masked score; finite, as -ffast-math assumes no infinities */
 
-/* The G query heads q [G, D] that share one KV head, over that head's keys and values (fp32 or bf16; row j's
-   element i at offset + j * row_stride + i), rows j < len whose position pos[j] is visible
-   (lo_pos < pos[j] <= hi_pos), unnormalised: into part, [G, D] sums of exp(score - top) v, then each head's top
-   score [G] and its sum of exp(score - top) [G] (`combine_parts` divides; the rows of one head may come in several
-   parts). Summed in fp32. Scores go through `scores` [G, stride]. G and D are constants where the caller can make
-   them, so the compiler unrolls the heads and keeps their sums in registers. */
-static inline __attribute__((always_inline)) void attend_head(
-        const float *q, const void *keys, const void *values, int64_t offset, int64_t row_stride, const int64_t *pos,
-        int64_t len, int64_t lo_pos, int64_t hi_pos, float scale, float *part, float *scores, int64_t stride,
-        const int G, const int D, const int bf16) {
-    float top[G], totals[G], sums[G * D];
-    for (int g = 0; g < G; g++) top[g] = HIDDEN;
+/* The G query heads of each of H KV heads, q [H, G, D], over those heads' keys and values (fp32 or bf16; row j's
+   element i of head h at offset + h * head_stride + j * row_stride + i), rows j < len whose position pos[j] is
+   visible (lo_pos < pos[j] <= hi_pos), unnormalised: into head h's part (parts + h * part_stride), [G, D] sums of
+   exp(score - top) v, then each query head's top score [G] and its sum of exp(score - top) [G] (`combine_parts`
+   divides; a head's rows may come in several parts). Summed in fp32. Scores go through `scores` [H * G, stride].
+   H is 1 where a head's rows are contiguous (a pool's layout); a cache's rows hold every head side by side, and
+   then all H heads of a row are read together: one head at a time read a third of each row's bytes and streamed
+   them from memory at 14 GB/s, all of a row's at once at 32, a pool's layout's rate (one sequence of 4K tokens,
+   30 layers in turn, on a 2-core Zen 4 EPYC).
+   H, G and D are constants where the caller can make them, so the compiler unrolls the heads and keeps their sums
+   in registers. */
+static inline __attribute__((always_inline)) void attend_heads(
+        const float *q, const void *keys, const void *values, int64_t offset, int64_t head_stride, int64_t row_stride,
+        const int64_t *pos, int64_t len, int64_t lo_pos, int64_t hi_pos, float scale, float *parts,
+        int64_t part_stride, float *scores, int64_t stride, const int H, const int G, const int D, const int bf16) {
+    float top[H * G], totals[H * G], sums[H * G * D];
+    for (int t = 0; t < H * G; t++) top[t] = HIDDEN;
     for (int64_t j = 0; j < len; j++) {
-        int64_t key = offset + j * row_stride;
         int visible = pos[j] <= hi_pos && pos[j] > lo_pos;
-        for (int g = 0; g < G; g++) {
-            float dot = 0.f;
-            #pragma omp simd reduction(+:dot)
-            for (int i = 0; i < D; i++) dot += q[g * D + i] * stored(keys, key + i, bf16);
-            dot = visible ? dot * scale : HIDDEN;
-            scores[g * stride + j] = dot;
-            top[g] = dot > top[g] ? dot : top[g];
+        for (int h = 0; h < H; h++) {
+            int64_t key = offset + h * head_stride + j * row_stride;
+            for (int g = 0; g < G; g++) {
+                int t = h * G + g;
+                float dot = 0.f;
+                #pragma omp simd reduction(+:dot)
+                for (int i = 0; i < D; i++) dot += q[t * D + i] * stored(keys, key + i, bf16);
+                dot = visible ? dot * scale : HIDDEN;
+                scores[t * stride + j] = dot;
+                top[t] = dot > top[t] ? dot : top[t];
+            }
         }
     }
-    for (int g = 0; g < G; g++) {
-        float *row = scores + g * stride, total = 0.f;
-        vec sums = (vec){}, shift = splat(top[g]);
+    for (int t = 0; t < H * G; t++) {
+        float *row = scores + t * stride, total = 0.f;
+        vec sums = (vec){}, shift = splat(top[t]);
         int64_t j = 0;
         for (; j + VW <= len; j += VW) {
             vec x = load(row + j), weight = pick(x > splat(0.5f * HIDDEN), exp_of_score(x - shift), (vec){});
@@ -550,25 +558,31 @@ static inline __attribute__((always_inline)) void attend_head(
         }
         for (int i = 0; i < VW; i++) total += sums[i];
         for (; j < len; j++) {
-            float weight = row[j] > 0.5f * HIDDEN ? exp_of_score(splat(row[j] - top[g]))[0] : 0.f;
+            float weight = row[j] > 0.5f * HIDDEN ? exp_of_score(splat(row[j] - top[t]))[0] : 0.f;
             row[j] = weight;
             total += weight;
         }
-        totals[g] = total;
+        totals[t] = total;
     }
-    for (int i = 0; i < G * D; i++) sums[i] = 0.f;
+    for (int i = 0; i < H * G * D; i++) sums[i] = 0.f;
     for (int64_t j = 0; j < len; j++) {
-        int64_t value = offset + j * row_stride;
-        for (int g = 0; g < G; g++) {
-            float weight = scores[g * stride + j];
-            #pragma omp simd
-            for (int i = 0; i < D; i++) sums[g * D + i] += weight * stored(values, value + i, bf16);
+        for (int h = 0; h < H; h++) {
+            int64_t value = offset + h * head_stride + j * row_stride;
+            for (int g = 0; g < G; g++) {
+                int t = h * G + g;
+                float weight = scores[t * stride + j];
+                #pragma omp simd
+                for (int i = 0; i < D; i++) sums[t * D + i] += weight * stored(values, value + i, bf16);
+            }
         }
     }
-    for (int i = 0; i < G * D; i++) part[i] = sums[i];
-    for (int g = 0; g < G; g++) {
-        part[G * D + g] = top[g];
-        part[G * D + G + g] = totals[g];
+    for (int h = 0; h < H; h++) {
+        float *part = parts + h * part_stride;
+        for (int i = 0; i < G * D; i++) part[i] = sums[h * G * D + i];
+        for (int g = 0; g < G; g++) {
+            part[G * D + g] = top[h * G + g];
+            part[G * D + G + g] = totals[h * G + g];
+        }
     }
 }
 
@@ -594,27 +608,31 @@ static void combine_parts(const float *parts, int64_t count, int64_t G, int64_t 
     }
 }
 
-#define ATTEND_HEAD(G, D, BF16) \
-    attend_head(qh, keys, values, offset + from * row_stride, row_stride, ph + from, to - from, lo, hi, scale, part, \
-                scores, longest, G, D, BF16)
-/* common shapes as constants (SmolLM2-135M: 3 query heads per KV head of 64); any other shape runs the same code
+#define ATTEND_HEADS(H, G, D, BF16) \
+    attend_heads(qh, keys, values, offset + from * row_stride, head_stride, row_stride, ph + from, to - from, lo, hi, \
+                 scale, part, part_stride, scores, longest, H, G, D, BF16)
+/* common shapes as constants (SmolLM2-135M: 3 KV heads of 3 query heads of 64); any other shape runs the same code
    with them as variables */
-#define ATTEND_ANY_SHAPE(BF16) \
-    if (groups == 3 && dim == 64) ATTEND_HEAD(3, 64, BF16); \
-    else if (groups == 4 && dim == 64) ATTEND_HEAD(4, 64, BF16); \
-    else if (groups == 8 && dim == 64) ATTEND_HEAD(8, 64, BF16); \
-    else if (groups == 4 && dim == 128) ATTEND_HEAD(4, 128, BF16); \
-    else if (groups == 8 && dim == 128) ATTEND_HEAD(8, 128, BF16); \
-    else ATTEND_HEAD((int)groups, (int)dim, BF16)
+#define ATTEND_ANY_SHAPE(H, BF16) \
+    if (groups == 3 && dim == 64) ATTEND_HEADS(H, 3, 64, BF16); \
+    else if (groups == 4 && dim == 64) ATTEND_HEADS(H, 4, 64, BF16); \
+    else if (groups == 8 && dim == 64) ATTEND_HEADS(H, 8, 64, BF16); \
+    else if (groups == 4 && dim == 128) ATTEND_HEADS(H, 4, 128, BF16); \
+    else if (groups == 8 && dim == 128) ATTEND_HEADS(H, 8, 128, BF16); \
+    else ATTEND_HEADS(H, (int)groups, (int)dim, BF16)
+#define ATTEND_ANY_HEADS(BF16) \
+    if (heads_a_piece == 1) { ATTEND_ANY_SHAPE(1, BF16); } \
+    else if (heads_a_piece == 3) { ATTEND_ANY_SHAPE(3, BF16); } \
+    else { ATTEND_ANY_SHAPE((int)heads_a_piece, BF16); }
 
-/* A KV head's rows below which its decoding attention stays in one task. */
+/* A task's rows below which its decoding attention stays in one part. */
 #define LEAST_ROWS_A_PART 128
 
-/* How many parts each of `tasks` (sequence, KV head) tasks' rows are cut into, so that the threads share the
-   tasks evenly: one sequence has fewer KV heads (3 for SmolLM2) than there are threads, or a number the threads do
-   not divide, and then one thread would read most of the KV while the other idles (decoding one sequence of 4K
-   tokens on a 2-core Zen 3: 0.94x the step's time in parts). At most `threads`, and parts of at least
-   LEAST_ROWS_A_PART rows of the longest sequence. */
+/* How many parts each of `tasks` tasks' rows are cut into, so that the threads share the tasks evenly: one
+   sequence has fewer KV heads (3 for SmolLM2) than there are threads, or a number the threads do not divide, and
+   then one thread would read most of the KV while the other idles (decoding one sequence of 4K tokens on a 2-core
+   Zen 3: 0.94x the step's time in parts). At most `threads`, and parts of at least LEAST_ROWS_A_PART rows of the
+   longest sequence. */
 int64_t decode_attention_parts(int64_t tasks, int64_t longest, int threads) {
     int64_t a = tasks, b = threads;
     while (b) { int64_t r = a % b; a = b; b = r; }  /* a = gcd(tasks, threads) */
@@ -622,14 +640,32 @@ int64_t decode_attention_parts(int64_t tasks, int64_t longest, int threads) {
     return even < most ? even : (most > 1 ? most : 1);
 }
 
+/* Whether a layout's rows hold every head side by side (a cache's [rows, heads, dim]): then a task is a sequence
+   and all its heads, else a (sequence, head). */
+static inline int heads_in_a_row(int64_t heads, int64_t head_stride, int64_t row_stride) {
+    return heads > 1 && head_stride < row_stride;
+}
+
+/* Floats of scratch `decode_attention` needs for either layout: each thread's scores, then every part's sums, top
+   scores and totals. */
+int64_t decode_attention_scratch(int64_t seqs, int64_t heads, int64_t groups, int64_t dim, int64_t longest,
+                                 int threads) {
+    int64_t by_head = decode_attention_parts(seqs * heads, longest, threads);
+    int64_t by_row = decode_attention_parts(seqs, longest, threads);
+    int64_t parts = by_head > by_row ? by_head : by_row;
+    return threads * heads * groups * longest + seqs * heads * parts * groups * (dim + 2);
+}
+
 /* Decoding attention, one query position per sequence: for each sequence s < seqs and KV head h, the query heads
    q[s, h, :, :] ([seqs, heads, groups, dim], fp32) attend the rows j < lengths[s] of keys and values (fp32, or
    bf16 if `bf16`; element s * seq_stride + h * head_stride + j * row_stride + i) whose position
    pos[s * pos_stride + j] is visible from qpos[s]: at or before it, and within `window` positions of it if
    window > 0. `longest` is the largest of the lengths. The causal mask comes from the positions themselves, never
-   materialised. Each (s, h) may be cut into consecutive parts of its rows (`decode_attention_parts`), attended
-   apart and combined. scratch: threads x groups x longest floats, the scores of each thread's current part, then
-   seqs x heads x parts x groups x (dim + 2), the parts. out: [seqs, heads, groups, dim], fp32.
+   materialised. A task is a sequence's head (s, h), or a sequence and all its heads where its rows hold the
+   heads side by side (`attend_heads`); each task may be cut into consecutive parts of its rows
+   (`decode_attention_parts`), attended apart and combined. scratch: `decode_attention_scratch` floats, the
+   scores of each thread's current part, then seqs x heads x parts x groups x (dim + 2), the parts. out: [seqs,
+   heads, groups, dim], fp32.
 
    At 16 sequences of 544 tokens over SmolLM2's 30 layers (2-core Zen 4 EPYC, fp32) this reads the KV at about
    29 GB/s, where torch's fused kernel with an additive mask read it at 16. */
@@ -638,26 +674,28 @@ void decode_attention(const float *q, const void *keys, const void *values, int 
                       const int64_t *lengths, const int64_t *qpos, int64_t seqs, int64_t heads, int64_t groups,
                       int64_t dim, int64_t longest, int64_t window, float scale, float *scratch, float *out,
                       int threads) {
-    const int64_t tasks = seqs * heads, parts = decode_attention_parts(tasks, longest, threads);
-    const int64_t part_size = groups * (dim + 2);
-    float *all_parts = scratch + (int64_t)threads * groups * longest;
+    const int64_t heads_a_piece = heads_in_a_row(heads, head_stride, row_stride) ? heads : 1;
+    const int64_t tasks = seqs * heads, parts = decode_attention_parts(tasks / heads_a_piece, longest, threads);
+    const int64_t part_size = groups * (dim + 2), part_stride = parts * part_size;
+    float *all_parts = scratch + (int64_t)threads * heads * groups * longest;
     #pragma omp parallel num_threads(threads)
     {
-        float *scores = scratch + omp_get_thread_num() * groups * longest;  /* each thread's own rows */
+        float *scores = scratch + omp_get_thread_num() * heads * groups * longest;  /* each thread's own rows */
         #pragma omp for schedule(dynamic, 1)
-        for (int64_t piece = 0; piece < tasks * parts; piece++) {
-            int64_t task = piece / parts, s = task / heads, h = task % heads, offset = s * seq_stride + h * head_stride;
+        for (int64_t piece = 0; piece < tasks / heads_a_piece * parts; piece++) {
+            int64_t task = piece / parts * heads_a_piece, s = task / heads, h = task % heads;
+            int64_t offset = s * seq_stride + h * head_stride;
             int64_t from = lengths[s] * (piece % parts) / parts, to = lengths[s] * (piece % parts + 1) / parts;
             const float *qh = q + task * groups * dim;
             const int64_t *ph = pos + s * pos_stride;
-            float *part = all_parts + piece * part_size;
+            float *part = all_parts + task * part_stride + piece % parts * part_size;
             int64_t hi = qpos[s], lo = window > 0 ? hi - window : INT64_MIN;
-            if (bf16) { ATTEND_ANY_SHAPE(1); }
-            else { ATTEND_ANY_SHAPE(0); }
+            if (bf16) { ATTEND_ANY_HEADS(1); }
+            else { ATTEND_ANY_HEADS(0); }
         }
         #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++)
-            combine_parts(all_parts + task * parts * part_size, parts, groups, dim, out + task * groups * dim);
+            combine_parts(all_parts + task * part_stride, parts, groups, dim, out + task * groups * dim);
     }
 }
 

@@ -55,6 +55,7 @@ _SIGNATURES = {
     "panel_rows": [_POINTER, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT,
                    _INT],
     "decode_attention_parts": [_INT64, _INT64, _INT],
+    "decode_attention_scratch": [_INT64, _INT64, _INT64, _INT64, _INT64, _INT],
     "decode_attention": [_POINTER, _POINTER, _POINTER, _INT, _INT64, _INT64, _INT64, _POINTER, _INT64, _POINTER,
                          _POINTER, _INT64, _INT64, _INT64, _INT64, _INT64, _INT64, ctypes.c_float, _POINTER, _POINTER,
                          _INT],
@@ -73,7 +74,8 @@ _SIGNATURES = {
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
 _RESULTS = {"has_bf16_dot": _INT, "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT,
-            "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT, "decode_attention_parts": _INT64}
+            "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT, "decode_attention_parts": _INT64,
+            "decode_attention_scratch": _INT64}
 
 
 class NativeBuildError(RuntimeError):
@@ -477,14 +479,14 @@ def decode_attention_scratch(sequences: int, heads: int, groups: int, dim: int, 
                              threads: int) -> torch.Tensor:
     """`decode_attention`'s working memory (fp32): each thread's scores, then every part's sums, top scores and
     totals."""
-    parts = decode_attention_parts(sequences * heads, longest, threads)
-    return torch.empty(threads * groups * longest + sequences * heads * parts * groups * (dim + 2))
+    return torch.empty(library().decode_attention_scratch(sequences, heads, groups, dim, longest, threads))
 
 
 def decode_attention_parts(tasks: int, longest: int, threads: int) -> int:
-    """How many parts `decode_attention` cuts the rows of each of `tasks` (sequence, KV head) pairs into for
-    `threads` threads: enough that the threads share the work evenly (one sequence of 3 KV heads on 2 threads:
-    2), in parts of no fewer than LEAST_ROWS_A_PART rows (native.c) of the `longest` sequence."""
+    """How many parts `decode_attention` cuts the rows of each of `tasks` tasks (a sequence's KV head, or all its
+    heads where its rows hold them side by side) into for `threads` threads: enough that the threads share the work
+    evenly (one sequence of 3 KV heads on 2 threads: 2), in parts of no fewer than LEAST_ROWS_A_PART rows
+    (native.c) of the `longest` sequence."""
     return library().decode_attention_parts(tasks, longest, threads)
 
 

@@ -340,19 +340,24 @@ def test_decode_attention_equals_masked_softmax_attention(threads, groups, dim, 
 @pytest.mark.parametrize("threads", [2, 4])
 @pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads_in_rows", [False, True])
 @pytest.mark.parametrize("seqs, heads, lengths, q_pos", [
     (1, 3, [300], [299]),  # one sequence: its 3 heads' rows cut in parts for 2 or 4 threads
     (3, 1, [520, 300, 0], [519, 150, 0]),  # parts of which some see no key (the window, q_pos 150), an empty one
+    (2, 3, [520, 7], [519, 6]),  # several sequences of several heads
 ])
 def test_decode_attention_in_parts_equals_masked_softmax_attention(threads, window, kv_dtype, seqs, heads, lengths,
-                                                                    q_pos):
-    """Where the threads outnumber the (sequence, KV head) tasks or do not divide them, each task's rows are
-    attended in parts and combined: the same attention as the reference's, a part with no visible key adding
-    nothing."""
+                                                                    q_pos, heads_in_rows):
+    """Where the threads outnumber the tasks or do not divide them, each task's rows are attended in parts and
+    combined: the same attention as the reference's, a part with no visible key adding nothing. The KV laid out
+    as a pool holds it (each head's rows contiguous) or as a cache does (each row's heads side by side, then all
+    of a sequence's heads are one task)."""
     generator = torch.Generator().manual_seed(seqs * heads)
     capacity, groups, dim = 544, 3, 64
-    keys = torch.randn(seqs, heads, capacity, dim, generator=generator).to(kv_dtype)
-    values = torch.randn(seqs, heads, capacity, dim, generator=generator).to(kv_dtype)
+    shape = (seqs, capacity, heads, dim) if heads_in_rows else (seqs, heads, capacity, dim)
+    keys, values = (torch.randn(shape, generator=generator).to(kv_dtype) for _ in range(2))
+    if heads_in_rows:
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
     positions = torch.arange(capacity).repeat(seqs, 1)
     positions[0, :300] = torch.randperm(300, generator=generator)  # the window's keys scattered over the parts
     q = torch.randn(seqs, heads, groups, dim, generator=generator)
@@ -370,6 +375,7 @@ def test_decode_attention_cuts_heads_into_parts_only_where_the_threads_would_sha
     assert parts(3, 512, 4) == 4 and parts(6, 512, 4) == 2 and parts(1, 4096, 2) == 2
     assert parts(4, 512, 2) == 1 and parts(48, 4096, 2) == 1  # a batch's tasks already even
     assert parts(3, 200, 2) == 1 and parts(3, 512, 8) == 4  # no part of fewer than 128 rows
+    assert parts(1, 512, 2) == 2 and parts(2, 512, 2) == 1  # a sequence's heads in its rows: one task a sequence
 
 
 @needs_compiler
