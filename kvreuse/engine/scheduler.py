@@ -15,6 +15,7 @@ a callback they supply, called on the engine thread.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -105,7 +106,6 @@ class Scheduler:
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
         self.max_prefill_batch, self.max_token_gap = max_prefill_batch, max_token_gap
         self._last_decode = 0.0  # when the last decoding step ended (perf_counter)
-        self._prefilling: GenerationJob | None = None  # the job whose prompt's layers the engine thread runs
         self.on_decode_step = on_decode_step
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
@@ -218,23 +218,19 @@ class Scheduler:
         prefills = self.engine.prefill_batch([(job.request, job.method, job.sampling.max_tokens) for job in jobs])
         reported = 0
         try:
-            with self.engine.model.between_layers(self._between_prompt_layers):
-                for job in jobs:
-                    self._prefilling = job
+            for job in jobs:
+                with self.engine.model.between_layers(functools.partial(self._between_prompt_layers, job)):
                     fused = next(prefills)
-                    self._prefilling = None
-                    reported += 1
-                    self._start(job, fused, queued=admitted - job.arrived)
+                reported += 1
+                self._start(job, fused, queued=admitted - job.arrived)
         except Exception as e:  # a bug in the batch itself: its jobs fail, the engine and running sequences go on
             log.exception("batch prefill failed")
             for job in jobs[reported:]:
                 job.on_event(JobEvent(error=e))
-        finally:
-            self._prefilling = None
         return True
 
-    def _between_prompt_layers(self) -> None:
-        """Between two layers of a prompt computed on the engine thread (`LayerwiseModel.between_layers`):
+    def _between_prompt_layers(self, job: GenerationJob) -> None:
+        """Between two layers of `job`'s prompt, computed on the engine thread (`LayerwiseModel.between_layers`):
 
         - a job cancelled or timed out meanwhile stops there: its error, raised through its prefill, is what the
           batch reports for it (a client gone during a long prompt frees the engine at its next layer);
@@ -243,7 +239,7 @@ class Scheduler:
           in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every method's plan
           pauses alike (a stored prefix restored by compute and I/O threads side by side runs on those threads,
           without pauses)."""
-        if error := self._prefilling.failure(time.perf_counter()):
+        if error := job.failure(time.perf_counter()):
             raise error
         if (self.max_token_gap is None or not self._running
                 or time.perf_counter() - self._last_decode < self.max_token_gap):
