@@ -345,6 +345,7 @@ def test_decode_attention_equals_masked_softmax_attention(threads, groups, dim, 
     (1, 3, [300], [299]),  # one sequence: its 3 heads' rows cut in parts for 2 or 4 threads
     (3, 1, [520, 300, 0], [519, 150, 0]),  # parts of which some see no key (the window, q_pos 150), an empty one
     (2, 3, [520, 7], [519, 6]),  # several sequences of several heads
+    (1, 2, [300], [299]),  # a number of heads the kernel has no constant for
 ])
 def test_decode_attention_in_parts_equals_masked_softmax_attention(threads, window, kv_dtype, seqs, heads, lengths,
                                                                     q_pos, heads_in_rows):
