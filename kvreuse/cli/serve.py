@@ -22,8 +22,8 @@ FLAGS = {
     "--max-prefill-batch": (int, "waiting requests prefilled per step, their stored prefixes restored together "
                                  "as CacheFlow restores a batch (default 4; 1: one at a time)"),
     "--max-token-gap-ms": (float, "while prompts are computed, running streams take a decoding step between two "
-                                  "layers once they have waited this long for a token (default 250; 0: between "
-                                  "every two layers; a huge value computes prompts whole)"),
+                                  "layers once they have waited this long for a token (0: between every two "
+                                  "layers; default: none, prompts computed whole; see docs/SERVER.md for its cost)"),
     "--decode-pool": (str, "memory for the running sequences' KV, decoded together in one attention call per "
                            "layer; a sequence that does not fit decodes from its own cache (default 4GB)"),
     "--batch-restore": (str, "restore waiting requests' stored prefixes together: on, off, or auto (default: only "

@@ -6,8 +6,9 @@ and stored chunks are reused), steps every running sequence's decode as one batc
 write of what requests computed (`engine.write_back`: chunks to compile, prefix blocks). Up to
 `max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
 together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
-streaming while new ones arrive, and while prompts are computed the running sequences take a decoding step between
-two layers once they have waited `max_token_gap` for a token (a prompt whose job is cancelled stops there). A
+streaming while new ones arrive; with `max_token_gap` set, while prompts are computed the running sequences take a
+decoding step between two layers once they have waited that long for a token (a prompt whose job is cancelled
+stops there either way). A
 running sequence's KV lives in a slot of the scheduler's `KVPool`, so that each decoding step attends every
 sequence in one call per layer (a sequence the pool cannot hold decodes from its own cache). Jobs report through
 a callback they supply, called on the engine thread.
@@ -39,7 +40,6 @@ from kvreuse.model.kv_pool import KVPool
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05  # how often an idle engine thread looks at deadlines
 DEFAULT_POOL_BYTES = 4 << 30  # the running sequences' KV pool: SmolLM2 in fp32 holds 8 x 11K rows in it
-DEFAULT_MAX_TOKEN_GAP = 0.25  # seconds a running sequence waits for its next token while prompts are computed
 
 
 class QueueFull(RuntimeError):
@@ -97,7 +97,7 @@ class _Sequence:
 class Scheduler:
     def __init__(self, engine: ReuseEngine, max_running: int = 8, max_waiting: int = 128,
                  on_decode_step: Callable[[int], None] | None = None, max_prefill_batch: int = 4,
-                 pool_bytes: int = DEFAULT_POOL_BYTES, max_token_gap: float | None = DEFAULT_MAX_TOKEN_GAP):
+                 pool_bytes: int = DEFAULT_POOL_BYTES, max_token_gap: float | None = None):
         if max_running < 1 or max_waiting < 0 or max_prefill_batch < 1:
             raise ValueError(f"max_running and max_prefill_batch must be >= 1 and max_waiting >= 0, got "
                              f"{max_running}, {max_prefill_batch}, {max_waiting}")
@@ -234,9 +234,10 @@ class Scheduler:
 
         - a job cancelled or timed out meanwhile stops there: its error, raised through its prefill, is what the
           batch reports for it (a client gone during a long prompt frees the engine at its next layer);
-        - the running sequences take a decoding step once they have waited max_token_gap for a token: a long
-          prompt no longer stops every stream for its whole prefill (seconds here), at the cost of those steps
-          in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every method's plan
+        - with max_token_gap set, the running sequences take a decoding step once they have waited that long for a
+          token: a long prompt no longer stops every stream for its whole prefill (seconds here), at the cost of
+          those steps in the new request's TTFT, and of throughput where many short requests arrive (docs/
+          SERVER.md: off by default). Layers, not chunks of tokens, are the unit, so that every method's plan
           pauses alike (a stored prefix restored by compute and I/O threads side by side runs on those threads,
           without pauses)."""
         if error := job.failure(time.perf_counter()):

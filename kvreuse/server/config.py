@@ -33,7 +33,7 @@ class ServerConfig:
     placement: str = "all"  # new chunks on every tier ("all"), or on the slowest whose reads hide ("cost")
     max_concurrency: int = 8  # sequences prefilled and decoded together
     max_prefill_batch: int = 4  # waiting requests prefilled per step, their stored prefixes restored together
-    max_token_gap_ms: float = 250.0  # running streams decode between prompt layers after this wait (Scheduler)
+    max_token_gap_ms: float | None = None  # running streams decode between prompt layers after this wait
     decode_pool: str = "4GB"  # the running sequences' KV, decoded in one attention call per layer (KVPool)
     batch_restore: str = "auto"  # on, off, auto: together only when a tier's reads wait (ReuseEngine)
     max_queue: int = 256  # requests waiting beyond those; one more is refused with 429
@@ -53,7 +53,7 @@ class ServerConfig:
             "placement": self.placement in ("all", "cost"),
             "max_concurrency": self.max_concurrency >= 1,
             "max_prefill_batch": self.max_prefill_batch >= 1,
-            "max_token_gap_ms": self.max_token_gap_ms >= 0,
+            "max_token_gap_ms": self.max_token_gap_ms is None or self.max_token_gap_ms >= 0,
             "decode_pool": _is_size(self.decode_pool),
             "batch_restore": self.batch_restore in ("auto", "on", "off"),
             "max_queue": self.max_queue >= 0,

@@ -166,7 +166,8 @@ class EngineService:
         self.scheduler = Scheduler(engine, config.max_concurrency, config.max_queue,
                                    max_prefill_batch=config.max_prefill_batch,
                                    pool_bytes=parse_size(config.decode_pool),
-                                   max_token_gap=config.max_token_gap_ms / 1e3)
+                                   max_token_gap=None if config.max_token_gap_ms is None
+                                   else config.max_token_gap_ms / 1e3)
         self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running, engine.store)
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())

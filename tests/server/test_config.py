@@ -42,9 +42,10 @@ def test_flags_reach_the_config():
             config.max_token_gap_ms) == ("some/model", 0, 2, ["x", "y"], "512MiB", 40.0)
 
 
-def test_the_token_gap_reaches_the_scheduler_in_seconds(tiny_chat_engine):
+def test_the_token_gap_reaches_the_scheduler_in_seconds_and_is_off_by_default(tiny_chat_engine):
     service = EngineService(tiny_chat_engine, ServerConfig(max_token_gap_ms=40))
     assert service.scheduler.max_token_gap == pytest.approx(0.04)
+    assert EngineService(tiny_chat_engine, ServerConfig()).scheduler.max_token_gap is None
 
 
 @pytest.mark.parametrize(
