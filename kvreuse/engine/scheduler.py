@@ -236,8 +236,7 @@ class Scheduler:
           batch reports for it (a client gone during a long prompt frees the engine at its next layer);
         - with max_token_gap set, the running sequences take a decoding step once they have waited that long for a
           token: a long prompt no longer stops every stream for its whole prefill (seconds here), at the cost of
-          those steps in the new request's TTFT, and of throughput where many short requests arrive (docs/
-          SERVER.md: off by default). Layers, not chunks of tokens, are the unit, so that every method's plan
+          those steps (each followed by a store write, as between engine steps) in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every method's plan
           pauses alike (a stored prefix restored by compute and I/O threads side by side runs on those threads,
           without pauses)."""
         if error := job.failure(time.perf_counter()):
@@ -250,6 +249,10 @@ class Scheduler:
         except Exception as e:  # as in _loop: the running sequences fail, the prompt under way goes on
             log.exception("decoding step between prefill layers failed")
             self._fail_running(e)
+        # A store write follows each decoding step here too, as it does between engine steps: while prompts keep
+        # arriving, the engine's own steps are few and far apart, and with one write each the chunks to compile
+        # piled up unwritten (a soak left 55 pending and reused 1% of its prompts' tokens instead of 48%).
+        self.engine.write_back.run_one()
 
     def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:
         """A prefilled job joins the running sequences and streams its first token; a failed one reports."""

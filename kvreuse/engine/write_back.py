@@ -24,6 +24,11 @@ class WriteBack:
         self._cond = threading.Condition()
         self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
 
+    @property
+    def pending(self) -> int:
+        """Writes submitted and not yet started."""
+        return len(self._pending)
+
     def submit(self, key: str, write: Callable[[], object]) -> None:
         """Run write() later, unless a write of `key` is already pending or running."""
         with self._cond:

@@ -36,7 +36,8 @@ class StoreEvents:
 
 
 class Metrics:
-    def __init__(self, waiting: Callable[[], int], running: Callable[[], int], store: KVStore):
+    def __init__(self, waiting: Callable[[], int], running: Callable[[], int], store: KVStore,
+                 pending_writes: Callable[[], int] = lambda: 0):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvreuse_requests", "every /v1 request, by endpoint, outcome and HTTP status",
@@ -60,6 +61,8 @@ class Metrics:
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         Gauge("kvreuse_num_requests_waiting", "requests queued", registry=r).set_function(waiting)
         Gauge("kvreuse_num_requests_running", "sequences being decoded", registry=r).set_function(running)
+        Gauge("kvreuse_write_back_pending", "store writes of what requests computed (chunks to compile, prefix "
+              "blocks) waiting for the engine thread", registry=r).set_function(pending_writes)
         r.register(StoreEvents(store))
 
     def request(self, endpoint: str, outcome: str, status: int) -> None:

@@ -168,7 +168,8 @@ class EngineService:
                                    pool_bytes=parse_size(config.decode_pool),
                                    max_token_gap=None if config.max_token_gap_ms is None
                                    else config.max_token_gap_ms / 1e3)
-        self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running, engine.store)
+        self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running, engine.store,
+                               lambda: engine.write_back.pending)
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kv-tokenize")

@@ -73,14 +73,17 @@ def test_a_sequence_joins_the_pool_only_after_its_first_token_is_sent(tiny_chat_
 @pytest.mark.parametrize("gap", [0.0, 60.0, None])
 def test_running_sequences_decode_between_the_layers_of_a_new_prompt(tiny_chat_engine, monkeypatch, gap):
     """max_token_gap 0: a running sequence takes a decoding step between every two layers of a prompt admitted
-    beside it, and both generate what each would alone; a minute: its last step was too recent for one; None:
-    prompts are computed whole."""
-    steps, prefills = [], []
+    beside it, each followed by a pending store write, and both generate what each would alone; a minute: its last
+    step was too recent for one; None: prompts are computed whole."""
+    steps, prefills, writes = [], [], []
     scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_token_gap=gap,
                           on_decode_step=lambda n: steps.append(time.perf_counter()))
     real_prefill = tiny_chat_engine.prefill
 
     def timed_prefill(*args, **kwargs):
+        if prefills:  # the new prompt's: writes wait that the engine thread runs when it can
+            for i in range(tiny_chat_engine.model.num_layers):
+                tiny_chat_engine.write_back.submit(f"write {i}", lambda: writes.append(time.perf_counter()))
         start = time.perf_counter()
         result = real_prefill(*args, **kwargs)
         prefills.append((start, time.perf_counter()))
@@ -95,6 +98,7 @@ def test_running_sequences_decode_between_the_layers_of_a_new_prompt(tiny_chat_e
         scheduler.submit(running)
         scheduler.start()
         first = running_events.get(timeout=60)  # its first token: it is decoding
+        tiny_chat_engine.wait_for_write_back()  # its own writes are done
         scheduler.submit(new)
         new_text, new_last = outcome(new_events)
         running_text, running_last = outcome(running_events)
@@ -103,7 +107,8 @@ def test_running_sequences_decode_between_the_layers_of_a_new_prompt(tiny_chat_e
         scheduler.stop()
     start, end = prefills[1]
     between = [t for t in steps if start < t < end]
-    assert len(between) == (tiny_chat_engine.model.num_layers - 1 if gap == 0.0 else 0)
+    writes_between = [t for t in writes if start < t < end]
+    assert len(between) == len(writes_between) == (tiny_chat_engine.model.num_layers - 1 if gap == 0.0 else 0)
     for job, text, last in ((new, new_text, new_last), (running, running_text, running_last)):
         alone = tiny_chat_engine.generate(job.request, "full", job.sampling)
         assert last.result.token_ids == alone.token_ids and text == alone.text

@@ -3,6 +3,7 @@ rejected by a full queue, cancelled mid-stream, failed on the server; and shows 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import openai
@@ -90,3 +91,19 @@ def test_store_faults_are_counted_by_tier(make_server, tmp_path):
         memory = {dict(k)["event"] for k in samples(http, "kvreuse_store_events_total") if dict(k)["tier"] == "memory"}
     assert events["damaged"] == 1 and events["unavailable"] == 0
     assert memory == {"damaged", "unavailable", "write_errors", "wrong_model", "evictions"}
+
+
+def test_store_writes_waiting_for_the_engine_thread_are_shown(server):
+    write_back = server.service.engine.write_back
+    release = threading.Event()
+    write_back.submit("a slow write", release.wait)  # the engine thread takes it and waits there
+    write_back.submit("next", lambda: None)
+    write_back.submit("last", lambda: None)
+    deadline = time.monotonic() + 30
+    while write_back.pending > 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with server.http() as http:
+        assert samples(http, "kvreuse_write_back_pending") == {(): 2.0}
+        release.set()
+        write_back.wait()
+        assert samples(http, "kvreuse_write_back_pending") == {(): 0.0}
