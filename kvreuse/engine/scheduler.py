@@ -7,8 +7,8 @@ write of what requests computed (`engine.write_back`: chunks to compile, prefix 
 `max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
 together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
 streaming while new ones arrive; with `max_token_gap` set, while prompts are computed the running sequences take a
-decoding step between two layers once they have waited that long for a token (a prompt whose job is cancelled
-stops there either way). A
+decoding step between two layers once they have waited that long for a token, followed by a store write as between
+engine steps (a prompt whose job is cancelled stops there either way). A
 running sequence's KV lives in a slot of the scheduler's `KVPool`, so that each decoding step attends every
 sequence in one call per layer (a sequence the pool cannot hold decodes from its own cache). Jobs report through
 a callback they supply, called on the engine thread.
