@@ -13,6 +13,7 @@ from kvreuse.engine.stats import PrefixRestoreStats
 from kvreuse.store.base import KVStore, Tier
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
+NOTHING_RAN_SECONDS = 0.001  # a prompt's pauses when nothing ran in them: the checks for cancellation between layers
 
 
 STORE_EVENTS = ("damaged", "unavailable", "write_errors", "wrong_model", "evictions")
@@ -51,6 +52,15 @@ class Metrics:
                               buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("kvreuse_e2e_request_latency_seconds", "arrival to last token",
                              buckets=LATENCY_BUCKETS, registry=r)
+        # what a first token waited for: the queue, its prompt's own computation, other work between its layers
+        self.queue_time = Histogram("kvreuse_request_queue_time_seconds", "arrival to the start of its prefill",
+                                    buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_time = Histogram(
+            "kvreuse_request_prefill_time_seconds", "its prompt's fusion plan: computation and waits for stored "
+            "KV, without the pauses between its layers", buckets=LATENCY_BUCKETS, registry=r)
+        self.prefill_paused = Histogram(
+            "kvreuse_request_prefill_paused_seconds", "decoding steps and store writes run between its prompt's "
+            "layers (--max-token-gap-ms)", buckets=(NOTHING_RAN_SECONDS,) + LATENCY_BUCKETS, registry=r)
         self.prefix_restorations = Counter(
             "kvreuse_prefix_restorations", "stored prefixes restored, by strategy and whether restored in a batch "
             "with other requests' (CacheFlow's batch-aware restoration) or alone", ["strategy", "mode"], registry=r)
@@ -75,6 +85,9 @@ class Metrics:
         self.generation_tokens.inc(len(result.token_ids))
         self._restored(result.stats.prefix)
         self.ttft.observe(result.ttft)
+        self.queue_time.observe(result.stats.queue_seconds)
+        self.prefill_time.observe(result.stats.fusion.prefill_seconds)
+        self.prefill_paused.observe(result.stats.fusion.paused_seconds)
         self.e2e.observe(result.total_seconds)
 
     def _restored(self, prefix: PrefixRestoreStats) -> None:

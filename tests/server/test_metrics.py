@@ -107,3 +107,38 @@ def test_store_writes_waiting_for_the_engine_thread_are_shown(server):
         release.set()
         write_back.wait()
         assert samples(http, "kvreuse_write_back_pending") == {(): 0.0}
+
+
+def histogram(http, name: str) -> tuple[float, float, float]:
+    """A histogram's count, sum, and count in its first bucket (le=0.001: the pauses' "nothing ran")."""
+    text = http.get("/metrics").text
+    found = {s.name[len(name):] + s.labels.get("le", ""): s.value for family in text_string_to_metric_families(text)
+             for s in family.samples if s.name.startswith(name)}
+    return found["_count"], found["_sum"], found.get("_bucket0.001", 0.0)
+
+
+@pytest.mark.parametrize("gap_ms", [None, 0])
+def test_a_first_token_s_wait_is_split_into_queue_prefill_and_pauses(make_server, monkeypatch, gap_ms):
+    """Each finished request adds its queueing, its prompt's own computation and the work run between its layers
+    (decoding a running stream there: gap 0) to three histograms, the figures its usage reports."""
+    server = make_server(max_concurrency=2, max_token_gap_ms=gap_ms)
+    decode_batch = server.service.engine.model.decode_batch
+    # a decoding step that takes the time of a real one (the tiny model's may take less than the first bucket)
+    monkeypatch.setattr(server.service.engine.model, "decode_batch", lambda *a: time.sleep(0.005) or decode_batch(*a))
+    client = server.client()
+    with server.http() as http:
+        stream = client.chat.completions.create(**body(max_tokens=4000, stream=True), extra_body={"ignore_eos": True})
+        chunks = iter(stream)
+        next(chunks), next(chunks)  # decoding
+        usage = http.post("/v1/chat/completions", json=body(messages=[{"role": "user", "content": "Hi " * 40}]))
+        usage = usage.json()["usage"]["kvreuse"]
+        stream.close()
+        wait_until_idle(server)
+        queue_count, queue_sum, _ = histogram(http, "kvreuse_request_queue_time_seconds")
+        prefill_count, prefill_sum, _ = histogram(http, "kvreuse_request_prefill_time_seconds")
+        paused_count, paused_sum, unpaused = histogram(http, "kvreuse_request_prefill_paused_seconds")
+    assert queue_count == prefill_count == paused_count == 1  # the stream was cancelled: not a finished one
+    assert queue_sum == pytest.approx(usage["queue_seconds"])
+    assert prefill_sum >= usage["compute_seconds"] > 0
+    assert paused_sum == pytest.approx(usage["paused_seconds"])
+    assert unpaused == (0 if gap_ms == 0 else 1)
