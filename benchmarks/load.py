@@ -4,8 +4,9 @@ The mix (shares set by --mix): RAG chats whose documents are HotpotQA passages f
 repeat, so their stored chunks are reused); bursts of identical requests sent at the same moment; streams the
 client drops after the first token; non-streaming requests the client abandons; malformed requests of several
 kinds; completions. It reports requests and errors by kind (any 5xx or transport error is the server's fault),
-client-side TTFT percentiles of the streamed chats, the server's RSS over time (flat after warm-up or not), and
-whether the server's /metrics counted exactly what was sent.
+client-side TTFT percentiles of the streamed chats, the server's RSS over time (flat after warm-up or not),
+whether the server's /metrics counted exactly what was sent, and from its histograms what the finished requests'
+first tokens waited for (queue, their prompt's own computation, pauses between its layers).
 
     .venv/bin/python -m benchmarks.load --duration 600 --clients 8 --out runs/soak.json
 
@@ -87,6 +88,8 @@ class Report:
     machine_load_1min: float
     settings: dict = field(default_factory=dict)
     failure_samples: list[str] = field(default_factory=list)
+    server_waits_s: dict[str, float | None] = field(default_factory=dict)  # mean_waits over the run
+    write_back_pending: float | None = None  # store writes waiting at the end
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -168,16 +171,43 @@ def listening_pid(url: str) -> int | None:
 # ---- /metrics ---------------------------------------------------------------------------------------------
 
 
-def scrape(client: httpx.Client) -> tuple[Counter, bool]:
-    """kvreuse_requests_total by (endpoint, code), and whether the server labels its requests by code."""
-    counts: Counter = Counter()
-    has_code = False
+# what a finished request's first token waited for, by the server's histograms (their _sum and _count)
+WAIT_PARTS = {"ttft": "kvreuse_time_to_first_token_seconds", "queue": "kvreuse_request_queue_time_seconds",
+              "prefill": "kvreuse_request_prefill_time_seconds", "paused": "kvreuse_request_prefill_paused_seconds"}
+
+
+@dataclass
+class Scrape:
+    requests: Counter  # kvreuse_requests_total by (endpoint, code)
+    has_code: bool  # whether the server labels its requests by code
+    waits: Counter  # WAIT_PARTS' sums and counts: (part, "sum" | "count")
+    pending_writes: float | None  # kvreuse_write_back_pending (None: the server does not export it)
+
+
+def scrape(client: httpx.Client) -> Scrape:
+    histograms = {f"{name}_{stat}": (part, stat) for part, name in WAIT_PARTS.items() for stat in ("sum", "count")}
+    found = Scrape(Counter(), False, Counter(), None)
     for family in text_string_to_metric_families(client.get("/metrics").text):
         for sample in family.samples:
             if sample.name == "kvreuse_requests_total":
-                has_code = has_code or "code" in sample.labels
-                counts[(sample.labels.get("endpoint"), sample.labels.get("code"))] += sample.value
-    return counts, has_code
+                found.has_code = found.has_code or "code" in sample.labels
+                found.requests[(sample.labels.get("endpoint"), sample.labels.get("code"))] += sample.value
+            elif sample.name in histograms:
+                found.waits[histograms[sample.name]] += sample.value
+            elif sample.name == "kvreuse_write_back_pending":
+                found.pending_writes = sample.value
+    return found
+
+
+def mean_waits(waits: Counter) -> dict[str, float | None]:
+    """Each part's mean over the requests that finished between two scrapes (None: none finished, or the
+    server does not export the part); `other` is what the parts leave of the TTFT (the prompts prefilled before
+    a request in its admission batch, its stored prefix restored together with theirs, its first token's
+    sampling)."""
+    means = {part: waits[part, "sum"] / waits[part, "count"] if waits[part, "count"] else None for part in WAIT_PARTS}
+    parts = [means[p] for p in ("queue", "prefill", "paused")]
+    means["other"] = None if None in parts or means["ttft"] is None else means["ttft"] - sum(parts)
+    return means
 
 
 def agreement(sent: list[Sent], counted: Counter) -> tuple[list[dict], bool]:
@@ -339,7 +369,7 @@ def run(url: str, server_pid: int | None, args: argparse.Namespace) -> Report:
     headers = {"authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     with httpx.Client(base_url=url, headers=headers, timeout=30) as control:
         model = served_model(control, args.model)
-        before, has_code = scrape(control)
+        before = scrape(control)
         watcher = RssWatcher(server_pid, args.rss_interval) if server_pid else None
         sent: list[Sent] = []
         started = time.perf_counter()
@@ -353,10 +383,13 @@ def run(url: str, server_pid: int | None, args: argparse.Namespace) -> Report:
             asyncio.run(clients())
             elapsed = time.perf_counter() - started
             time.sleep(2)  # cancellations reach the server's metrics once the engine notices them
-            after, _ = scrape(control)
+            after = scrape(control)
         finally:
             series = watcher.stop() if watcher else []
-    return summarise(sent, after - before, has_code, series, elapsed, args)
+    report = summarise(sent, after.requests - before.requests, before.has_code, series, elapsed, args)
+    report.server_waits_s = mean_waits(after.waits - before.waits)
+    report.write_back_pending = after.pending_writes
+    return report
 
 
 def summarise(sent: list[Sent], counted: Counter, has_code: bool, series: list[tuple[float, float]],
@@ -395,6 +428,11 @@ def print_report(report: Report) -> None:
               + ("n/a" if slope is None else f"{slope:+.1f} MB/min"))
     else:
         print("server RSS: not measured (no local server process)")
+    waits = report.server_waits_s
+    if waits.get("other") is not None:
+        print(f"server's first-token wait, mean of the finished requests: TTFT {waits['ttft']:.2f} s = queue "
+              f"{waits['queue']:.2f} + prefill {waits['prefill']:.2f} + paused {waits['paused']:.2f} + other "
+              f"{waits['other']:.2f}; store writes pending at the end: {report.write_back_pending:.0f}")
     print(f"/metrics: {report.metrics_note}")
     for row in report.metrics_rows:
         mark = "" if row["sent"] == row["counted"] else "   <-- MISMATCH"

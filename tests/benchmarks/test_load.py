@@ -8,7 +8,7 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.load import Sent, agreement, parse_args, parse_mix, rss_summary, run
+from benchmarks.load import Sent, agreement, mean_waits, parse_args, parse_mix, rss_summary, run
 
 
 def test_sent_and_counted_agree_row_by_row_and_a_miscount_is_reported():
@@ -38,6 +38,14 @@ def test_rss_slope_after_warm_up():
     assert rss_summary(flat, warmup=60)["slope_mb_per_min"] == pytest.approx(0)
 
 
+def test_a_first_token_s_wait_is_split_into_its_parts_means():
+    waits = Counter({("ttft", "sum"): 10.0, ("ttft", "count"): 4, ("queue", "sum"): 6.0, ("queue", "count"): 4,
+                     ("prefill", "sum"): 2.0, ("prefill", "count"): 4, ("paused", "count"): 4})
+    assert mean_waits(waits) == {"ttft": 2.5, "queue": 1.5, "prefill": 0.5, "paused": 0.0, "other": 0.5}
+    del waits["queue", "count"]  # a server without the histogram
+    assert mean_waits(waits)["queue"] is None and mean_waits(waits)["other"] is None
+
+
 def test_a_mix_naming_an_unknown_kind_is_refused():
     assert parse_mix("rag=1,identical=0.5") == {"rag": 1.0, "identical": 0.5}
     with pytest.raises(SystemExit, match="unknown kind 'flood'"):
@@ -55,3 +63,6 @@ def test_a_short_soak_accounts_for_every_request(make_server):
     assert report.metrics_agree, report.metrics_rows
     assert sum(r["sent"] for r in report.metrics_rows) == sum(report.sent_by_kind.values())
     assert report.rss_series and report.ttft_p50_s > 0
+    waits = report.server_waits_s
+    assert waits["ttft"] > 0 and waits["prefill"] > 0 and waits["other"] > -1e-6, waits
+    assert report.write_back_pending is not None
