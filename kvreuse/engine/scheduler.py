@@ -5,13 +5,13 @@ cancelled and timed-out jobs, admits waiting jobs (their prefill goes through Re
 and stored chunks are reused), steps every running sequence's decode as one batch, then runs one pending store
 write of what requests computed (`engine.write_back`: chunks to compile, prefix blocks). Up to
 `max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
-together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`); a small batch keeps running sequences
-streaming while new ones arrive; with `max_token_gap` set, while prompts are computed the running sequences take a
-decoding step between two layers once they have waited that long for a token, followed by a store write as between
-engine steps (a prompt whose job is cancelled stops there either way). A
-running sequence's KV lives in a slot of the scheduler's `KVPool`, so that each decoding step attends every
-sequence in one call per layer (a sequence the pool cannot hold decodes from its own cache). Jobs report through
-a callback they supply, called on the engine thread.
+together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`), and the running sequences take a decoding
+step between two of the batch's prompts, so that a token waits for one prompt, not the batch. With
+`max_token_gap` set, they also take one between two layers of a prompt once they have waited that long for a
+token (a prompt whose job is cancelled stops there either way). Each decoding step outside the engine's own
+steps is followed by a store write, as those are. A running sequence's KV lives in a slot of the scheduler's
+`KVPool`, so that each decoding step attends every sequence in one call per layer (a sequence the pool cannot
+hold decodes from its own cache). Jobs report through a callback they supply, called on the engine thread.
 """
 
 from __future__ import annotations
@@ -219,6 +219,8 @@ class Scheduler:
         reported = 0
         try:
             for job in jobs:
+                if reported:  # the streams' token waits for one prompt, not for the whole batch
+                    self._decode_outside_steps(self.max_token_gap or 0.0)
                 with self.engine.model.between_layers(functools.partial(self._between_prompt_layers, job)):
                     fused = next(prefills)
                 reported += 1
@@ -236,22 +238,26 @@ class Scheduler:
           batch reports for it (a client gone during a long prompt frees the engine at its next layer);
         - with max_token_gap set, the running sequences take a decoding step once they have waited that long for a
           token: a long prompt no longer stops every stream for its whole prefill (seconds here), at the cost of
-          those steps (each followed by a store write, as between engine steps) in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every method's plan
-          pauses alike (a stored prefix restored by compute and I/O threads side by side runs on those threads,
-          without pauses)."""
+          those steps in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every
+          method's plan pauses alike (a stored prefix restored by compute and I/O threads side by side runs on
+          those threads, without pauses)."""
         if error := job.failure(time.perf_counter()):
             raise error
-        if (self.max_token_gap is None or not self._running
-                or time.perf_counter() - self._last_decode < self.max_token_gap):
+        if self.max_token_gap is not None:
+            self._decode_outside_steps(self.max_token_gap)
+
+    def _decode_outside_steps(self, gap: float) -> None:
+        """A decoding step of the running sequences, if they have waited `gap` seconds for a token, between two
+        prompts of an admission batch or two layers of a prompt; a store write follows it, as between engine
+        steps: while prompts keep arriving the engine's own steps are few, and with one write each the chunks to
+        compile would pile up unwritten (docs/RESULTS.md, "The server under a long prompt")."""
+        if not self._running or time.perf_counter() - self._last_decode < gap:
             return
         try:
             self._decode_step()
-        except Exception as e:  # as in _loop: the running sequences fail, the prompt under way goes on
-            log.exception("decoding step between prefill layers failed")
+        except Exception as e:  # as in _loop: the running sequences fail, the prompts under way go on
+            log.exception("decoding step between prompts or their layers failed")
             self._fail_running(e)
-        # A store write follows each decoding step here too, as it does between engine steps: while prompts keep
-        # arriving, the engine's own steps are few and far apart, and with one write each the chunks to compile
-        # piled up unwritten (a soak left 55 pending and reused 1% of its prompts' tokens instead of 48%).
         self.engine.write_back.run_one()
 
     def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:

@@ -114,6 +114,62 @@ def test_running_sequences_decode_between_the_layers_of_a_new_prompt(tiny_chat_e
         assert last.result.token_ids == alone.token_ids and text == alone.text
 
 
+def test_running_sequences_decode_between_the_prompts_of_an_admission_batch(tiny_chat_engine, monkeypatch):
+    """Prompts computed whole (no max_token_gap): a running sequence still takes a decoding step, and a store write
+    runs, between two prompts admitted together, so its token waits for one prompt, not for the batch."""
+    steps, prefills, writes = [], [], []
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_prefill_batch=3,
+                          on_decode_step=lambda n: steps.append(time.perf_counter()))
+    real_prefill = tiny_chat_engine.prefill
+
+    def timed_prefill(*args, **kwargs):
+        start = time.perf_counter()
+        result = real_prefill(*args, **kwargs)
+        prefills.append((start, time.perf_counter()))
+        for i in range(2):  # writes wait: there is one to run after each prompt
+            tiny_chat_engine.write_back.submit(f"after prefill {len(prefills)}, {i}", lambda: None)
+        return result
+
+    def timed_write():
+        ran = run_one()
+        if ran:
+            writes.append(time.perf_counter())
+        return ran
+
+    monkeypatch.setattr(tiny_chat_engine, "prefill", timed_prefill)
+    run_one = tiny_chat_engine.write_back.run_one
+    monkeypatch.setattr(tiny_chat_engine.write_back, "run_one", timed_write)
+    batch_sizes, prefill_batch = [], tiny_chat_engine.prefill_batch
+    monkeypatch.setattr(tiny_chat_engine, "prefill_batch", lambda jobs: batch_sizes.append(len(jobs))
+                        or prefill_batch(jobs))
+    running_events = queue.Queue()
+    running = job_for(tiny_chat_engine, "a sequence that is decoding?", running_events,
+                      sampling=SamplingParams(max_tokens=400, ignore_eos=True))
+    batch = [(job_for(tiny_chat_engine, f"prompt {i} of a batch?", events), events)
+             for i, events in enumerate(queue.Queue() for _ in range(3))]
+    release = threading.Event()
+    try:
+        scheduler.submit(running)
+        scheduler.start()
+        running_events.get(timeout=60)  # its first token: it is decoding
+        scheduler.call(release.wait)  # the engine thread waits there while the batch is queued
+        for job, _ in batch:
+            scheduler.submit(job)
+        release.set()
+        results = [outcome(events) for _, events in batch]
+    finally:
+        scheduler.stop()
+    ends = [end for _, end in prefills[1:]]
+    starts = [start for start, _ in prefills[1:]]
+    assert batch_sizes == [1, 3] and len(prefills) == 4  # the running sequence's prompt, then the batch
+    for end, next_start in zip(ends, starts[1:]):
+        assert len([t for t in steps if end < t < next_start]) == 1
+        assert len([t for t in writes if end < t < next_start]) == 1
+    for (job, _), (text, last) in zip(batch, results):
+        alone = tiny_chat_engine.generate(job.request, "full", job.sampling)
+        assert last.result.token_ids == alone.token_ids and text == alone.text
+
+
 def test_a_full_queue_refuses_the_job(tiny_chat_engine):
     scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)  # not started: nothing leaves the queue
     for question in ["one?", "two?"]:  # one for the free running slot, one waiting
