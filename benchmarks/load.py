@@ -428,11 +428,12 @@ def print_report(report: Report) -> None:
               + ("n/a" if slope is None else f"{slope:+.1f} MB/min"))
     else:
         print("server RSS: not measured (no local server process)")
-    waits = report.server_waits_s
+    waits, pending = report.server_waits_s, report.write_back_pending
     if waits.get("other") is not None:
         print(f"server's first-token wait, mean of the finished requests: TTFT {waits['ttft']:.2f} s = queue "
               f"{waits['queue']:.2f} + prefill {waits['prefill']:.2f} + paused {waits['paused']:.2f} + other "
-              f"{waits['other']:.2f}; store writes pending at the end: {report.write_back_pending:.0f}")
+              f"{waits['other']:.2f}; store writes pending at the end: "
+              + ("n/a" if pending is None else f"{pending:.0f}"))
     print(f"/metrics: {report.metrics_note}")
     for row in report.metrics_rows:
         mark = "" if row["sent"] == row["counted"] else "   <-- MISMATCH"

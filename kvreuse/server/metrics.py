@@ -38,7 +38,7 @@ class StoreEvents:
 
 class Metrics:
     def __init__(self, waiting: Callable[[], int], running: Callable[[], int], store: KVStore,
-                 pending_writes: Callable[[], int] = lambda: 0):
+                 pending_writes: Callable[[], int]):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvreuse_requests", "every /v1 request, by endpoint, outcome and HTTP status",

@@ -8,7 +8,8 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.load import Sent, agreement, mean_waits, parse_args, parse_mix, rss_summary, run
+from benchmarks.load import (Report, Sent, agreement, mean_waits, parse_args, parse_mix, print_report, rss_summary,
+                             run)
 
 
 def test_sent_and_counted_agree_row_by_row_and_a_miscount_is_reported():
@@ -44,6 +45,16 @@ def test_a_first_token_s_wait_is_split_into_its_parts_means():
     assert mean_waits(waits) == {"ttft": 2.5, "queue": 1.5, "prefill": 0.5, "paused": 0.0, "other": 0.5}
     del waits["queue", "count"]  # a server without the histogram
     assert mean_waits(waits)["queue"] is None and mean_waits(waits)["other"] is None
+
+
+@pytest.mark.parametrize("pending", [3.0, None])  # None: a server without the gauge
+def test_the_report_prints_the_wait_split_and_the_pending_writes(capsys, pending):
+    report = Report(10.0, 2, {"rag": 1}, {}, 0, 1.0, 1.0, 1.0, {}, [], [], True, "", 0.5,
+                    server_waits_s={"ttft": 2.5, "queue": 1.5, "prefill": 0.5, "paused": 0.0, "other": 0.5},
+                    write_back_pending=pending)
+    print_report(report)
+    assert (f"TTFT 2.50 s = queue 1.50 + prefill 0.50 + paused 0.00 + other 0.50; store writes pending at the end: "
+            f"{'3' if pending else 'n/a'}") in capsys.readouterr().out
 
 
 def test_a_mix_naming_an_unknown_kind_is_refused():
