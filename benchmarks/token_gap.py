@@ -16,7 +16,6 @@ import argparse
 import queue
 import statistics
 import subprocess
-import threading
 import time
 from dataclasses import dataclass
 
@@ -67,12 +66,10 @@ def arrive(engine: ReuseEngine, prompts: list, gap: float | None, warmup_tokens:
             if not ended.empty():
                 raise RuntimeError(f"the running stream ended early: {ended.get().error}")
             time.sleep(0.005)
-        release = threading.Event()
-        scheduler.call(release.wait)  # the engine thread waits there: the prompts are admitted together
-        for job in arriving:
-            scheduler.submit(job)
-        submitted = time.perf_counter()
-        release.set()
+        with scheduler.held():  # the prompts are admitted together
+            for job in arriving:
+                scheduler.submit(job)
+            submitted = time.perf_counter()
         while len(first_tokens) < len(arriving):
             if time.perf_counter() - submitted > 600:
                 raise TimeoutError("the prompts' first tokens took over 10 minutes")

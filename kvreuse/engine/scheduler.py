@@ -16,12 +16,13 @@ hold decodes from its own cache). Jobs report through a callback they supply, ca
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -159,6 +160,19 @@ class Scheduler:
             self._calls.append((fn, future))
         self._wake.set()
         return future
+
+    @contextlib.contextmanager
+    def held(self, timeout: float = 60.0) -> Iterator[None]:
+        """Hold the engine thread between two steps for the block: the jobs submitted inside are admitted
+        together when it ends (up to max_prefill_batch), as a burst of requests arriving at once would be."""
+        reached, release = threading.Event(), threading.Event()
+        self.call(lambda: reached.set() or release.wait())
+        try:
+            if not reached.wait(timeout):
+                raise TimeoutError(f"the engine thread did not reach a step's end within {timeout:g} s")
+            yield
+        finally:
+            release.set()
 
     # ---- the engine thread -----------------------------------------------------------------------------
 

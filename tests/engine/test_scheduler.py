@@ -147,15 +147,13 @@ def test_running_sequences_decode_between_the_prompts_of_an_admission_batch(tiny
                       sampling=SamplingParams(max_tokens=400, ignore_eos=True))
     batch = [(job_for(tiny_chat_engine, f"prompt {i} of a batch?", events), events)
              for i, events in enumerate(queue.Queue() for _ in range(3))]
-    release = threading.Event()
     try:
         scheduler.submit(running)
         scheduler.start()
         running_events.get(timeout=60)  # its first token: it is decoding
-        scheduler.call(release.wait)  # the engine thread waits there while the batch is queued
-        for job, _ in batch:
-            scheduler.submit(job)
-        release.set()
+        with scheduler.held():
+            for job, _ in batch:
+                scheduler.submit(job)
         results = [outcome(events) for _, events in batch]
     finally:
         scheduler.stop()
@@ -168,6 +166,13 @@ def test_running_sequences_decode_between_the_prompts_of_an_admission_batch(tiny
     for (job, _), (text, last) in zip(batch, results):
         alone = tiny_chat_engine.generate(job.request, "full", job.sampling)
         assert last.result.token_ids == alone.token_ids and text == alone.text
+
+
+def test_holding_an_engine_thread_that_does_not_run_times_out(tiny_chat_engine):
+    scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)  # never started
+    with pytest.raises(TimeoutError, match="did not reach a step's end"):
+        with scheduler.held(timeout=0.05):
+            pass
 
 
 def test_a_full_queue_refuses_the_job(tiny_chat_engine):
@@ -215,6 +220,38 @@ def test_a_failing_step_fails_the_jobs_in_flight_and_the_engine_goes_on(tiny_cha
     assert scheduler.call(lambda: scheduler.pool.members).result(timeout=10) == []
     scheduler.submit(job_for(tiny_chat_engine, "next?", events))
     assert outcome(events)[1].result.finish_reason == "length"
+
+
+def test_a_failing_step_between_a_batch_s_prompts_fails_the_running_sequences_only(tiny_chat_engine, monkeypatch):
+    """The running sequences fail (the batch's first prompt has joined them with its first token); the prompt
+    still to come is computed and generates what it would alone."""
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_prefill_batch=2)
+    real_decode = tiny_chat_engine.model.decode_batch
+
+    def broken_once(*args):
+        monkeypatch.setattr(tiny_chat_engine.model, "decode_batch", real_decode)
+        raise RuntimeError("device lost")
+
+    running_events = queue.Queue()
+    running = job_for(tiny_chat_engine, "a sequence that is decoding?", running_events,
+                      sampling=SamplingParams(max_tokens=400, ignore_eos=True))
+    batch = [(job_for(tiny_chat_engine, f"prompt {i} of a failing batch?", events), events)
+             for i, events in enumerate(queue.Queue() for _ in range(2))]
+    try:
+        scheduler.submit(running)
+        scheduler.start()
+        running_events.get(timeout=60)  # its first token: it is decoding
+        with scheduler.held():  # no decoding step until the batch is queued
+            for job, _ in batch:
+                scheduler.submit(job)
+            monkeypatch.setattr(tiny_chat_engine.model, "decode_batch", broken_once)
+        (_, running_last), (_, first_last), (second_text, second_last) = [
+            outcome(events) for events in (running_events, batch[0][1], batch[1][1])]
+    finally:
+        scheduler.stop()
+    assert "device lost" in str(running_last.error) and "device lost" in str(first_last.error)
+    alone = tiny_chat_engine.generate(batch[1][0].request, "full", GREEDY)
+    assert second_last.result.token_ids == alone.token_ids and second_text == alone.text
 
 
 def test_identical_requests_in_flight_each_finish_as_they_would_alone(tiny_chat_engine, scheduler):
