@@ -28,6 +28,21 @@ def outcome(events: queue.Queue):
             return text, event
 
 
+def start_with_a_decoding_sequence(scheduler: Scheduler, engine) -> queue.Queue:
+    """Start `scheduler` with one long sequence; returns its events once its first token is out."""
+    events = queue.Queue()
+    scheduler.submit(job_for(engine, "a sequence that is decoding?", events,
+                             sampling=SamplingParams(max_tokens=400, ignore_eos=True)))
+    scheduler.start()
+    events.get(timeout=60)
+    return events
+
+
+def batch_of(engine, size: int, label: str) -> list[tuple[GenerationJob, queue.Queue]]:
+    return [(job_for(engine, f"prompt {i} of {label}?", events), events)
+            for i, events in enumerate(queue.Queue() for _ in range(size))]
+
+
 @pytest.fixture
 def scheduler(tiny_chat_engine):
     batch_sizes = []
@@ -142,15 +157,9 @@ def test_running_sequences_decode_between_the_prompts_of_an_admission_batch(tiny
     batch_sizes, prefill_batch = [], tiny_chat_engine.prefill_batch
     monkeypatch.setattr(tiny_chat_engine, "prefill_batch", lambda jobs: batch_sizes.append(len(jobs))
                         or prefill_batch(jobs))
-    running_events = queue.Queue()
-    running = job_for(tiny_chat_engine, "a sequence that is decoding?", running_events,
-                      sampling=SamplingParams(max_tokens=400, ignore_eos=True))
-    batch = [(job_for(tiny_chat_engine, f"prompt {i} of a batch?", events), events)
-             for i, events in enumerate(queue.Queue() for _ in range(3))]
+    batch = batch_of(tiny_chat_engine, 3, "a batch")
     try:
-        scheduler.submit(running)
-        scheduler.start()
-        running_events.get(timeout=60)  # its first token: it is decoding
+        start_with_a_decoding_sequence(scheduler, tiny_chat_engine)
         with scheduler.held():
             for job, _ in batch:
                 scheduler.submit(job)
@@ -232,15 +241,9 @@ def test_a_failing_step_between_a_batch_s_prompts_fails_the_running_sequences_on
         monkeypatch.setattr(tiny_chat_engine.model, "decode_batch", real_decode)
         raise RuntimeError("device lost")
 
-    running_events = queue.Queue()
-    running = job_for(tiny_chat_engine, "a sequence that is decoding?", running_events,
-                      sampling=SamplingParams(max_tokens=400, ignore_eos=True))
-    batch = [(job_for(tiny_chat_engine, f"prompt {i} of a failing batch?", events), events)
-             for i, events in enumerate(queue.Queue() for _ in range(2))]
+    batch = batch_of(tiny_chat_engine, 2, "a failing batch")
     try:
-        scheduler.submit(running)
-        scheduler.start()
-        running_events.get(timeout=60)  # its first token: it is decoding
+        running_events = start_with_a_decoding_sequence(scheduler, tiny_chat_engine)
         with scheduler.held():  # no decoding step until the batch is queued
             for job, _ in batch:
                 scheduler.submit(job)
