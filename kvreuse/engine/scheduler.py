@@ -276,10 +276,9 @@ class Scheduler:
 
     def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:
         """A prefilled job joins the running sequences and streams its first token; a failed one reports."""
-        if isinstance(fused, (JobCancelled, JobTimeout)):  # stopped between two layers of its prompt
-            job.on_event(JobEvent(error=fused))
-        elif isinstance(fused, Exception):  # one job's failure must not stop the engine
-            log.error("prefill failed", exc_info=fused)
+        if isinstance(fused, Exception):  # one job's failure must not stop the engine
+            if not isinstance(fused, (JobCancelled, JobTimeout)):  # those stopped between two layers: no fault
+                log.error("prefill failed", exc_info=fused)
             job.on_event(JobEvent(error=fused))
         elif error := job.failure(time.perf_counter()):  # cancelled or timed out while it was prefilled
             job.on_event(JobEvent(error=error))
