@@ -141,13 +141,14 @@ class PrefixRestorer:
         key_space: KeySpace,
         block_size: int = DEFAULT_BLOCK_SIZE,
         *,
-        boundary_stages: Sequence[int] = (2,),
+        boundary_stages: Sequence[int] = (),
         channels: IOChannels | None = None,
         compute_run: int = DEFAULT_COMPUTE_RUN,
         rates: dict[tuple[str, int], Rates | StepCosts] | None = None,
     ):
         """boundary_stages: the stage counts whose boundary activations are stored with each block, so that
-        a deployment with that many pipeline stages can restore every stage at once. compute_run: tokens' worth
+        a deployment with that many pipeline stages can restore every stage at once (none by default: one
+        process restores every layer from its embeddings, and each boundary adds a hidden state per token). compute_run: tokens' worth
         of work the compute side claims at a time (the I/O side claims stored blocks). channels and rates: the
         I/O channels and the learnt rates, shared by restorers of one machine (one per tenant's key space)."""
         if compute_run < 1:

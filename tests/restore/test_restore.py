@@ -112,6 +112,14 @@ def test_stored_blocks_carry_their_boundary_activations(tiny_model):
     assert meta.boundary_layers == [1, 2] and tuple(meta.boundary.shape) == (2, BLOCK, tiny_model.hidden_size)
 
 
+def test_stored_blocks_carry_no_boundary_unless_asked(tiny_model):
+    # One process restores every layer from the embeddings: a boundary would be bytes no reader ever reads.
+    restorer = restorer_with(tiny_model, ids_of(16))
+    assert restorer.boundary_layers == []
+    meta = restorer.store.meta(restorer.block_keys(ids_of(16))[1], with_extras=True)
+    assert meta.boundary is None and meta.boundary_layers == []
+
+
 @pytest.mark.parametrize("strategy", ["load", "cake", "layerwise"])
 def test_a_block_lost_mid_restoration_is_recomputed(tiny_model, strategy):
     token_ids = ids_of(45)
