@@ -1,4 +1,5 @@
-"""Single-request generation: prefill (or a KV cache rebuilt by reuse), then decode until a stop condition."""
+"""Decoding after a prefill (full or a KV cache rebuilt by reuse) until a stop condition: one request's loop and the
+streamed text every path shares."""
 
 from __future__ import annotations
 
@@ -24,11 +25,6 @@ class Generation:
     ttft: float  # seconds from the request's start to its first token
     total_seconds: float
     stats: PrefillStats | None = None  # how the prompt's KV was obtained (the reuse engine fills it)
-
-
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """Token ids of `messages` under the tokenizer's own chat template, ready for the assistant's answer."""
-    return list(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False))
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -143,9 +139,3 @@ def decode(
             break
     return stream.generation(prompt_tokens, ttft, time.perf_counter() - started)
 
-
-def generate(loaded: LoadedModel, prompt_ids: list[int], params: SamplingParams) -> Generation:
-    """Full prefill of `prompt_ids`, then decode: the reference path every reuse method is compared to."""
-    started = time.perf_counter()
-    result = loaded.runtime.prefill(prompt_ids, cache=loaded.runtime.new_cache(len(prompt_ids) + params.max_tokens))
-    return decode(loaded, result.logits, result.cache, params, started, len(prompt_ids))
