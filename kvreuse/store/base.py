@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from dataclasses import asdict, dataclass
@@ -187,14 +188,19 @@ class BlobTier(Tier):
 
     Subclasses implement storage only; this class owns encoding, checks, partial reads and fault handling.
     `backend_errors` are the exceptions that mean "the backend failed", turned into misses or skipped writes.
+    `outage_errors` (some of them) mean the whole backend is out, not one entry: the tier then answers every
+    call as a miss or a skipped write, without I/O, for `outage_pause` seconds before it tries the backend again.
     """
 
     backend_errors: tuple[type[BaseException], ...] = (OSError,)
+    outage_errors: tuple[type[BaseException], ...] = ()
 
-    def __init__(self, name: str, *, quantize: bool = False, **expect: str | None):
+    def __init__(self, name: str, *, quantize: bool = False, outage_pause: float = 0.0, **expect: str | None):
         """quantize: keep entries in the lossy int8 form (about half the bytes of bf16); reads say so."""
         super().__init__(f"{name} (int8)" if quantize else name, **expect)
         self.quantize = quantize
+        self.outage_pause = outage_pause
+        self._out_until = 0.0  # time.monotonic() before which the backend is not asked
         # Parsed headers of recently read entries, by key, with the identity of the bytes they were parsed from:
         # a plan reads each entry once per layer, and parsing the header was most of a one-layer read.
         self._headers: OrderedDict[str, tuple[Hashable, EntryReader]] = OrderedDict()
@@ -220,6 +226,8 @@ class BlobTier(Tier):
     def _load(self, key: str, fn: Callable[[EntryReader], T]) -> T | None:
         """fn applied to the checked entry, or None if it is absent, damaged, foreign or unreachable."""
         check_key(key)
+        if self._out("unavailable"):
+            return None
         try:
             with self._open(key) as source:
                 if source is None:
@@ -233,8 +241,28 @@ class BlobTier(Tier):
             self._forget_header(key)
             self._drop_damaged(key)
         except self.backend_errors as e:
-            self.fault("unavailable", key, e)
+            self._backend_failed("unavailable", key, e)
         return None
+
+    def in_outage(self) -> bool:
+        """Whether the backend failed as a whole less than `outage_pause` seconds ago: it is not asked then."""
+        return time.monotonic() < self._out_until
+
+    def _out(self, counter: str) -> bool:
+        """in_outage(), the call it skips counted under `counter`."""
+        if not self.in_outage():
+            return False
+        self.count(counter)
+        return True
+
+    def _backend_failed(self, counter: str, key: str, error: BaseException) -> None:
+        self.fault(counter, key, error)
+        if self.outage_pause and isinstance(error, self.outage_errors):
+            # A server that hangs costs a whole timeout per call: a request probing twenty keys would wait for
+            # twenty of them, and the next request again.
+            self._out_until = time.monotonic() + self.outage_pause
+            log.warning("%s: unreachable; answering misses without asking it for %.1f s", self.name,
+                        self.outage_pause)
 
     def _reader(self, key: str, source: ByteSource) -> EntryReader:
         """The entry's parsed header over `source`: the cached one if it was parsed from these same bytes."""
@@ -277,10 +305,12 @@ class BlobTier(Tier):
     def _unless_unavailable(self, key: str, op: Callable[[str], bool]) -> bool:
         """op(key), or False (counted, logged) when the backend fails."""
         check_key(key)
+        if self._out("unavailable"):
+            return False
         try:
             return op(key)
         except self.backend_errors as e:
-            self.fault("unavailable", key, e)
+            self._backend_failed("unavailable", key, e)
             return False
 
     def contains(self, key: str) -> bool:
@@ -301,6 +331,8 @@ class BlobTier(Tier):
 
     def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:
         self.check_put(entry)
+        if self._out("write_errors"):
+            return False
         if self.contains(entry.key):
             self.count("duplicates")
             return True
@@ -308,7 +340,7 @@ class BlobTier(Tier):
         try:
             self._write(entry.key, data)
         except self.backend_errors as e:
-            self.fault("write_errors", entry.key, e)
+            self._backend_failed("write_errors", entry.key, e)
             return False
         self.count("puts")
         self.count("bytes_written", len(data))

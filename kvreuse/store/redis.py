@@ -25,6 +25,7 @@ from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, scatter
 
 DEFAULT_PART_SIZE = 4 << 20
 REPLACED_PARTS_TTL_S = 30  # far longer than any read, short enough not to hold memory
+OUTAGE_PAUSE_S = 5.0  # a hung server is asked again after this; between, its calls cost nothing
 # A manifest naming more parts is damaged: acting on it (listing a billion part names to read or drop) would
 # hang the reader or exhaust its memory. 65,536 parts of the default 4 MB hold 256 GB, far beyond any entry.
 MAX_PARTS = 1 << 16
@@ -82,17 +83,22 @@ class RedisSource(ByteSource):
 
 class RedisTier(BlobTier):
     backend_errors = (OSError, redis.RedisError)
+    outage_errors = (OSError, redis.ConnectionError, redis.TimeoutError)  # not a refused write (OOM) or damage
     reads_wait = True  # a round trip to the server per read
 
     def __init__(self, url: str, *, prefix: str = "kvreuse", part_size: int = DEFAULT_PART_SIZE,
-                 timeout: float = 2.0, quantize: bool = False, **expect: str | None):
-        # No retries: a dead server must cost one fast failure per call, not a backoff loop on the request path.
+                 timeout: float = 2.0, outage_pause: float = OUTAGE_PAUSE_S, quantize: bool = False,
+                 **expect: str | None):
+        """timeout: seconds a call waits for the server; outage_pause: seconds the tier answers misses without
+        asking a server that failed to answer (refused or timed out) before it tries again."""
+        # No retries: a dead server must cost one failure per call, not a backoff loop on the request path.
         # 1 MB socket reads: values are MBs, and the 32 kB default makes the pure-Python parser loop 30x more.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            socket_read_size=1 << 20, retry=Retry(NoBackoff(), 0))
         # The name shows up in logs and stats: host, port and db only, never a password from the URL.
         c = self.client.connection_pool.connection_kwargs
-        super().__init__(f"redis://{c.get('host')}:{c.get('port')}/{c.get('db', 0)}", quantize=quantize, **expect)
+        super().__init__(f"redis://{c.get('host')}:{c.get('port')}/{c.get('db', 0)}", quantize=quantize,
+                         outage_pause=outage_pause, **expect)
         self.prefix = prefix
         self.part_size = part_size
 
@@ -176,6 +182,8 @@ class RedisTier(BlobTier):
             yield name.decode()[start:]
 
     def usage(self) -> dict[str, int]:
+        if self.in_outage():
+            return {}
         try:
             manifests = [m for m in self.client.mget([self._manifest(k) for k in self.keys()] or [""]) if m]
         except self.backend_errors:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import signal
 import threading
+import time
 
 import pytest
 import torch
@@ -223,6 +225,31 @@ def test_killed_redis_server_turns_into_misses(own_redis_server, make_entry, cap
     assert redis_tier.stats()["write_errors"] == 1 and store.stats()["writeback_errors"] == 0
     assert not redis_tier.contains(new.key) and "unavailable" in caplog.text
     store.close()
+
+
+class Untouchable:
+    def __getattr__(self, name):
+        raise AssertionError(f"the backend was asked ({name}) inside an outage's pause")
+
+
+def test_hung_redis_server_costs_one_timeout_then_misses_until_the_pause_ends(own_redis_server, make_entry):
+    entry = make_entry()
+    tier = RedisTier(own_redis_server.url, timeout=0.3, outage_pause=1.0)
+    assert tier.put(entry)
+    os.kill(own_redis_server.proc.pid, signal.SIGSTOP)  # alive but silent: every call waits out its timeout
+    try:
+        started = time.monotonic()
+        assert tier.get(entry.key) is None
+        assert time.monotonic() - started >= 0.3
+        client, tier.client = tier.client, Untouchable()
+        assert tier.meta(entry.key) is None and not tier.contains(entry.key) and not tier.put(make_entry())
+        assert tier.stats()["unavailable"] == 3 and tier.stats()["write_errors"] == 1
+        tier.client = client
+    finally:
+        os.kill(own_redis_server.proc.pid, signal.SIGCONT)
+    time.sleep(1.0)
+    assert torch.equal(tier.get(entry.key).k, entry.k)  # asked again once the pause is over
+    tier.close()
 
 
 def test_redis_reader_of_a_replaced_version_still_reads_it(redis_server, make_entry):
