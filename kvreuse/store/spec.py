@@ -2,7 +2,8 @@
 
 Tier specs:
   memory:SIZE                    e.g. memory:2GB
-  disk:PATH[:SIZE]               e.g. disk:/var/cache/kv:50GB (no SIZE: unlimited)
+  disk:PATH[:SIZE]               e.g. disk:/var/cache/kv:50GB (no SIZE: unlimited; a PATH whose last ':' is
+                                 followed by a digit needs a SIZE after it)
   redis://HOST:PORT[/DB]         a Redis server (capacity: the server's maxmemory)
   throttled:DEVICE:TIER          TIER slowed to an emulated DEVICE (ssd, hdd, net10g), for benchmarks
   int8:TIER                      a disk or Redis TIER keeping entries in the lossy 8-bit form
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import re
 from typing import Sequence
+from urllib.parse import urlsplit
 
 from kvreuse.store.base import KVStore
 from kvreuse.store.disk import DiskTier
@@ -42,13 +44,15 @@ def open_tier(spec: str, **expect: str | bool | None) -> KVStore:
             raise ValueError(f"bad store spec {spec!r}: int8 applies to disk and redis tiers")
         return open_tier(rest, quantize=True, **expect)
     if kind in ("redis", "rediss"):
-        return RedisTier(spec, **expect)
+        return open_redis(spec, **expect)
     if kind == "memory" and rest:
         return MemoryTier(parse_size(rest), **expect)
     if kind == "disk" and rest:
         path, _, size = rest.rpartition(":")
-        if path and _SIZE.fullmatch(size):
-            return DiskTier(path, parse_size(size), **expect)
+        # A tail that starts like a number is a size, mistyped or not: taken as part of the path, "50XB" would
+        # make a new directory "kv:50XB" of unlimited size.
+        if path and (not size or size.lstrip()[:1] in "0123456789+-."):
+            return DiskTier(path, _size_in(spec, size), **expect)
         return DiskTier(rest, **expect)
     if kind == "throttled":
         device, _, inner = rest.partition(":")
@@ -59,6 +63,23 @@ def open_tier(spec: str, **expect: str | bool | None) -> KVStore:
         f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
         "throttled:DEVICE:TIER or int8:TIER"
     )
+
+
+def _size_in(spec: str, size: str) -> int:
+    try:
+        return parse_size(size)
+    except ValueError as e:
+        raise ValueError(f"bad store spec {spec!r}: {e}") from None
+
+
+def open_redis(spec: str, **expect: str | bool | None) -> RedisTier:
+    db = urlsplit(spec).path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"bad store spec {spec!r}: the database after the port must be a number, got {db!r}")
+    try:
+        return RedisTier(spec, **expect)
+    except ValueError as e:  # redis-py's own, e.g. a port that is not a number
+        raise ValueError(f"bad store spec {spec!r}: {e}") from None
 
 
 def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = None, dtype: str | None = None

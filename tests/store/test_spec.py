@@ -45,3 +45,26 @@ def test_list_form_keeps_commas_in_paths(tmp_path):
 def test_bad_specs_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
         open_store(spec)
+
+
+@pytest.mark.parametrize("size", ["50XB", "5OGB", "", "-1GB", "0"])
+def test_a_mistyped_disk_size_is_refused_not_taken_as_a_path(tmp_path, size):
+    with pytest.raises(ValueError, match=f"bad size '{size}'"):
+        open_store(f"disk:{tmp_path}/kv:{size}")
+    assert list(tmp_path.iterdir()) == []  # no directory "kv:50XB" of unlimited size
+
+
+def test_a_disk_path_with_a_colon(tmp_path):
+    store = open_store(f"disk:{tmp_path}/kv:2024:1GB, disk:{tmp_path}/kv:old")
+    assert [t.root for t in store.tiers] == [tmp_path / "kv:2024", tmp_path / "kv:old"]
+    assert store.tiers[0].policy.capacity == 10**9 and store.tiers[1].policy.capacity is None
+    store.close()
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("redis://127.0.0.1:6379/abc", "database after the port must be a number, got 'abc'"),
+    ("redis://127.0.0.1:port/0", "bad store spec 'redis://127.0.0.1:port/0': Port"),
+])
+def test_bad_redis_urls_name_the_spec(spec, message):
+    with pytest.raises(ValueError, match=message):
+        open_store(spec)
