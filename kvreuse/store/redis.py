@@ -4,8 +4,9 @@ An entry's bytes are split into parts of at most `part_size` (4 MB default: Redi
 well, and a partial read fetches only the parts it touches, via GETRANGE). Parts live under a per-write
 version, and a small manifest `PREFIX:m:KEY` = "version:size:part_size" names the live version. A put writes
 its parts first and swaps the manifest last (SET ... GET): readers and concurrent writers see one whole
-version. The parts a swap replaced expire after a grace period rather than at once, so a reader that fetched
-the old manifest a moment earlier still finds them. Capacity is the server's business (maxmemory + an LRU
+version. The parts a swap replaced or a delete dropped expire after a grace period rather than at once, so a
+reader that fetched the old manifest a moment earlier still finds them; parts not yet named by a manifest expire
+too, so a write that fails half-way leaves nothing behind for long. Capacity is the server's business (maxmemory + an LRU
 policy); a part evicted under a live manifest reads as damage, hence a miss.
 """
 
@@ -25,6 +26,7 @@ from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, scatter
 
 DEFAULT_PART_SIZE = 4 << 20
 REPLACED_PARTS_TTL_S = 30  # far longer than any read, short enough not to hold memory
+UNCOMMITTED_PARTS_TTL_S = 600  # far longer than any write
 OUTAGE_PAUSE_S = 5.0  # a hung server is asked again after this; between, its calls cost nothing
 # A manifest naming more parts is damaged: acting on it (listing a billion part names to read or drop) would
 # hang the reader or exhaust its memory. 65,536 parts of the default 4 MB hold 256 GB, far beyond any entry.
@@ -140,28 +142,33 @@ class RedisTier(BlobTier):
         names = [f"{parts}{i}" for i in range(-(-len(data) // self.part_size))]
         pipe = self.client.pipeline(transaction=False)
         for i, name in enumerate(names):
-            pipe.set(name, data[i * self.part_size : (i + 1) * self.part_size])
+            # Parts expire until the manifest naming them is set: a write that dies before it (the server gone,
+            # a timeout, this process killed) leaves nothing that no manifest names and no clear would find.
+            pipe.set(name, data[i * self.part_size : (i + 1) * self.part_size], ex=UNCOMMITTED_PARTS_TTL_S)
         try:
             pipe.execute()
         except redis.RedisError:
-            # e.g. OOM under maxmemory: leave no orphan parts behind (best effort; the server may be gone).
+            # e.g. OOM under maxmemory: drop the parts now rather than at their expiry (the server may be gone).
             with contextlib.suppress(redis.RedisError):
                 self.client.delete(*names)
             raise
-        old = self.client.set(self._manifest(key), f"{version}:{len(data)}:{self.part_size}", get=True)
+        commit = self.client.pipeline(transaction=True)  # the manifest and its parts' persistence at once
+        commit.set(self._manifest(key), f"{version}:{len(data)}:{self.part_size}", get=True)
+        for name in names:
+            commit.persist(name)
+        old = commit.execute()[0]
         if old is not None:
-            self._drop_parts(key, old, ttl=REPLACED_PARTS_TTL_S)
+            self._drop_parts(key, old)
 
-    def _drop_parts(self, key: str, manifest: bytes, ttl: int | None = None) -> None:
-        """Delete the parts `manifest` names, or let them expire after `ttl` seconds."""
+    def _drop_parts(self, key: str, manifest: bytes) -> None:
+        """Let the parts `manifest` names expire: a reader that fetched the manifest a moment earlier still finds
+        them (deleted at once, it would see a missing part, report damage and drop the key, perhaps a newer entry
+        written under it meanwhile)."""
         with contextlib.suppress(EntryDamaged):
             parts = self._part_keys(key, manifest)
             pipe = self.client.pipeline(transaction=False)
             for name in parts:
-                if ttl is None:
-                    pipe.delete(name)
-                else:
-                    pipe.expire(name, ttl)
+                pipe.expire(name, REPLACED_PARTS_TTL_S)
             pipe.execute()
 
     def _remove(self, key: str) -> bool:

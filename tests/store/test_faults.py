@@ -10,6 +10,7 @@ import threading
 import time
 
 import pytest
+import redis
 import torch
 
 from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, encode
@@ -260,6 +261,34 @@ def test_redis_reader_of_a_replaced_version_still_reads_it(redis_server, make_en
     with tier._open(entry.key) as old_version:
         tier._write(entry.key, data)  # a concurrent writer swaps the manifest mid-read
         assert bytes(old_version.read_ranges([(0, old_version.size)])[0]) == data
+    with tier._open(entry.key) as deleted:
+        assert tier.delete(entry.key)  # and a concurrent delete
+        assert bytes(deleted.read_ranges([(0, deleted.size)])[0]) == data
+    assert tier.stats()["damaged"] == 0
+    tier.clear()
+
+
+def test_redis_write_failing_at_its_manifest_leaves_only_parts_that_expire(redis_server, make_entry, monkeypatch):
+    tier = RedisTier(redis_server.url, prefix="half-written", part_size=8192, outage_pause=0)
+    entry = make_entry()
+    pipeline = tier.client.pipeline
+
+    def manifest_times_out(transaction=True, **kwargs):
+        pipe = pipeline(transaction=transaction, **kwargs)
+        if transaction:
+            def execute(*args, **kwargs):
+                raise redis.TimeoutError("Timeout reading from socket")
+            pipe.execute = execute
+        return pipe
+
+    monkeypatch.setattr(tier.client, "pipeline", manifest_times_out)
+    assert not tier.put(entry) and tier.stats()["write_errors"] == 1
+    monkeypatch.undo()
+    parts = leftovers(tier)
+    assert parts and all(0 < tier.client.ttl(name) for name in parts)  # no part outlives its write for good
+    assert tier.put(entry) and tier.get(entry.key) is not None
+    committed = tier._part_keys(entry.key, tier.client.get(tier._manifest(entry.key)))
+    assert [tier.client.ttl(name) for name in committed] == [-1] * len(committed)  # named by a manifest: kept
     tier.clear()
 
 
