@@ -115,11 +115,23 @@ class TextStream:
 
     def _stop_string_start(self) -> int:
         """Characters at the text's end that may begin a stop string."""
-        return max((n for s in self.params.stop for n in range(len(s) - 1, 0, -1) if self.text.endswith(s[:n])),
-                   default=0)
+        return max((stop_string_start(self.text, s) for s in self.params.stop), default=0)
 
     def generation(self, prompt_tokens: int, ttft: float, total_seconds: float) -> Generation:
         return Generation(self.text, self.token_ids, self.finish_reason or "length", prompt_tokens, ttft, total_seconds)
+
+
+def stop_string_start(text: str, stop: str) -> int:
+    """The most characters at the end of `text` that begin `stop` without completing it. Runs on the engine thread
+    for every sequence after every token: only where the tail holds stop's first character is it compared, not
+    at each of stop's lengths (that was quadratic in its length)."""
+    tail = text[max(len(text) - len(stop) + 1, 0) :] if len(stop) > 1 else ""
+    start = tail.find(stop[0]) if tail else -1
+    while start >= 0:
+        if stop.startswith(tail[start:]):
+            return len(tail) - start
+        start = tail.find(stop[0], start + 1)
+    return 0
 
 
 def decode(

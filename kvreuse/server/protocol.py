@@ -9,9 +9,14 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_serializer
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer,
+                      model_validator)
 
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
+# Every running sequence's text is checked against its stop strings after every token, on the engine thread
+# that every stream shares: bounded here, as vLLM's users rarely need more than a few short ones.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARACTERS = 1000
 
 
 def encodable(text: str) -> str:
@@ -78,6 +83,26 @@ class GenerationParams(BaseModel):
     kvreuse: KvreuseOptions | None = None
     cache_salt: Text | None = Field(None, min_length=1, description="tenant: store entries are shared only within it")
 
+    @field_validator("stop")
+    @classmethod
+    def _bounded_stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings, got {len(stops)}")
+        for i, text in enumerate(stops):
+            if len(text) > MAX_STOP_CHARACTERS:
+                raise ValueError(f"stop string {i} has {len(text)} characters; at most {MAX_STOP_CHARACTERS}")
+        return stop
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_unset(cls, body: Any) -> Any:
+        """A field sent as null takes its default, as OpenAI's API (which types most of them nullable) and vLLM
+        take it: clients serialise unset options that way."""
+        if isinstance(body, dict):
+            return {name: value for name, value in body.items() if value is not None}
+        return body
+
     def refusal(self) -> tuple[str, str] | None:
         """(parameter, why) of the first parameter set to something this server does not implement."""
         unsupported = {
@@ -113,12 +138,27 @@ class ChatCompletionRequest(GenerationParams):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0)
     tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
+    function_call: str | dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None
+    modalities: list[str] | None = None
+    audio: dict[str, Any] | None = None
+    prediction: dict[str, Any] | None = None
 
     def _unsupported(self) -> dict[str, str | bool]:
         return {
             "logprobs": self.logprobs and "logprobs are not supported",
+            "top_logprobs": bool(self.top_logprobs) and "logprobs are not supported",
             "tools": bool(self.tools) and "tool calling is not supported",
+            "tool_choice": self.tool_choice not in (None, "none", "auto") and "tool calling is not supported",
+            "functions": bool(self.functions) and "function calling is not supported",
+            "function_call": self.function_call not in (None, "none", "auto")
+            and "function calling is not supported",
+            "modalities": bool(self.modalities and set(self.modalities) != {"text"})
+            and "only text output is supported",
+            "audio": self.audio is not None and "audio output is not supported",
+            "prediction": self.prediction is not None and "predicted outputs are not supported",
             "response_format": bool(self.response_format and self.response_format.get("type") != "text")
             and "only the text response format is supported",
             "messages": self.messages[-1].role != "user" and "the last message must be the user's",

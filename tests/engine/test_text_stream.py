@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from kvreuse.engine.generate import TextStream
+from kvreuse.engine.generate import TextStream, stop_string_start
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.model.loader import resolve_model_dir
 
@@ -45,6 +45,15 @@ def test_a_stop_string_cuts_the_text_and_its_start_is_never_streamed():
 def test_a_held_back_start_that_is_not_a_stop_string_is_released():
     s = stream(stop=["END"])
     assert "".join(feed(s, "abENx")) == "abENx"
+
+
+def test_the_held_back_start_is_the_longest_end_that_begins_a_stop_string():
+    rng = random.Random(0)
+    for _ in range(3000):
+        text = "".join(rng.choices("ab", k=rng.randrange(0, 12)))
+        stop = "".join(rng.choices("ab", k=rng.randrange(1, 9)))
+        want = max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
+        assert stop_string_start(text, stop) == want, (text, stop)
 
 
 def test_a_half_decoded_character_waits_for_its_last_token():

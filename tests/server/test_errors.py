@@ -50,11 +50,33 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(messages=[{"role": "user", "content": "word " * 9000}]), "messages", ["maximum context length"]),
         (chat_body(cache_ids=["../../etc/passwd"]), "cache_ids[0]", ["not a cache id"]),
         ({"model": MODEL_NAME}, "messages", ["Field required"]),
+        (chat_body(stop=["x"] * 17), "stop", ["at most 16 stop strings, got 17"]),
+        (chat_body(stop=["x", "y" * 1001]), "stop", ["stop string 1 has 1001 characters; at most 1000"]),
+        (chat_body(stop="y" * 1001), "stop", ["stop string 0 has 1001 characters"]),
+        (chat_body(top_logprobs=5), "top_logprobs", ["not supported"]),
+        (chat_body(tool_choice="required"), "tool_choice", ["not supported"]),
+        (chat_body(functions=[{"name": "f", "parameters": {}}]), "functions", ["not supported"]),
+        (chat_body(function_call={"name": "f"}), "function_call", ["not supported"]),
+        (chat_body(modalities=["text", "audio"]), "modalities", ["only text"]),
+        (chat_body(audio={"voice": "alloy", "format": "wav"}), "audio", ["not supported"]),
+        (chat_body(prediction={"type": "content", "content": "x"}), "prediction", ["not supported"]),
     ],
 )
 def test_bad_chat_requests_get_400_naming_the_field(http, body, param, words):
     error = assert_error(http.post(CHAT, json=body), 400, param, *words)
     assert error["type"] == "invalid_request_error"
+
+
+def test_options_sent_as_null_take_their_defaults(http):
+    nulls = dict.fromkeys(["n", "stream", "logprobs", "ignore_eos", "documents", "cache_ids", "stop", "tool_choice",
+                           "modalities", "top_logprobs"])
+    answer = http.post(CHAT, json=chat_body(**nulls, temperature=0))
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["choices"][0]["message"]["content"] == \
+        http.post(CHAT, json=chat_body(temperature=0)).json()["choices"][0]["message"]["content"]
+    completion = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Hi", "max_tokens": 2,
+                                                    "n": None, "stream": None, "echo": None})
+    assert completion.status_code == 200, completion.text
 
 
 def test_malformed_json_and_wrong_body_type(http):
