@@ -187,25 +187,29 @@ class Scheduler:
         self._fail_all(JobCancelled("the server is shutting down"))
 
     def _step(self) -> None:
-        self._run_calls()
+        called = self._run_call()
         self._end_failed_jobs()
         admitted = self._admit()
         if self._running:
             self._decode_step()
         wrote = self.engine.write_back.run_one()
-        if not (self._running or admitted or wrote):
+        if not (self._running or admitted or wrote or called):
             self._wake.wait(IDLE_WAIT_SECONDS)
             self._wake.clear()
 
-    def _run_calls(self) -> None:
-        while self._calls:
-            with self._lock:
-                fn, future = self._calls.popleft()
-            if future.set_running_or_notify_cancel():
-                try:
-                    future.set_result(fn())
-                except Exception as e:  # handed to the caller, who decides what it means
-                    future.set_exception(e)
+    def _run_call(self) -> bool:
+        """Run the oldest call, if any: one a step, so that running sequences decode between calls that each
+        take a prompt's time (a context cache compiled)."""
+        with self._lock:
+            if not self._calls:
+                return False
+            fn, future = self._calls.popleft()
+        if future.set_running_or_notify_cancel():
+            try:
+                future.set_result(fn())
+            except Exception as e:  # handed to the caller, who decides what it means
+                future.set_exception(e)
+        return True
 
     def _end_failed_jobs(self) -> None:
         now = time.perf_counter()

@@ -160,8 +160,8 @@ def create_app(service: EngineService) -> FastAPI:
                                          max_model_len=service.max_model_len) for name in service.model_names])
 
     @v1.post("/caches", response_model=CacheInfo)
-    async def create_cache(body: CacheCreateRequest) -> CacheInfo:
-        return await service.create_cache(body)
+    async def create_cache(body: CacheCreateRequest, raw: Request) -> CacheInfo:
+        return await service.create_cache(body, raw.is_disconnected)
 
     @v1.get("/caches/{cache_id}", response_model=CacheInfo)
     async def get_cache(cache_id: str, cache_salt: str | None = SALT_QUERY) -> CacheInfo:

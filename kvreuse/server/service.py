@@ -173,6 +173,7 @@ class EngineService:
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kv-tokenize")
+        self._compiling = 0  # context caches being created
 
     def start(self) -> None:
         self.scheduler.start()
@@ -294,7 +295,8 @@ class EngineService:
 
     # ---- the context-cache API ---------------------------------------------------------------------------
 
-    async def create_cache(self, body: CacheCreateRequest) -> CacheInfo:
+    async def create_cache(self, body: CacheCreateRequest, disconnected: Callable[[], Awaitable[bool]]
+                           ) -> CacheInfo:
         self.check_model(body.model)
         if (body.text is None) == (body.token_ids is None):
             raise bad_request("text: give exactly one of text and token_ids", "text")
@@ -307,8 +309,34 @@ class EngineService:
         if len(ids) > self.max_model_len:
             raise bad_request(f"{param}: {len(ids)} tokens exceed the maximum context length of "
                               f"{self.max_model_len}", param)
-        keys = await asyncio.wrap_future(self.scheduler.call(lambda: self._compile(ids, body.cache_salt)))
+        keys = await self._compiled(ids, body.cache_salt, disconnected)
         return await self.cache_info(self.caches.add(ids, body.cache_salt, keys))
+
+    async def _compiled(self, ids: list[int], salt: str | None, disconnected: Callable[[], Awaitable[bool]]
+                        ) -> list[str]:
+        """Compile on the engine thread, as admission treats a prompt: a bounded number pending (429 beyond),
+        abandoned past the request timeout (408) or once the client has gone, if it has not started."""
+        if self._compiling >= self.config.max_concurrency:
+            self.metrics.queue_rejections.inc()
+            raise APIError(429, f"{self._compiling} caches are being created; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        self._compiling += 1  # only ever changed on the event loop
+        compiled = asyncio.wrap_future(self.scheduler.call(lambda: self._compile(ids, salt)))
+        deadline = asyncio.get_running_loop().time() + self.config.request_timeout
+        try:
+            while True:
+                left = deadline - asyncio.get_running_loop().time()
+                if left <= 0:
+                    raise APIError(408, f"the cache was not created within {self.config.request_timeout:g} s",
+                                   code="timeout")
+                done, _ = await asyncio.wait([compiled], timeout=min(left, DISCONNECT_POLL_SECONDS))
+                if done:
+                    return compiled.result()
+                if await disconnected():
+                    raise APIError(499, "the client disconnected", code="cancelled")
+        finally:
+            compiled.cancel()  # a no-op once done; a compilation not yet started never runs
+            self._compiling -= 1
 
     def _compile(self, ids: list[int], salt: str | None) -> list[str]:
         """On the engine thread: compile the chunk in the default method's mode; returns its store key."""

@@ -214,6 +214,15 @@ def test_calls_run_on_the_engine_thread(scheduler):
         scheduler.call(lambda: 1 / 0).result(timeout=10)
 
 
+def test_running_sequences_decode_between_two_calls(tiny_chat_engine, scheduler):
+    events = start_with_a_decoding_sequence(scheduler, tiny_chat_engine)
+    with scheduler.held():  # three calls queued at once, as three cache creations arriving together
+        calls = [scheduler.call(lambda: len(scheduler.batch_sizes)) for _ in range(3)]
+    steps_before = [call.result(timeout=60) for call in calls]
+    assert steps_before[0] < steps_before[1] < steps_before[2], steps_before
+    assert outcome(events)[1].result is not None
+
+
 def test_a_failing_step_fails_the_jobs_in_flight_and_the_engine_goes_on(tiny_chat_engine, scheduler, monkeypatch):
     events = queue.Queue()
     real_decode = tiny_chat_engine.model.decode_batch

@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import socket
 import time
+from concurrent.futures import ThreadPoolExecutor
 
+import httpx
 import openai
 import pytest
 
@@ -139,6 +141,35 @@ def test_a_request_over_its_time_gets_408(make_server):
         assert_error(http.post(CHAT, json=body), 408, None, "timed out")
         streamed = http.post(CHAT, json={**body, "stream": True}).text
         assert '"timeout_error"' in streamed and streamed.endswith("data: [DONE]\n\n")
+
+
+def wait_until(condition, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.02)
+
+
+def test_cache_creations_are_bounded_timed_and_dropped_when_their_client_goes(make_server, monkeypatch):
+    server = make_server(max_concurrency=1, request_timeout=3.0)
+    service, compiled = server.service, []
+    compile_ = service._compile
+    monkeypatch.setattr(service, "_compile", lambda ids, salt: compiled.append(ids) or compile_(ids, salt))
+    body = {"model": MODEL_NAME, "text": "A passage to keep."}
+    with server.http() as http, ThreadPoolExecutor(2) as threads, service.scheduler.held():
+        gone = threads.submit(lambda: httpx.post(f"{server.url}/v1/caches", json=body, timeout=0.3))
+        with pytest.raises(httpx.TimeoutException):
+            gone.result()
+        wait_until(lambda: service._compiling == 0, timeout=2.0)  # its client went: dropped before its timeout
+        waiting = threads.submit(http.post, "/v1/caches", json=body)
+        wait_until(lambda: service._compiling == 1)
+        refused = http.post("/v1/caches", json=body)
+        assert_error(refused, 429, None, "caches are being created")
+        assert refused.headers["retry-after"] == "1"
+        assert_error(waiting.result(), 408, None, "not created within 3 s")
+    with server.http() as http:
+        assert http.post("/v1/caches", json=body).status_code == 200
+    assert len(compiled) == 1  # none of the abandoned creations ran once the engine went on
 
 
 def test_the_api_key_guards_everything_but_health_and_metrics(make_server):
