@@ -73,7 +73,7 @@ def split_template(tokenizer, history: list[dict]) -> tuple[str, str]:
     application never has to type a magic separator)."""
     messages = [*history, {"role": "user", "content": SENTINEL}]
     rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    head, found, tail = rendered.partition(SENTINEL)
+    head, found, tail = rendered.rpartition(SENTINEL)  # the last: an earlier turn may quote the sentinel
     if not found:
         raise ValueError("the chat template does not place the user's content verbatim")
     return head, tail

@@ -5,6 +5,7 @@ Plain ASGI rather than Starlette's BaseHTTPMiddleware, which buffers and detache
 
 from __future__ import annotations
 
+import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -70,11 +71,17 @@ class RequireAPIKey:
     the OpenAPI schema and its docs page included."""
 
     def __init__(self, app: ASGIApp, api_key: str | None):
-        self.app, self.expected = app, f"Bearer {api_key}".encode() if api_key else None
+        self.app, self.expected = app, api_key.encode() if api_key else None
+
+    def _authorized(self, header: bytes | None) -> bool:
+        scheme, _, key = (header or b"").partition(b" ")
+        # The scheme is case-insensitive (RFC 7235); the key compared in constant time, so that the time an
+        # answer takes says nothing about how much of a guess was right.
+        return scheme.lower() == b"bearer" and hmac.compare_digest(key.strip(), self.expected)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and self.expected and scope["path"] not in OPEN_PATHS:
-            if dict(scope["headers"]).get(b"authorization") != self.expected:
+            if not self._authorized(dict(scope["headers"]).get(b"authorization")):
                 error = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
                                  code="invalid_api_key")
                 return await error.response()(scope, receive, send)

@@ -1,8 +1,9 @@
-"""How requests are laid out as segments: a base model's plain-text prompt."""
+"""How requests are laid out as segments: a chat template split around the user's text, a base model's plain-text
+prompt."""
 
 from __future__ import annotations
 
-from kvreuse.fusion.segments import SegmentKind, chat_request
+from kvreuse.fusion.segments import SENTINEL, SegmentKind, chat_request
 
 
 class BaseModelTokenizer:
@@ -46,3 +47,11 @@ def test_the_question_ending_stops_before_the_chat_templates_tail():
     assert request.question_ending(3) == tokenizer.encode("er:")
     plain = chat_request(BaseModelTokenizer(), [], [[10]], "Q?\nAnswer:")
     assert (plain.template_tail, plain.question_ending(2)) == (0, BaseModelTokenizer().encode("r:"))
+
+
+def test_an_earlier_turn_quoting_the_template_sentinel_stays_in_the_prefix():
+    tokenizer = ChatTokenizer()
+    history = [{"role": "user", "content": f"pasted {SENTINEL} text"}, {"role": "assistant", "content": "ok"}]
+    request = chat_request(tokenizer, history, [], "the question")
+    assert request.segments[0].token_ids == tokenizer.encode(f"[user] pasted {SENTINEL} text[assistant] ok[user] ")
+    assert request.segments[-1].token_ids == tokenizer.encode("the question<end>assistant:")

@@ -182,6 +182,9 @@ def test_the_api_key_guards_everything_but_health_and_metrics(make_server):
         for path in ("/openapi.json", "/docs", "/v1/nothing-here"):
             assert_error(http.get(path), 401, None, "API key")
         assert http.get("/openapi.json", headers={"authorization": "Bearer secret"}).json()["paths"]
+        assert http.get("/v1/models", headers={"authorization": "bearer secret"}).status_code == 200
+        for wrong in ("Bearer secre", "Bearer secrets", "Basic secret", "secret", "Bearer"):
+            assert_error(http.get("/v1/models", headers={"authorization": wrong}), 401, None, "API key")
 
 
 def post_json(http, url: str, body: dict):
