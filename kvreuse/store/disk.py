@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import logging
 import os
 import shutil
 import stat
@@ -26,6 +27,7 @@ from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, check_l
 from kvreuse.store.keys import KEY_PATTERN, check_key
 from kvreuse.store.policy import SegmentedLRU
 
+log = logging.getLogger("kvreuse.store")
 SUFFIX = ".kv.safetensors"
 TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600  # a temp file this old belongs to a writer that died
@@ -71,7 +73,9 @@ class DiskTier(BlobTier):
         return self.root / key[:2] / (key + SUFFIX)
 
     def _scan(self) -> None:
-        """Admit existing files oldest first (so LRU order survives restarts) and drop stale temp files."""
+        """Track existing entries oldest first (so LRU order survives restarts) and drop stale temp files.
+        Nothing is evicted here, so that opening a store to look at it (`kvreuse cache ls`) never deletes: a
+        directory over capacity is brought down to it by the next write."""
         files = []
         for path in self.root.glob("*/*"):
             try:
@@ -80,16 +84,21 @@ class DiskTier(BlobTier):
                 continue
             if path.name.startswith(TMP_PREFIX):
                 if time.time() - st.st_mtime > STALE_TMP_SECONDS:
-                    path.unlink(missing_ok=True)
+                    self._unlink(path)
             elif path.name.endswith(SUFFIX) and KEY_PATTERN.fullmatch(path.name[: -len(SUFFIX)]):
                 files.append((st.st_mtime, path.name[: -len(SUFFIX)], st.st_size))
         for _, key, size in sorted(files):
-            if self.policy.fits(size):
-                self._evict(self.policy.admit(key, size))
+            self.policy.adopt(key, size)
+
+    def _unlink(self, path: Path) -> None:
+        try:
+            path.unlink(missing_ok=True)
+        except OSError as e:  # a read-only store can still be read
+            log.warning("%s: could not remove %s: %s", self.name, path, e)
 
     def _evict(self, keys: list[str]) -> None:
         for key in keys:
-            self.path(key).unlink(missing_ok=True)
+            self._unlink(self.path(key))
         self.count("evictions", len(keys))
 
     @contextlib.contextmanager
@@ -156,7 +165,9 @@ class DiskTier(BlobTier):
 
     def keys(self) -> Iterator[str]:
         for path in sorted(self.root.glob(f"*/*{SUFFIX}")):
-            yield path.name[: -len(SUFFIX)]
+            key = path.name[: -len(SUFFIX)]
+            if KEY_PATTERN.fullmatch(key):  # a stray file named like an entry is not one
+                yield key
 
     def usage(self) -> dict[str, int]:
         return {"entries": len(self.policy), "bytes_used": self.policy.used, "capacity": self.policy.capacity or 0}

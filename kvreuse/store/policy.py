@@ -38,6 +38,13 @@ class SegmentedLRU:
         self.used += size
         return self._evict_over_capacity(keep=key)
 
+    def adopt(self, key: str, size: int) -> None:
+        """Insert `key` on probation without evicting anything, even past capacity (an entry found on opening a
+        store: opening must not delete, the next admit evicts down to capacity)."""
+        self.remove(key)
+        self.probation[key] = size
+        self.used += size
+
     def touch(self, key: str) -> None:
         """Record a hit: a probationary key is promoted, a protected one refreshed."""
         if key in self.protected:
