@@ -16,6 +16,7 @@ from typing import Iterator
 from rich.console import Console
 from rich.table import Table
 
+from kvreuse.store.base import TierUnavailable
 from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
 from kvreuse.store.spec import open_store
 from kvreuse.store.tiered import TieredStore
@@ -36,7 +37,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
         return p
 
     command("ls", cmd_ls, "list entries")
-    command("stats", cmd_stats, "entries, bytes and counters of each tier")
+    command("stats", cmd_stats, "entries, bytes and capacity of each tier")
     command("rm", cmd_rm, "delete entries by key").add_argument("keys", nargs="+", metavar="KEY")
     command("clear", cmd_clear, "delete every entry")
     bench = command("bench", cmd_bench, "measure each tier's read/write bandwidth and latency on this machine")
@@ -66,6 +67,8 @@ def _opened(args: argparse.Namespace) -> Iterator[TieredStore]:
         raise SystemExit(str(e)) from e
     try:
         yield store
+    except TierUnavailable as e:
+        raise SystemExit(str(e)) from e
     finally:
         store.close()
 
@@ -97,10 +100,20 @@ def cmd_stats(args: argparse.Namespace) -> int:
 
 def cmd_rm(args: argparse.Namespace) -> int:
     with _opened(args) as store:
-        missing = [key for key in args.keys if not store.delete(key)]
-    for key in missing:
-        _console(stderr=True).print(f"not found: {key}")
+        missing, unreachable = [], _unavailable(store)
+        for key in args.keys:
+            if not store.delete(key):
+                # "not found" only if every tier answered: a tier that could not be reached may hold the key.
+                missing.append((key, _unavailable(store) > unreachable))
+                unreachable = _unavailable(store)
+    for key, unreachable in missing:
+        _console(stderr=True).print(f"not deleted, a tier could not be reached: {key}" if unreachable
+                                    else f"not found: {key}")
     return 1 if missing else 0
+
+
+def _unavailable(store: TieredStore) -> int:
+    return sum(tier.get("unavailable", 0) for tier in store.stats()["tiers"])
 
 
 def cmd_clear(args: argparse.Namespace) -> int:

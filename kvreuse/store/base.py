@@ -90,6 +90,10 @@ class KVStore(ABC):
         pass
 
 
+class TierUnavailable(RuntimeError):
+    """A tier's backend could not be reached for a whole-store operation (listing its entries)."""
+
+
 class ReadMeter:
     """Bytes the tiers' backends fetched for the reads made on one thread while it was on (`metered`)."""
 

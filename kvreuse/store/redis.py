@@ -21,7 +21,7 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
-from kvreuse.store.base import BlobTier
+from kvreuse.store.base import BlobTier, TierUnavailable
 from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, scatter
 
 DEFAULT_PART_SIZE = 4 << 20
@@ -185,15 +185,18 @@ class RedisTier(BlobTier):
 
     def keys(self) -> Iterator[str]:
         start = len(self._manifest(""))
-        for name in self.client.scan_iter(match=self._manifest("*"), count=1000):
-            yield name.decode()[start:]
+        try:
+            names = list(self.client.scan_iter(match=self._manifest("*"), count=1000))
+        except self.backend_errors as e:
+            raise TierUnavailable(f"{self.name}: cannot list its entries: {e}") from e
+        return (name.decode()[start:] for name in names)
 
     def usage(self) -> dict[str, int]:
         if self.in_outage():
             return {}
         try:
             manifests = [m for m in self.client.mget([self._manifest(k) for k in self.keys()] or [""]) if m]
-        except self.backend_errors:
+        except (TierUnavailable, *self.backend_errors):
             return {}
         sizes = []
         for manifest in manifests:

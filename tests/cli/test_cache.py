@@ -62,3 +62,17 @@ def test_bench_prints_measured_and_emulated_tiers(tmp_path, redis_server, capsys
     results = json.loads(out_json.read_text())["results"]
     assert [r["tier"] for r in results] == ["memory", "disk", "disk", "disk int8", "redis", "ssd (emulated)"]
     assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in results)
+
+
+def test_a_redis_tier_that_cannot_be_reached_is_named_not_taken_for_empty(own_redis_server, make_entry, capsys):  # noqa: F811
+    spec = own_redis_server.url
+    entry = make_entry()
+    store = open_store(spec)
+    assert store.put(entry)
+    store.close()
+    own_redis_server.stop()
+    for command in ("ls", "clear"):
+        with pytest.raises(SystemExit, match="cannot list its entries"):
+            run("cache", command, "--store", spec)
+    assert run("cache", "rm", "--store", spec, entry.key) == 1
+    assert "a tier could not be reached" in capsys.readouterr().err
