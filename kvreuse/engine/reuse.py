@@ -88,9 +88,10 @@ class ReuseEngine:
                              f"{', '.join(STRATEGIES)}")
         if prefix_block_size < 1:
             raise ValueError(f"prefix_block_size: must be at least 1 token, got {prefix_block_size}")
-        self.loaded, self.store = loaded, store
+        # The engine probes and flushes through the tiered store's interface: a bare tier is given one.
+        self.loaded, self.store = loaded, store if hasattr(store, "probe") else TieredStore([store])
         self.model = loaded.runtime
-        self.executor = FusionExecutor(self.model, store)
+        self.executor = FusionExecutor(self.model, self.store)
         self.prefix_block_size = prefix_block_size
         self._restore_channels = IOChannels()
         self._restore_rates: dict = {}

@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from kvreuse.fusion.executor import INLINE_LAYERS_PER_READ, LayerLoader
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request, SegmentKind
+from kvreuse.store.memory import MemoryTier
 from kvreuse.store.spec import open_store
 from kvreuse.store.tiered import tier_label
 
@@ -355,3 +356,12 @@ def test_a_plan_counts_the_bytes_its_reads_fetched(tiny_model, make_engine, rag_
         assert fetched["cachetune:0.5"] < fetched["naive"]
     finally:
         engine.close()
+
+
+def test_an_engine_over_a_bare_tier_reuses_as_over_a_tiered_store(tiny_model, make_engine, rag_request):
+    request, engine = rag_request(), make_engine(tiny_model, MemoryTier(64 << 20))
+    engine.compile(request, ["naive"])
+    engine.store.flush()
+    reused = engine.prefill(request, "naive")
+    assert reused.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
+    engine.close()
