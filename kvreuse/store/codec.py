@@ -308,6 +308,16 @@ class EntryReader:
             expected |= {f"{name}.scale": (torch.float32, (T, H)) for name in list(expected)}
         if not expected.keys() <= self.tensors.keys() or set(i["checksums"]) != self.tensors.keys():
             raise EntryDamaged("tensor list does not match the metadata")
+        # Metadata under a valid checksum can still be wrong (another writer's bug, a hand-made file): what the
+        # reads divide by and index into is checked here, so that it is damage, not a crash.
+        g = i["row_group"]
+        if type(g) is not int or g < 1:
+            raise EntryDamaged(f"row_group {g!r} is not a positive integer")
+        for name, sums in i["checksums"].items():
+            groups = max(-(-T // g), 1) if name[:2] in ("k.", "v.") else 1
+            if not isinstance(sums, list) or len(sums) != groups:
+                raise EntryDamaged(f"{name} has {len(sums) if isinstance(sums, list) else 'no'} checksums, "
+                                   f"not {groups}")
         for name, t in self.tensors.items():
             nbytes = math.prod(t.shape) * t.dtype.itemsize
             if t.nbytes != nbytes or t.start + nbytes > self.source.size:

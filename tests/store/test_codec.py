@@ -8,7 +8,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, decode, encode, scatter
+from kvreuse.store.codec import BufferSource, EntryDamaged, EntryReader, _checksum, decode, encode, scatter
 from kvreuse.store.disk import FileSource
 from kvreuse.store.entry import EntryMeta, KVEntry
 from kvreuse.store.redis import RedisSource
@@ -143,3 +143,29 @@ def test_a_disk_read_of_more_buffers_than_one_preadv_takes_reads_them_in_turn(tm
     monkeypatch.setattr(disk, "IOV_MAX", 2)
     k, v = tier.get_layers(entry.key, 0, 5)
     assert torch.equal(k, entry.k) and torch.equal(v, entry.v)
+
+
+def resigned(data: bytes, edit) -> bytes:
+    """The entry with its metadata edited and signed again: consistent bytes from a writer that got it wrong."""
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    info = json.loads(header["__metadata__"]["entry"])
+    edit(info)
+    text = json.dumps(info, sort_keys=True)
+    header["__metadata__"].update(entry=text, entry_checksum=_checksum(text.encode()))
+    packed = json.dumps(header).encode()
+    packed += b" " * (-len(packed) % 8)
+    return len(packed).to_bytes(8, "little") + packed + data[8 + n :]
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda i: i.update(row_group=0), "row_group 0"),
+    (lambda i: i.update(row_group="16"), "row_group '16'"),
+    (lambda i: i["checksums"].update({"k.0": i["checksums"]["k.0"][:1]}), "k.0 has 1 checksums, not 7"),
+    (lambda i: i["checksums"].update({"v.3": "abc"}), "v.3 has no checksums"),
+])
+def test_metadata_signed_but_wrong_is_damage(make_entry, edit, message):
+    entry = make_entry()  # 100 tokens: 7 row groups of 16
+    assert torch.equal(decode(BufferSource(resigned(encode(entry), lambda i: None)), entry.key).k, entry.k)
+    with pytest.raises(EntryDamaged, match=message):
+        decode(BufferSource(resigned(encode(entry), edit)), entry.key)
