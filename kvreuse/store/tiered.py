@@ -61,11 +61,8 @@ class TieredStore(KVStore):
         self._queue.task_done()
 
     def _submit(self, tag: tuple[str, int, str], job: Job) -> None:
-        """Queue `job`, tagged (what, tier index, key), unless the same job is pending or the queue is full."""
-        with self._lock:
-            if tag in self._pending:
-                return
-            self._pending.add(tag)
+        """Queue `job`, tagged (what, tier index, key), unless the same job is pending, the queue is full or the
+        store is closed (its writer gone: a job queued then would never run, and a flush would wait forever)."""
 
         def run() -> None:
             try:
@@ -74,12 +71,18 @@ class TieredStore(KVStore):
                 with self._lock:
                     self._pending.discard(tag)
 
-        try:
-            self._queue.put_nowait(run)
-            self._bump("writeback_queued")
-        except queue.Full:
-            with self._lock:
-                self._pending.discard(tag)
+        with self._lock:
+            if self._closed or tag in self._pending:
+                return
+            try:
+                self._queue.put_nowait(run)
+            except queue.Full:
+                full = True
+            else:
+                full = False
+                self._pending.add(tag)
+                self.counters["writeback_queued"] += 1
+        if full:
             log.warning("store write-back queue full: dropped a %s of %s (tier %d)", tag[0], tag[2], tag[1])
             self._bump("writeback_dropped")
 
@@ -230,9 +233,10 @@ class TieredStore(KVStore):
 
     def close(self) -> None:
         """Finish queued writes and release the tiers; a second call does nothing."""
-        if self._closed:
-            return
-        self._closed = True
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
         self.flush()
         self._queue.put(None)
         self._writer.join()

@@ -175,6 +175,18 @@ def test_close_is_idempotent_and_final(tmp_path, make_entry):
         store.put(make_entry())
 
 
+@pytest.mark.timeout(30)
+def test_a_read_after_close_queues_no_background_work_a_flush_would_wait_for(tmp_path, make_entry):
+    entry = make_entry()
+    memory, disk = MemoryTier(None), DiskTier(tmp_path)
+    store = TieredStore([memory, disk])
+    store.put(entry, tier=1)
+    store.close()
+    assert store.get_layers(entry.key, 1, 2) is not None  # a hit below: would queue its promotion
+    store.flush()
+    assert store.delete(entry.key) and not memory.contains(entry.key)
+
+
 def test_a_probe_walks_the_tiers_once_and_asks_a_tier_only_for_keys_not_found_above(mem_disk, make_entry,
                                                                                   monkeypatch):
     store, memory, disk = mem_disk
