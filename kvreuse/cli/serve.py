@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 
 from kvreuse.server.config import ServerConfig, load_config
@@ -67,7 +68,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from kvreuse.controller.placement import PlacementPolicy
     from kvreuse.engine.reuse import ReuseEngine
-    from kvreuse.server.app import create_app
+    from kvreuse.server.app import GracefulServer, create_app
     from kvreuse.server.service import EngineService
 
     config = config_from_args(args)
@@ -76,7 +77,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     engine = ReuseEngine.load(config.model, config.store, config.dtype, config.decode_weights,
                               prefix_block_size=config.prefix_block_size,
                               batch_restore=config.batch_restore, placement=placement)
-    app = create_app(EngineService(engine, config))
-    uvicorn.run(app, host=config.host, port=config.port, log_level=config.log_level,
-                timeout_graceful_shutdown=config.shutdown_timeout)
+    service = EngineService(engine, config)
+    server_config = uvicorn.Config(create_app(service), host=config.host, port=config.port,
+                                   log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout)
+    with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it stopped on again, once stopped
+        GracefulServer(server_config, service).run()
     return 0

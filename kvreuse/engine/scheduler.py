@@ -55,6 +55,10 @@ class JobCancelled(RuntimeError):
     pass
 
 
+class ShuttingDown(JobCancelled):
+    """The server stopped before the job finished."""
+
+
 @dataclass
 class JobEvent:
     text: str = ""  # text settled since the previous event
@@ -136,6 +140,10 @@ class Scheduler:
             self._thread.join()
             self.engine.write_back.in_background()  # the engine goes on alone
 
+    def end_all(self, error: BaseException) -> None:
+        """Fail every job, waiting or running, with `error` at the engine thread's next step (thread-safe)."""
+        self.call(lambda: self._fail_all(error))
+
     @property
     def waiting(self) -> int:
         return len(self._waiting)
@@ -184,7 +192,7 @@ class Scheduler:
             except Exception as e:  # a bug must fail the jobs in flight, not leave their clients hanging
                 log.exception("engine step failed")
                 self._fail_running(e)
-        self._fail_all(JobCancelled("the server is shutting down"))
+        self._fail_all(ShuttingDown("the server is shutting down"))
 
     def _step(self) -> None:
         called = self._run_call()

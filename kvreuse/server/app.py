@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import time
 import uuid
+from types import FrameType
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
+import uvicorn
 from fastapi import APIRouter, FastAPI, Query, Request
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -38,9 +40,10 @@ from kvreuse.server.protocol import (
 from kvreuse.server.service import EngineService, JobStream, Prepared, error_of, usage_of
 
 ERRORS: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429)
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 503)
 }
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection before the response ended
+SHUTDOWN_MARGIN_SECONDS = 0.5  # what streams ended at shutdown get to send their error event and [DONE]
 # endpoint -> (id prefix, response type, the choice of a finished generation)
 ENDPOINTS = {
     "chat": ("chatcmpl", ChatCompletionResponse, lambda result: ChatChoice(
@@ -114,6 +117,21 @@ async def wait_for_result(stream: JobStream, raw: Request, service: EngineServic
 
 def streaming(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn cancels what still runs at its graceful-shutdown timeout, cutting streams mid-chunk: the engine
+    ends those requests a little before, with an error their clients can read."""
+
+    def __init__(self, config: uvicorn.Config, service: EngineService) -> None:
+        super().__init__(config)
+        self.service = service
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if not self.should_exit:
+            timeout = self.config.timeout_graceful_shutdown or 0.0
+            self.service.begin_shutdown(max(0.0, timeout - SHUTDOWN_MARGIN_SECONDS))
+        super().handle_exit(sig, frame)
 
 
 def create_app(service: EngineService) -> FastAPI:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -20,7 +21,8 @@ from jinja2 import TemplateError
 from kvreuse.engine.generate import Generation
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.engine.sampling import SamplingParams
-from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobEvent, JobTimeout, QueueFull, Scheduler
+from kvreuse.engine.scheduler import (GenerationJob, JobCancelled, JobEvent, JobTimeout, QueueFull, Scheduler,
+                                     ShuttingDown)
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request, chunk_ids
 from kvreuse.server.caches import CacheRegistry, ContextCache, is_cache_id
@@ -106,6 +108,8 @@ def error_of(error: BaseException) -> APIError:
     """The HTTP error for a job that ended without a result."""
     if isinstance(error, JobTimeout):
         return APIError(408, str(error), code="timeout")
+    if isinstance(error, ShuttingDown):
+        return APIError(503, str(error), code="shutting_down")
     if isinstance(error, JobCancelled):
         return APIError(499, str(error), code="cancelled")
     if isinstance(error, ValueError):
@@ -174,11 +178,23 @@ class EngineService:
         self.created = int(time.time())
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kv-tokenize")
         self._compiling = 0  # context caches being created
+        self._shutdown_timer: threading.Timer | None = None
 
     def start(self) -> None:
         self.scheduler.start()
 
+    def begin_shutdown(self, grace: float) -> None:
+        """The server stops taking requests: those still running `grace` seconds from now end with an error
+        their clients can read (a 503, or an error event and [DONE] in a stream), before the HTTP server cuts
+        their connections."""
+        self._shutdown_timer = threading.Timer(
+            grace, self.scheduler.end_all, [ShuttingDown("the server is shutting down")])
+        self._shutdown_timer.daemon = True
+        self._shutdown_timer.start()
+
     def close(self) -> None:
+        if self._shutdown_timer is not None:
+            self._shutdown_timer.cancel()
         self.scheduler.stop()
         self._tokenizer_threads.shutdown(wait=True)
         self.engine.close()
