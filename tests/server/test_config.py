@@ -119,9 +119,19 @@ def test_serve_loads_the_engine_with_the_config_s_model_settings(monkeypatch):
     monkeypatch.setattr(reuse.ReuseEngine, "load", load)
     monkeypatch.setattr(service, "EngineService", lambda engine, config: None)
     monkeypatch.setattr(app, "create_app", lambda engine_service: None)
-    monkeypatch.setattr(uvicorn, "run", lambda *args, **kwargs: None)
+    served = []
+
+    class NoServer:
+        def __init__(self, config: uvicorn.Config, service) -> None:
+            served.append(config)
+
+        def run(self) -> None:
+            pass
+
+    monkeypatch.setattr(app, "GracefulServer", NoServer)
     args = build_parser().parse_args(["serve", "some/model", "--dtype", "float32", "--decode-weights", "int8",
-                                      "--prefix-block-size", "64"])
+                                      "--prefix-block-size", "64", "--shutdown-timeout", "3"])
     assert args.func(args) == 0
+    assert served[0].timeout_graceful_shutdown == 3
     assert loaded["args"] == ("some/model", "memory:4GB", "float32", "int8")
     assert loaded["kwargs"]["prefix_block_size"] == 64
