@@ -23,11 +23,15 @@ from kvreuse.store.entry import EntryMeta, KVEntry
 from kvreuse.store.memory import MemoryTier
 
 log = logging.getLogger("kvreuse.store")
+# Entries a slow tier has yet to take are held in memory beside the memory tier's budget: bounded in bytes too.
+DEFAULT_QUEUE_BYTES = 1 << 30
 Job = Callable[[], None]
 
 
 class TieredStore(KVStore):
-    def __init__(self, tiers: list[KVStore], *, queue_size: int = 256):
+    def __init__(self, tiers: list[KVStore], *, queue_size: int = 256, queue_bytes: int = DEFAULT_QUEUE_BYTES):
+        """queue_size, queue_bytes: the background writes that may wait for a slow tier, in jobs and in the bytes
+        of the entries they hold; past either, a write is dropped (a later request stores its entry again)."""
         if not tiers:
             raise ValueError("a store needs at least one tier")
         self.tiers = tiers
@@ -37,6 +41,8 @@ class TieredStore(KVStore):
         self._lock = threading.Lock()
         self._pending: set[tuple[str, int, str]] = set()  # (what, tier index, key) of queued jobs
         self._queue: queue.Queue[Job | None] = queue.Queue(queue_size)
+        self.queue_bytes = queue_bytes
+        self._queued_bytes = 0
         self._writer = threading.Thread(target=self._write_loop, name="kvstore-writeback", daemon=True)
         self._writer.start()
         self._closed = False
@@ -60,9 +66,10 @@ class TieredStore(KVStore):
                 self._queue.task_done()
         self._queue.task_done()
 
-    def _submit(self, tag: tuple[str, int, str], job: Job) -> None:
-        """Queue `job`, tagged (what, tier index, key), unless the same job is pending, the queue is full or the
-        store is closed (its writer gone: a job queued then would never run, and a flush would wait forever)."""
+    def _submit(self, tag: tuple[str, int, str], job: Job, nbytes: int = 0) -> None:
+        """Queue `job`, tagged (what, tier index, key) and holding an entry of `nbytes`, unless the same job is
+        pending, the queue is full (in jobs or bytes) or the store is closed (its writer gone: a job queued then
+        would never run, and a flush would wait forever)."""
 
         def run() -> None:
             try:
@@ -70,17 +77,20 @@ class TieredStore(KVStore):
             finally:
                 with self._lock:
                     self._pending.discard(tag)
+                    self._queued_bytes -= nbytes
 
         with self._lock:
             if self._closed or tag in self._pending:
                 return
-            try:
-                self._queue.put_nowait(run)
-            except queue.Full:
-                full = True
-            else:
-                full = False
+            full = self._queued_bytes + nbytes > self.queue_bytes
+            if not full:
+                try:
+                    self._queue.put_nowait(run)
+                except queue.Full:
+                    full = True
+            if not full:
                 self._pending.add(tag)
+                self._queued_bytes += nbytes
                 self.counters["writeback_queued"] += 1
         if full:
             log.warning("store write-back queue full: dropped a %s of %s (tier %d)", tag[0], tag[2], tag[1])
@@ -92,7 +102,7 @@ class TieredStore(KVStore):
         if tier.writes_are_cheap:
             tier.put(entry, handed_over=True)
         else:
-            self._submit(("write", tier_index, entry.key), lambda: tier.put(entry, handed_over=True))
+            self._submit(("write", tier_index, entry.key), lambda: tier.put(entry, handed_over=True), entry.nbytes)
 
     def _demote(self, entry: KVEntry, below: int) -> None:
         tier = self.tiers[below]
@@ -101,7 +111,7 @@ class TieredStore(KVStore):
             if not tier.contains(entry.key) and tier.put(entry, handed_over=True):
                 self._bump("demotions")
 
-        self._submit(("demote", below, entry.key), demote)
+        self._submit(("demote", below, entry.key), demote, entry.nbytes)
 
     def _promote_later(self, key: str, source: int) -> None:
         def promote() -> None:

@@ -59,6 +59,19 @@ def test_full_write_back_queue_drops_writes_instead_of_blocking(make_entry):
     store.close()
 
 
+def test_write_back_drops_writes_past_its_bytes(make_entry):
+    slow, entries = GatedTier(), [make_entry() for _ in range(5)]
+    store = TieredStore([MemoryTier(None), slow], queue_bytes=int(2.5 * entries[0].nbytes))
+    for entry in entries:
+        store.put(entry)
+    assert store.stats()["writeback_queued"] == 2 and store.stats()["writeback_dropped"] == 3
+    slow.gate.set()
+    store.flush()
+    assert [slow.contains(e.key) for e in entries] == [True, True, False, False, False]
+    assert store.put(entries[2]) and (store.flush() or slow.contains(entries[2].key))  # room again
+    store.close()
+
+
 def test_get_promotes_from_a_lower_tier(mem_disk, make_entry):
     store, memory, disk = mem_disk
     entry = make_entry()
