@@ -18,17 +18,22 @@ class Analysis:
     draw: str  # function(figure, numbers)
     methods: tuple[str, ...]  # methods it runs, so their chunks are compiled in every mode they need
     help: str
+    reads: tuple[str, ...] = ()  # the settings it uses beyond the dataset's: "ratio", "seed"
 
 
+DEFAULT_RATIO, DEFAULT_SEED = 0.15, 0
 ANALYSES = {
     "hkvd": Analysis("deviation", "hkvd", "draw_hkvd", ("cacheblend:0.15",),
-                     "CacheBlend Fig. 6: deviation vs recompute ratio, HKVD vs random vs gradual filtering"),
+                     "CacheBlend Fig. 6: deviation vs recompute ratio, HKVD vs random vs gradual filtering",
+                     ("seed",)),
     "layer-correlation": Analysis("deviation", "layer_correlation", "draw_layer_correlation", (),
-                                  "CacheBlend Fig. 8: Spearman of per-token KV deviation between neighbouring layers"),
+                                  "CacheBlend Fig. 8: Spearman of per-token KV deviation between neighbouring layers",
+                                  ("ratio",)),
     "spectrum": Analysis("spectrum", "spectrum", "draw_spectrum", (),
                          "CacheTune Fig. 2: share of K/V energy in the lowest 20%% of frequencies, per layer"),
     "frequency-selection": Analysis("spectrum", "frequency_selection", "draw_frequency_selection", ("cachetune:0.15",),
-                                    "CacheTune Fig. 10: low- vs high-frequency vs random selection, and variants"),
+                                    "CacheTune Fig. 10: low- vs high-frequency vs random selection, and variants",
+                                    ("ratio", "seed")),
     "sinks": Analysis("sinks", "chunk_sinks", "draw_chunk_sinks",
                       ("legolink0", "legolink:2", "cacheblend:0.15", "cachetune:0.15"),
                       "Epic Fig. 4: attention on chunk-initial tokens, naive vs full vs LegoLink"),
@@ -57,8 +62,11 @@ def add_commands(subparsers) -> None:
         add("--limit", type=positive_int, default=4, metavar="N", help="the first N examples (default 4)")
         add("--out", type=Path, default=Path("docs/img"), metavar="DIR", help="where NAME.png and NAME.json go")
         add("--model", default=None, metavar="DIR", help="HF directory or .gguf file (default: embedded SmolLM2)")
-        add("--ratio", type=_share, default=0.15, metavar="R", help="recompute ratio of fixed-ratio comparisons")
-        add("--seed", type=int, default=0, help="seed of random selections")
+        if "ratio" in analysis.reads:
+            add("--ratio", type=_share, default=DEFAULT_RATIO, metavar="R",
+                help=f"recompute ratio of fixed-ratio comparisons (default {DEFAULT_RATIO})")
+        if "seed" in analysis.reads:
+            add("--seed", type=int, default=DEFAULT_SEED, help="seed of random selections (default 0)")
         sub.set_defaults(func=cmd_analyze)
 
 
@@ -82,7 +90,8 @@ def cmd_analyze(args: argparse.Namespace) -> int:
     dataset = load_dataset(args.dataset, limit=args.limit)  # before the model loads: a bad path fails at once
     module = importlib.import_module(f"kvreuse.eval.analyses.{analysis.module}")
     measure: Callable = getattr(module, analysis.measure)
-    settings = AnalysisSettings(args.dataset, args.limit, args.model, args.ratio, args.seed)
+    settings = AnalysisSettings(args.dataset, args.limit, args.model, getattr(args, "ratio", DEFAULT_RATIO),
+                                getattr(args, "seed", DEFAULT_SEED))
     engine = ReuseEngine.load(model=args.model, store="memory:8GB")
     try:
         numbers = measure(_probes(engine, dataset.prompts, analysis.methods), settings)

@@ -78,3 +78,14 @@ def test_fidelity_signal_guards_recompute_more_the_tighter_they_are(analyses):
     example = analyses["fidelity-signal"]["examples"][0]["methods"]["cacheblend:0.15"]
     assert example["deviation_mass"] >= example["deviation_residual"] > 0
     assert 0 <= example["uncertainty"] < 1
+
+
+@pytest.mark.parametrize("name, takes", [("hkvd", {"--seed"}), ("layer-correlation", {"--ratio"}),
+                                          ("frequency-selection", {"--ratio", "--seed"}), ("spectrum", set()),
+                                          ("sinks", set()), ("fidelity-signal", set())])
+def test_an_analysis_offers_only_the_settings_it_reads(name, takes, capsys):
+    with pytest.raises(SystemExit):
+        main(["analyze", name, "--help"])
+    help_text = capsys.readouterr().out
+    offered = {flag for flag in ("--ratio", "--seed") if flag in help_text}
+    assert offered == takes
