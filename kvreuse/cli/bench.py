@@ -10,7 +10,7 @@ from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
 from kvreuse.bench.peers.vllm_peer import default_venv
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, PEERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import parse_method_list
 from kvreuse.model.loader import DTYPES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN
@@ -134,11 +134,7 @@ def cmd_fusion(args: argparse.Namespace) -> int:
 
     from kvreuse.bench.fusion import run
 
-    methods = args.methods.split(",")
-    for method in methods:
-        parse_method(method)  # a bad name fails here, before the model loads
-    if "full" not in methods:
-        methods.insert(0, "full")
+    methods = parse_method_list(args.methods)  # a bad name fails here, before the model loads
     with torch.inference_mode():
         run(args.dataset, args.limit, methods, args.tiers.split(","), args.repeats, args.model)
     return 0
@@ -187,16 +183,14 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def settings_from(args: argparse.Namespace) -> TtftSettings:
-    methods = _names(args.methods)
-    for method in methods:
-        parse_method(method)  # a bad name fails here, before the model loads
+    methods = parse_method_list(args.methods)  # a bad name fails here, before the model loads
     peers = [] if args.peers == "none" else _names(args.peers)
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers: unknown peer {unknown[0]!r}; known: {', '.join(PEERS)}, or none")
     if args.prompts < 1 or args.repeats < 1:
         raise ValueError("prompts and repeats: must be >= 1")
-    return TtftSettings(methods=["full"] + [m for m in methods if m != "full"], tiers=_names(args.tiers),
+    return TtftSettings(methods=methods, tiers=_names(args.tiers),
                         lengths=args.lengths, chunks=args.chunks, prompts=args.prompts, repeats=args.repeats,
                         dataset=args.dataset, model=args.model, peers=peers, redis_url=args.redis_url,
                         vllm_venv=args.vllm_venv, dtype=args.dtype)

@@ -18,7 +18,7 @@ import torch
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.eval.datasets import ChunkedPrompt, Dataset
 from kvreuse.eval.metrics import agreement, first_line, first_token_kl, mean_log_likelihood, task_score
-from kvreuse.fusion.methods import DEFAULT_MAX_KL, parse_method
+from kvreuse.fusion.methods import DEFAULT_MAX_KL, parse_method, parse_method_list
 
 REFERENCE = "full"
 
@@ -60,26 +60,20 @@ def engine_options(variant: str) -> dict[str, str]:
 
 
 def parse_methods(spec: str) -> list[str]:
-    """'naive,cacheblend:0.15' -> ['full', 'naive', 'cacheblend:0.15']: full is always there, and first.
-    Each name is checked by the engine's own method parser, so a typo fails before any model loads."""
+    """'naive,cacheblend:0.15@bfloat16' -> ['full', 'naive', 'cacheblend:0.15@bfloat16']: full always there, and
+    first; a method may name the engine variant it runs on after '@'."""
     from kvreuse.model.loader import DTYPES
 
-    methods = [m.strip() for m in spec.split(",")]
-    for method in methods:
-        if not method:
-            raise MethodSpecError(f"--methods: empty entry in {spec!r}; expected e.g. full,naive,cacheblend:0.15")
+    def check(method: str) -> None:
         name, dtype = split_dtype(method)
         if method.endswith("@") or (dtype is not None and dtype not in (*DTYPES, INT8_DECODE)):
-            raise MethodSpecError(f"--methods: {method!r}: what follows '@' must be one of {', '.join(DTYPES)} "
-                                  f"or {INT8_DECODE}")
-        try:
-            parse_method(name)
-        except ValueError as e:
-            raise MethodSpecError(f"--methods: {e}") from None
-    duplicates = sorted({m for m in methods if methods.count(m) > 1})
-    if duplicates:
-        raise MethodSpecError(f"--methods: {', '.join(duplicates)} listed more than once")
-    return [REFERENCE] + [m for m in methods if m != REFERENCE]
+            raise ValueError(f"{method!r}: what follows '@' must be one of {', '.join(DTYPES)} or {INT8_DECODE}")
+        parse_method(name)
+
+    try:
+        return parse_method_list(spec, check)
+    except ValueError as e:
+        raise MethodSpecError(str(e)) from None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -297,3 +298,21 @@ def parse_method(spec: str | None) -> Method:
     if arg and name not in TAKES_ARGUMENT:
         raise ValueError(f"method: {name} takes no parameter, got {spec!r}")
     return METHODS[name](spec, arg)
+
+
+def parse_method_list(spec: str, check: Callable[[str], object] = parse_method) -> list[str]:
+    """'naive,cacheblend:0.15' -> ['full', 'naive', 'cacheblend:0.15']: the methods a comparison runs, full always
+    there and first (the reference). Each entry is checked (by default by the engine's own parser), so a typo
+    fails before any model loads."""
+    methods = [m.strip() for m in spec.split(",")]
+    for method in methods:
+        if not method:
+            raise ValueError(f"--methods: empty entry in {spec!r}; expected e.g. full,naive,cacheblend:0.15")
+        try:
+            check(method)
+        except ValueError as e:
+            raise ValueError(f"--methods: {e}") from None
+    duplicates = sorted({m for m in methods if methods.count(m) > 1})
+    if duplicates:
+        raise ValueError(f"--methods: {', '.join(duplicates)} listed more than once")
+    return ["full"] + [m for m in methods if m != "full"]

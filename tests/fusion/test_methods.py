@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import parse_method, parse_method_list
 from kvreuse.fusion.segments import Request, SegmentKind
 from kvreuse.store.entry import EntryMeta, KVEntry
 
@@ -99,3 +99,12 @@ def test_request_ending_in_a_chunk_computes_its_last_row(tiny_engine, rag_reques
 def test_bad_method_specs_name_the_problem(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_method(spec)
+
+
+def test_a_method_list_starts_with_full_and_names_what_is_wrong():
+    assert parse_method_list("naive,cacheblend:0.15") == ["full", "naive", "cacheblend:0.15"]
+    assert parse_method_list("naive,full") == ["full", "naive"]
+    for spec, message in [("full,,naive", "empty entry in 'full,,naive'"), ("naive,naive", "naive listed more than"),
+                          ("naive,magic", "--methods: method: unknown method 'magic'")]:
+        with pytest.raises(ValueError, match=message):
+            parse_method_list(spec)
