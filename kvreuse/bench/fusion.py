@@ -9,6 +9,7 @@ runs every (tier, method) pair in turn, so load from elsewhere on the machine fa
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import tempfile
 from collections import Counter, defaultdict
@@ -53,18 +54,18 @@ def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats:
     lengths = []
     with tempfile.TemporaryDirectory(prefix="kvreuse-bench-") as scratch:
         specs = {tier: tier_spec(tier, scratch) for tier in tiers}
-        engines = {
-            tier: ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint, dtype="float32"))
-            for tier, spec in specs.items()
-        }
-        for prompt in prompts:
-            request = next(iter(engines.values())).build_request(prompt.chunks, prompt.question)
-            lengths.append(len(request))
-            for engine in engines.values():
-                engine.compile(request, methods)
-            _run_example(engines, request, methods, repeats, cells)
-        for engine in engines.values():
-            engine.close()
+        with contextlib.ExitStack() as engines_open:
+            engines = {}
+            for tier, spec in specs.items():
+                engines[tier] = ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint,
+                                                               dtype="float32"))
+                engines_open.callback(engines[tier].close)  # their write-back threads, even if a run fails
+            for prompt in prompts:
+                request = next(iter(engines.values())).build_request(prompt.chunks, prompt.question)
+                lengths.append(len(request))
+                for engine in engines.values():
+                    engine.compile(request, methods)
+                _run_example(engines, request, methods, repeats, cells)
     report = {"dataset": dataset, "examples": len(prompts), "prompt_tokens_mean": statistics.mean(lengths),
               "repeats": repeats, "specs": specs, "cells": {f"{t}|{m}": c.__dict__ for (t, m), c in cells.items()}}
     _print(report, methods, tiers, cells)
