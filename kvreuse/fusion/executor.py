@@ -136,11 +136,9 @@ class LayerLoader:
         stop = self.num_layers if span.read_whole else min(self.num_layers, layer + self.layers_per_read)
         layers = range(layer, stop)
         start = time.perf_counter()
-        if span.reads_whole_entry:
-            kv = self.store.view_layers(span.key, layers.start, layers.stop)  # placed, never written
-        else:
-            kv = self.store.view_rows(span.key, span.load, layers)  # placed, never written
-        if kv is None or kv[0].shape[:2] != (len(layers), span.load.numel()):  # missing, or not the planned entry
+        rows = None if span.reads_whole_entry else span.load
+        kv = self.store.view_planned(span.key, layers, rows, span.load.numel())  # placed, never written
+        if kv is None:
             raise StoredKVMissing(span.key)
         seconds = time.perf_counter() - start
         self.read_seconds_by_key[span.key] = self.read_seconds_by_key.get(span.key, 0.0) + seconds

@@ -26,7 +26,7 @@ from kvreuse.fusion.plan import Block
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LAST_ROW, CapturedKV, LayerwiseModel, RowGroup
 from kvreuse.restore.units import Span
-from kvreuse.store.base import KV, KVStore
+from kvreuse.store.base import KV, KVStore, metered
 
 
 class IOChannels:
@@ -131,7 +131,7 @@ class PrefixJob:
         self.rotary = model.rotary(range(len(token_ids)))
         # The hidden state entering self.layers.start for given rows: embeddings, or a stage's boundary.
         self.hidden_in = hidden_in or (lambda rows: model.embed(token_ids[rows]))
-        self.bytes_loaded = 0
+        self.bytes_loaded = 0  # what the store's backends fetched (headers, whole row groups), as a plan counts it
 
     # ---- compute --------------------------------------------------------------------------------------
 
@@ -156,14 +156,11 @@ class PrefixJob:
         damaged."""
         local = block.overlap(rows)
         length = local.stop - local.start
-        with self.channels[block.tier]:
-            if length == block.stored_tokens:
-                kv = self.store.view_layers(block.key, layers.start, layers.stop)  # placed, never written
-            else:  # part of a block: the rest was computed, or the last prompt token lies in it
-                kv = self.store.view_rows(block.key, torch.arange(local.start, local.stop), layers)
-        if kv is None or kv[0].shape[:2] != (len(layers), length):
-            return None
-        self.bytes_loaded += kv[0].nbytes + kv[1].nbytes
+        # Part of a block when the rest was computed, or the last prompt token lies in it.
+        part = None if length == block.stored_tokens else torch.arange(local.start, local.stop)
+        with self.channels[block.tier], metered() as meter:
+            kv = self.store.view_planned(block.key, layers, part, length)  # placed, never written
+        self.bytes_loaded += meter.bytes
         return kv
 
     def place(self, rows: slice, layers: range, kv: KV) -> None:
