@@ -24,7 +24,7 @@ import torch
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
-from kvreuse.store.base import KVStore, metered
+from kvreuse.store.base import KVStore, metered, view_planned
 from kvreuse.store.entry import consecutive
 
 
@@ -137,7 +137,7 @@ class LayerLoader:
         layers = range(layer, stop)
         start = time.perf_counter()
         rows = None if span.reads_whole_entry else span.load
-        kv = self.store.view_planned(span.key, layers, rows, span.load.numel())  # placed, never written
+        kv = view_planned(self.store, span.key, layers, rows, span.load.numel())  # placed, never written
         if kv is None:
             raise StoredKVMissing(span.key)
         seconds = time.perf_counter() - start

@@ -26,7 +26,7 @@ from kvreuse.fusion.plan import Block
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LAST_ROW, CapturedKV, LayerwiseModel, RowGroup
 from kvreuse.restore.units import Span
-from kvreuse.store.base import KV, KVStore, metered
+from kvreuse.store.base import KV, KVStore, metered, view_planned
 
 
 class IOChannels:
@@ -159,7 +159,7 @@ class PrefixJob:
         # Part of a block when the rest was computed, or the last prompt token lies in it.
         part = None if length == block.stored_tokens else torch.arange(local.start, local.stop)
         with self.channels[block.tier], metered() as meter:
-            kv = self.store.view_planned(block.key, layers, part, length)  # placed, never written
+            kv = view_planned(self.store, block.key, layers, part, length)  # placed, never written
         self.bytes_loaded += meter.bytes
         return kv
 

@@ -61,15 +61,6 @@ class KVStore(ABC):
         hands out its own where the rows are consecutive, not a copy."""
         return self.get_rows(key, rows, layers)
 
-    def view_planned(self, key: str, layers: range, rows: Rows | None, num_rows: int) -> KV | None:
-        """What a plan loads: `layers` of the entry's `rows` (None: all of them) for a caller that only reads
-        them; None if the entry is missing or damaged, or is not the `num_rows` rows the plan counted on
-        (another entry under the key)."""
-        kv = self.view_layers(key, layers.start, layers.stop) if rows is None else self.view_rows(key, rows, layers)
-        if kv is None or kv[0].shape[:2] != (len(layers), num_rows):
-            return None
-        return kv
-
     @abstractmethod
     def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:
         """Store `entry`; True if it is stored (now or already), False if the write was skipped. `handed_over`:
@@ -362,6 +353,16 @@ class BlobTier(Tier):
     def delete(self, key: str) -> bool:
         self._forget_header(key)
         return self._unless_unavailable(key, self._remove)
+
+
+def view_planned(store: KVStore, key: str, layers: range, rows: Rows | None, num_rows: int) -> KV | None:
+    """What a plan loads: `layers` of the entry's `rows` (None: all of them) for a caller that only reads them;
+    None if the entry is missing or damaged, or is not the `num_rows` rows the plan counted on (another entry
+    under the key)."""
+    kv = store.view_layers(key, layers.start, layers.stop) if rows is None else store.view_rows(key, rows, layers)
+    if kv is None or kv[0].shape[:2] != (len(layers), num_rows):
+        return None
+    return kv
 
 
 def nbytes_of(result: object) -> int:
