@@ -364,10 +364,7 @@ class ReuseEngine:
             policy = parse_method(choice.method)
             split = split if policy.restores_prefix else None
         while True:
-            placed = self.lookup(request, policy, lost, restored, probes, split)
-            plan = policy.plan(request, placed)
-            located = span_tiers_of(plan, placed)
-            span_tiers = [tier_label(self.store, i) for i in located]
+            placed, plan, located = self._placed_plan(request, policy, lost, restored, probes, split)
             try:
                 result: FusionResult = self.executor.run(
                     plan, request.token_ids, extra_capacity, restoration.cache if restoration else None,
@@ -380,6 +377,7 @@ class ReuseEngine:
                 log.warning("%s; recomputing it", e)
                 lost.add(e.key)
                 split = self.split_prefix(request, lost) if split is not None else None
+        span_tiers = [tier_label(self.store, i) for i in located]
         if split is not None and split.blocks:
             self.restorer_for(request).learn(split, plan, result.stats)
         self._write_back(placed, policy)
@@ -400,10 +398,17 @@ class ReuseEngine:
         stored prefix under `split`), and the tier of each reused span: what the controller's cost model
         prices."""
         policy = parse_method(method)
-        placed = self.lookup(request, policy, restored=restored, probes=probes,
-                             split=split if policy.restores_prefix else None)
+        _, plan, located = self._placed_plan(request, policy, set(), restored, probes,
+                                             split if policy.restores_prefix else None)
+        return plan, [tier_label(self.store, i) for i in located]
+
+    def _placed_plan(self, request: Request, policy: Method, lost: set[str], restored: int, probes: Probes | None,
+                     split: PrefixSplit | None) -> tuple[list[PlacedSegment], FusionPlan, list[int]]:
+        """The request's segments as the store holds them now, the method's plan for them, and the index of the
+        tier each reused span of the plan reads from."""
+        placed = self.lookup(request, policy, lost, restored, probes, split)
         plan = policy.plan(request, placed)
-        return plan, [tier_label(self.store, i) for i in span_tiers_of(plan, placed)]
+        return placed, plan, span_tiers_of(plan, placed)
 
     def _loads_wait(self, plan: FusionPlan, located: list[int]) -> bool:
         """Whether any of the plan's reads waits on a device or the network: only then does a loader thread
