@@ -23,7 +23,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.bench.tiers import tier_label, tier_spec
+from kvreuse.bench.tiers import report_name, tier_spec
 from kvreuse.model.loader import load_model
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer, l_delta
@@ -261,7 +261,7 @@ def print_lengths(rows: list[dict], title: str) -> None:
                    "cake/best": row["cake"] / best, "cacheflow/best": row["cacheflow"] / best,
                    "cake/load": row["cake"] / row["load"]}
         table.add_row(
-            tier_label(row["tier"]), str(row["prefix"]),
+            report_name(row["tier"]), str(row["prefix"]),
             *(f"{row[k] * 1e3:.0f}" for k in ("ideal", "load", "compute", "cake", "layerwise")),
             f"{row['cacheflow'] * 1e3:.0f} ({row['cacheflow_strategy'][:5]})",
             *(f"{ratio:.2f} ({row['paired'][name]:.2f})" for name, ratio in medians.items()),
@@ -277,7 +277,7 @@ def print_lengths(rows: list[dict], title: str) -> None:
 def print_batch(result: dict) -> None:
     variants = result["variants"]
     base = variants["per-request cake"]
-    print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {tier_label(result['tier'])}, "
+    print(f"batch of {len(result['lengths'])} (prefixes {result['lengths']}) on {report_name(result['tier'])}, "
           f"compute workers {result['compute_workers']}, median of {result['repeats']} batches:")
     for name, v in variants.items():
         each = ", ".join(f"{t * 1e3:.0f}" for t in v["per_request"])
@@ -319,6 +319,6 @@ def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeat
         for tier in tiers:
             l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, compute_run, tmp)
             cells = ", ".join(f"{n}: {token[n] * 1e3:.0f}/{layer[n] * 1e3:.0f}" for n in sorted(token))
-            print(f"{bench.name} on {tier_label(tier)}: L_delta = {l_delta} tokens "
+            print(f"{bench.name} on {report_name(tier)}: L_delta = {l_delta} tokens "
                   f"(token-wise/layer-wise ms by prefix length: {cells})")
     print(f"saved to {l_delta.profile_path()}")

@@ -17,6 +17,6 @@ def tier_spec(tier: str, scratch: str) -> str:
     return TIER_SPECS.get(tier, tier).format(scratch=scratch)
 
 
-def tier_label(tier: str) -> str:
+def report_name(tier: str) -> str:
     """How a report names a tier: emulated devices say so, with their model."""
     return str(DEVICES[tier]) if tier in DEVICES else tier

@@ -12,7 +12,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.bench.tiers import tier_label
+from kvreuse.bench.tiers import report_name
 from kvreuse.bench.ttft import NO_TIER, Cell
 from kvreuse.bench.workload import Shape
 from kvreuse.eval.report import machine
@@ -167,7 +167,7 @@ def plot(rows: list[dict], tiers: list[str], path: Path) -> None:
                                 **style)
                 if line[0]["limit_ms"] is not None and variant != "full":
                     ax.plot(xs, [r["limit_ms"] / 1e3 for r in line], ":", color=drawn[0].get_color(), linewidth=1)
-            ax.set_title(f"{tier_label(tier)}, {chunks} chunks", fontsize=9)
+            ax.set_title(f"{report_name(tier)}, {chunks} chunks", fontsize=9)
             ax.set_xlabel("prompt tokens")
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
