@@ -23,7 +23,7 @@ from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.engine.scheduler import (GenerationJob, JobCancelled, JobEvent, JobTimeout, QueueFull, Scheduler,
                                      ShuttingDown)
-from kvreuse.fusion.methods import parse_method
+from kvreuse.fusion.methods import Auto, parse_method
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request, chunk_ids
 from kvreuse.server.caches import CacheRegistry, ContextCache, is_cache_id
 from kvreuse.server.config import ServerConfig
@@ -181,6 +181,10 @@ class EngineService:
         self._shutdown_timer: threading.Timer | None = None
 
     def start(self) -> None:
+        if isinstance(parse_method(self.config.method), Auto):
+            # Measured now, not by the first request on the engine thread while every stream waits (a fresh
+            # machine has no profile; once measured it is saved).
+            _ = self.engine.controller
         self.scheduler.start()
 
     def begin_shutdown(self, grace: float) -> None:

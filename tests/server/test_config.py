@@ -48,6 +48,21 @@ def test_the_token_gap_reaches_the_scheduler_in_seconds_and_is_off_by_default(ti
     assert EngineService(tiny_chat_engine, ServerConfig()).scheduler.max_token_gap is None
 
 
+@pytest.mark.parametrize("method, measured", [("auto", True), ("auto:kl=0.1", True), ("naive", False)])
+def test_a_server_whose_default_is_auto_has_its_machine_profile_before_its_first_request(
+        tiny_chat_engine, monkeypatch, method, measured):
+    from kvreuse.controller import measure
+
+    profiles = []
+    monkeypatch.setattr(measure, "ensure_profile", lambda *args: profiles.append(args) or None)
+    monkeypatch.setattr("kvreuse.controller.auto.AutoController.__init__", lambda self, *args: None)
+    monkeypatch.setattr(tiny_chat_engine, "_controller", None)
+    service = EngineService(tiny_chat_engine, ServerConfig(method=method))
+    service.start()
+    service.scheduler.stop()
+    assert bool(profiles) == measured
+
+
 @pytest.mark.parametrize(
     "yaml_text, environ, message",
     [
