@@ -82,6 +82,11 @@ class KVStore(ABC):
     def check_put(self, entry: KVEntry) -> None:  # noqa: B027 - a store that expects no model accepts all
         """Raise ValueError if this store would refuse `entry` (another model or dtype than it holds)."""
 
+    def room_left(self) -> int | None:
+        """Bytes this store takes before it evicts, or None if it keeps no budget of its own (Redis leaves it to
+        the server). Cheap: asked for every chunk a placement policy places."""
+        return None
+
     def clear(self) -> int:
         """Delete every entry; returns how many."""
         return sum(self.delete(key) for key in list(self.keys()))

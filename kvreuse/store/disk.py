@@ -169,6 +169,9 @@ class DiskTier(BlobTier):
             if KEY_PATTERN.fullmatch(key):  # a stray file named like an entry is not one
                 yield key
 
+    def room_left(self) -> int | None:
+        return self.policy.room_left()
+
     def usage(self) -> dict[str, int]:
         return {"entries": len(self.policy), "bytes_used": self.policy.used, "capacity": self.policy.capacity or 0}
 

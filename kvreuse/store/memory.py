@@ -127,6 +127,9 @@ class MemoryTier(Tier):
                        boundary=None if boundary is None else copy_tensor(boundary),
                        boundary_layers=list(m.boundary_layers))
 
+    def room_left(self) -> int | None:
+        return self.policy.room_left()
+
     def usage(self) -> dict[str, int]:
         return {"entries": len(self.entries), "bytes_used": self.policy.used,
                 "capacity": self.policy.capacity or 0}

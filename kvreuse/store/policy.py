@@ -27,6 +27,9 @@ class SegmentedLRU:
     def __len__(self) -> int:
         return len(self.probation) + len(self.protected)
 
+    def room_left(self) -> int | None:
+        return None if self.capacity is None else max(self.capacity - self.used, 0)
+
     def fits(self, size: int) -> bool:
         return self.capacity is None or size <= self.capacity
 

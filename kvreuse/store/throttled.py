@@ -87,6 +87,9 @@ class ThrottledTier(KVStore):
     def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
         return self.inner.meta(key, with_extras)
 
+    def room_left(self) -> int | None:
+        return self.inner.room_left()
+
     def stats(self) -> dict[str, Any]:
         return {**self.inner.stats(), "tier": self.name, "emulated": str(self.device),
                 "throttle_sleep_s": round(self.sleep_seconds, 6)}

@@ -150,8 +150,7 @@ class TieredStore(KVStore):
 
     def free_bytes(self, tier: int) -> int | None:
         """Room left in tier `tier` before it evicts, or None if it has no capacity limit."""
-        stats = self.tiers[tier].stats()
-        return max(stats["capacity"] - stats["bytes_used"], 0) if stats.get("capacity") else None
+        return self.tiers[tier].room_left()
 
     def _first_hit(self, read: Callable[[KVStore], Any]) -> tuple[int, Any]:
         for i, tier in enumerate(self.tiers):

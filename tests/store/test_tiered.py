@@ -6,10 +6,12 @@ import threading
 import time
 
 import pytest
+import redis
 import torch
 
 from kvreuse.store.disk import DiskTier
 from kvreuse.store.memory import MemoryTier
+from kvreuse.store.spec import open_store
 from kvreuse.store.tiered import TieredStore
 
 
@@ -248,3 +250,17 @@ def test_a_handed_over_entry_is_kept_as_is_and_any_other_as_a_copy(mem_disk, mak
     assert memory.entries["lent"].k is not lent.k
     lent.k.zero_()  # the lender's later writes reach no tier
     assert store.get("lent").k.abs().sum() > 0 and disk.get("handed") is not None
+
+
+def test_free_bytes_is_each_tier_s_room_left_without_asking_a_server(tmp_path, make_entry, redis_server):
+    store = open_store(f"memory:1MB, disk:{tmp_path}/a:2MB, throttled:ssd:memory:3MB, {redis_server.url}, "
+                       f"disk:{tmp_path}/b")
+    store.put(make_entry())
+    store.flush()
+    used = [tier.stats().get("bytes_used") for tier in store.tiers]
+    assert all(used[:3])
+    store.tiers[3].client = None  # a Redis tier's room is the server's business: never asked for it
+    assert [store.free_bytes(i) for i in range(5)] == [10**6 - used[0], 2 * 10**6 - used[1], 3 * 10**6 - used[2],
+                                                       None, None]
+    store.tiers[3].client = redis.Redis.from_url(redis_server.url)
+    store.close()
