@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreuse.cli.arguments import positive_int
+from kvreuse.cli.arguments import add_model, positive_int
 
 
 @dataclass(frozen=True)
@@ -61,7 +61,7 @@ def add_commands(subparsers) -> None:
         add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file, one chunk per passage")
         add("--limit", type=positive_int, default=4, metavar="N", help="the first N examples (default 4)")
         add("--out", type=Path, default=Path("docs/img"), metavar="DIR", help="where NAME.png and NAME.json go")
-        add("--model", default=None, metavar="DIR", help="HF directory or .gguf file (default: embedded SmolLM2)")
+        add_model(sub)
         if "ratio" in analysis.reads:
             add("--ratio", type=_share, default=DEFAULT_RATIO, metavar="R",
                 help=f"recompute ratio of fixed-ratio comparisons (default {DEFAULT_RATIO})")

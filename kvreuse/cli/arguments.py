@@ -8,12 +8,18 @@ from kvreuse.model.loader import DTYPES
 from kvreuse.model.runtime import DECODE_WEIGHTS
 
 
+def add_model(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, metavar="DIR_OR_GGUF",
+                        help="local Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)")
+
+
+def add_dtype(parser: argparse.ArgumentParser, help: str | None = None) -> None:
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help=help)
+
+
 def add_model_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--model", default=None,
-        help="local Hugging Face directory or .gguf file (default: embedded SmolLM2-135M-Instruct)"
-    )
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    add_model(parser)
+    add_dtype(parser)
     parser.add_argument("--decode-weights", default="model", choices=DECODE_WEIGHTS,
                         help="the weights decoding multiplies: the model's own (default), or int8 copies of them "
                              "(fp32 models; prompts keep fp32: see docs/RESULTS.md for its fidelity)")

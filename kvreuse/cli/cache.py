@@ -16,6 +16,7 @@ from typing import Iterator
 from rich.console import Console
 from rich.table import Table
 
+from kvreuse.cli.arguments import positive_int
 from kvreuse.store.base import TierUnavailable
 from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
 from kvreuse.store.spec import open_store
@@ -44,7 +45,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--dir", help="directory for the disk tier (default: a temp dir under /var/tmp)")
     bench.add_argument("--redis", default="auto",
                        help="'auto' starts a private redis-server on loopback; a URL uses that server; 'none' skips")
-    bench.add_argument("--entries", type=int, default=24)
+    bench.add_argument("--entries", type=positive_int, default=24)
     bench.add_argument("--emulate", default="ssd,hdd,net10g", help="devices to emulate over memory ('' for none)")
     bench.add_argument("--json", help="also write the results to this file (for the restoration controllers)")
     for field in dataclasses.fields(EntryShape):

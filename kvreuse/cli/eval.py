@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvreuse.cli.arguments import positive_float, positive_int
+from kvreuse.cli.arguments import add_model, positive_float, positive_int
 
 DEFAULT_METHODS = "full,naive,prefix,cacheblend:0.15,cacheblend:0.05,legolink:2,legolink:16,legolink0,cachetune:0.15"
 
@@ -16,7 +16,7 @@ def add_commands(subparsers) -> None:
     add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file (QA, SAMSum, Multi-News)")
     add("--methods", default=DEFAULT_METHODS, metavar="LIST",
         help="comma-separated; full always runs, first, in float32; METHOD@bfloat16 runs METHOD in bf16 against it")
-    add("--model", default=None, metavar="DIR", help="HF directory or .gguf file (default: embedded SmolLM2)")
+    add_model(ev)
     add("--limit", type=positive_int, default=None, metavar="N", help="the first N examples only")
     add("--chunking", default="passage", metavar="passage|fixed:N", help="one chunk per passage, or N-token pieces")
     add("--store", default=None, metavar="SPEC", help="KV store, e.g. memory:4GB or disk:PATH (default: the engine's)")

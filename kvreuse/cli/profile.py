@@ -6,6 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
+from kvreuse.cli.arguments import add_dtype, add_model, positive_int
 from kvreuse.cli.bench import add_restore_arguments
 
 DEFAULT_TIERS = "memory,disk,ssd,hdd"
@@ -78,15 +79,15 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     profile = commands.add_parser("profile", help="measure this machine and model for the controller and restoration")
     kinds = profile.add_subparsers(dest="profile", required=True)
     costs = kinds.add_parser("costs", help="the controller's machine profile: compute per layer, reads per tier")
-    costs.add_argument("--model", default=None, help="HF directory or .gguf file (default: embedded SmolLM2)")
-    costs.add_argument("--dtype", default="float32")
+    add_model(costs)
+    add_dtype(costs)
     costs.add_argument("--tiers", default=DEFAULT_TIERS, help="tiers to profile, comma-separated "
                        "(memory, disk, or the emulated ssd, hdd, net10g)")
-    costs.add_argument("--repeats", type=int, default=5, help="timings per figure (their median is kept)")
+    costs.add_argument("--repeats", type=positive_int, default=5, help="timings per figure (their median is kept)")
     costs.add_argument("--calibrate", action="store_true",
                        help="also choose each tier's CacheTune ratio (golden-section search over measured TTFT) "
                             "and CacheBlend's load-hiding ratio")
-    costs.add_argument("--calibration-repeats", type=int, default=2)
+    costs.add_argument("--calibration-repeats", type=positive_int, default=2)
     costs.add_argument("--out", default=None, help="profile file (default: in the kvreuse cache folder)")
     costs.set_defaults(func=cmd_costs)
 
