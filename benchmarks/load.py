@@ -31,6 +31,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import httpx
+import numpy as np
 import psutil
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -105,10 +106,8 @@ def parse_mix(spec: str) -> dict[str, float]:
 
 
 def percentile(values: list[float], p: float) -> float:
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    return ordered[min(len(ordered) - 1, round(p / 100 * (len(ordered) - 1)))]
+    """Linear between the two nearest samples, as numpy's (and the benches' and eval's) percentiles are."""
+    return float(np.percentile(values, p)) if values else float("nan")
 
 
 # ---- the server's memory ------------------------------------------------------------------------------

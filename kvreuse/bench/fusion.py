@@ -15,6 +15,7 @@ import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
+import numpy as np
 from rich.console import Console
 from rich.table import Table
 
@@ -117,7 +118,7 @@ def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple
           " median over examples of |predicted - measured| / measured (kvreuse profile costs gives the profile).")
     errors = [e for c in cells.values() for e in prediction_errors(c)]
     print(f"cost model over every (example, tier, method): median error {statistics.median(errors):.1%}, "
-          f"p90 {statistics.quantiles(errors, n=10)[-1]:.1%}" if len(errors) > 1 else "")
+          f"p90 {np.percentile(errors, 90):.1%}" if len(errors) > 1 else "")
 
 
 def print_auto_against_fixed(methods: list[str], tiers: list[str], cells: dict[tuple[str, str], Cell],

@@ -8,8 +8,8 @@ from collections import Counter
 
 import pytest
 
-from benchmarks.load import (Report, Sent, agreement, mean_waits, parse_args, parse_mix, print_report, rss_summary,
-                             run)
+from benchmarks.load import (Report, Sent, agreement, mean_waits, parse_args, parse_mix, percentile, print_report,
+                             rss_summary, run)
 
 
 def test_sent_and_counted_agree_row_by_row_and_a_miscount_is_reported():
@@ -55,6 +55,11 @@ def test_the_report_prints_the_wait_split_and_the_pending_writes(capsys, pending
     print_report(report)
     assert (f"TTFT 2.50 s = queue 1.50 + prefill 0.50 + paused 0.00 + other 0.50; store writes pending at the end: "
             f"{'3' if pending else 'n/a'}") in capsys.readouterr().out
+
+
+def test_percentiles_interpolate_as_the_benches_do():
+    assert percentile([4.0, 1.0, 3.0, 2.0], 50) == 2.5 and percentile([1.0, 2.0, 3.0, 4.0, 5.0], 90) == 4.6
+    assert percentile([], 90) != percentile([], 90)  # nan: no sample
 
 
 def test_a_mix_naming_an_unknown_kind_is_refused():
