@@ -2,10 +2,12 @@
 
 from kvreuse.cli import main
 
+from ..eval.support import DATASETS
+
 
 def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))  # the machine profile auto measures goes here
-    args = ["bench", "fusion", "--dataset", "../shared/datasets/2wikimqa.jsonl", "--limit", "1", "--repeats", "1",
+    args = ["bench", "fusion", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "1", "--repeats", "1",
             "--methods", "naive,cacheblend:0.15,cachetune:0.15,auto", "--model", str(tiny_model_dir)]
     assert main(args) == 0
     out = capsys.readouterr().out

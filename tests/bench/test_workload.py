@@ -7,13 +7,15 @@ from kvreuse.bench.workload import Shape, TextSource, build_workload
 from kvreuse.fusion.segments import SegmentKind
 from kvreuse.model.loader import resolve_model_dir
 
+from ..eval.support import DATASETS
+
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
 
 
-@pytest.mark.parametrize("dataset", [None, "../shared/datasets/hotpotqa.jsonl"])
+@pytest.mark.parametrize("dataset", [None, str(DATASETS / "hotpotqa.jsonl")])
 @pytest.mark.parametrize("shape", [Shape(1024, 4), Shape(2048, 8)])
 def test_prompt_has_the_asked_length_and_chunks(tokenizer, dataset, shape):
     workload = build_workload(tokenizer, TextSource(dataset), shape, 0, window=8192)
@@ -24,7 +26,7 @@ def test_prompt_has_the_asked_length_and_chunks(tokenizer, dataset, shape):
 
 
 def test_prompts_of_one_shape_differ_and_fit_the_window(tokenizer):
-    source = TextSource("../shared/datasets/2wikimqa.jsonl")
+    source = TextSource(str(DATASETS / "2wikimqa.jsonl"))
     first, second = (build_workload(tokenizer, source, Shape(8192, 2), i, window=8192) for i in (0, 1))
     assert first.prompt_ids != second.prompt_ids
     assert len(first.request) <= 8192 - 16

@@ -19,6 +19,7 @@ from kvreuse.model.kv_cache import KVCache
 from kvreuse.store.spec import open_store
 
 from ..conftest import random_ids
+from ..eval.support import DATASETS
 
 
 def rag(chunks: tuple[int, ...] = (20, 16, 12), prefix: int = 5, fresh: int = 4) -> Request:
@@ -154,7 +155,7 @@ def test_cacheblend_keeps_recomputing_the_rows_whose_stored_kv_deviates_most(tin
     assert chunk_rows[2] == deviating_at_2
 
 
-DATASET = "../shared/datasets/2wikimqa.jsonl"
+DATASET = DATASETS / "2wikimqa.jsonl"
 
 
 @pytest.mark.real_model
@@ -186,7 +187,7 @@ def test_on_the_real_model_a_recency_window_fixes_what_sinks_alone_leave_on_few_
     engine = ReuseEngine(embedded_model, open_store("memory:1GB"))
     try:
         kl: dict[str, list[float]] = {"legolink:16": [], "legolink:16:recent=192": []}
-        for prompt in load_dataset("../shared/datasets/samsum.jsonl", limit=2).prompts:
+        for prompt in load_dataset(DATASETS / "samsum.jsonl", limit=2).prompts:
             request = engine.build_request(prompt.chunks, prompt.question)
             engine.compile(request, list(kl))
             full = engine.prefill(request, "full").logits
