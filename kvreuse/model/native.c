@@ -1149,6 +1149,175 @@ int64_t prefill_attention_scratch(int64_t keys, int64_t heads, int64_t groups, i
            + 2 * tiles * (int64_t)sizeof(int64_t) + threads * rows * (int64_t)sizeof(int64_t);
 }
 
+/* What the tasks of one call share: its arguments, and the keys laid out by tile with each tile's positions. */
+typedef struct {
+    const void *q, *keys, *values;
+    const int64_t *qpos, *kpos;
+    int64_t q_stride, n, row_stride, m, heads, groups, dim, window, block_queries, tiles;
+    float scale;
+    float *transposed;     /* [heads, tiles, dim, KEY_TILE]: a tile's keys are one block (bf16: keys and values
+                              packed in pairs, the values' in the second half) */
+    float *widened;        /* [heads, tiles, KEY_TILE, dim]: widened bf16's values */
+    int64_t *tile_bounds;  /* [tiles, 2]: each tile's lowest and highest key position */
+    int bf16;
+} AttentionCall;
+
+/* One thread's block of queries of one KV head (their query heads stacked as rows) and its running softmax. */
+typedef struct {
+    float *q, *out, *scores, *top, *total;  /* top: each row's running maximum; total: its sums by VW lanes */
+    uint32_t *weights;                      /* bf16: the scores' weights, rounded, in pairs */
+    int64_t *pos;
+    int64_t rows;                           /* a multiple of TILE_ROWS; rows past the block's repeat its last */
+    int64_t h, first, count, lowest, highest;
+} QueryBlock;
+
+/* Task `task` of the first pass: key tile `task % tiles` of head `task / tiles` laid out, and on head 0 the
+   tile's lowest and highest positions. */
+static inline __attribute__((always_inline)) void lay_out_key_tile(const AttentionCall *c, int64_t task) {
+    const int64_t tiles = c->tiles, dim = c->dim, row_stride = c->row_stride, m = c->m;
+    int64_t h = task / tiles, tile = task % tiles, first = tile * KEY_TILE;
+    int64_t valid = m - first < KEY_TILE ? m - first : KEY_TILE, from = first * row_stride + h * dim;
+#if BF16_DOT
+    if (c->bf16) {  /* the keys' pairs in the first half of the block, the values' in the second */
+        uint32_t *packed = (uint32_t *)(c->transposed + task * dim * KEY_TILE / 2);
+        pack_tile_bf16((const uint16_t *)c->keys + from, (const uint16_t *)c->values + from, row_stride, valid, dim,
+                       packed, (uint16_t *)(packed + c->heads * tiles * dim * KEY_TILE / 2));
+    } else
+#endif
+    if (WIDENED(c->bf16)) {
+        transpose_tile(c->keys, from, row_stride, valid, dim, c->transposed + task * dim * KEY_TILE, 1);
+        float *values_to = c->widened + task * KEY_TILE * dim;
+        for (int64_t j = 0; j < valid; j++)
+            for (int64_t d = 0; d < dim; d++)
+                values_to[j * dim + d] = stored(c->values, from + j * row_stride + d, 1);
+    } else {
+        transpose_tile(c->keys, from, row_stride, valid, dim, c->transposed + task * dim * KEY_TILE, 0);
+    }
+    if (h == 0) {
+        int64_t lo = INT64_MAX, hi = INT64_MIN;
+        for (int64_t j = first; j < first + KEY_TILE && j < m; j++) {
+            lo = c->kpos[j] < lo ? c->kpos[j] : lo;
+            hi = c->kpos[j] > hi ? c->kpos[j] : hi;
+        }
+        c->tile_bounds[2 * tile] = lo;
+        c->tile_bounds[2 * tile + 1] = hi;
+    }
+}
+
+/* Task `task` of the second pass: its queries (scaled as scores) and positions into the block, the softmax's
+   state reset. */
+static inline __attribute__((always_inline)) void load_query_block(const AttentionCall *c, QueryBlock *b,
+                                                                     int64_t task) {
+    const int64_t groups = c->groups, dim = c->dim, bf16 = c->bf16, rows = b->rows;
+    const float scale = c->scale;
+    float *const q = b->q, *const top = b->top, *const total = b->total;
+    int64_t *const pos = b->pos;
+    const int64_t h = task % c->heads, first = task / c->heads * c->block_queries;
+    const int64_t count = c->n - first < c->block_queries ? c->n - first : c->block_queries;
+    int64_t lowest = INT64_MAX, highest = INT64_MIN;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t i = first + (r / groups < count ? r / groups : count - 1), g = r % groups;
+        int64_t from = i * c->q_stride + (h * groups + g) * dim;
+        if (WIDENED(bf16))
+            for (int64_t d = 0; d < dim; d++) q[r * dim + d] = stored(c->q, from + d, 1) * scale;
+        else if (bf16)  /* scaled as scores, not rounded again here */
+            memcpy((uint16_t *)q + r * dim, (const uint16_t *)c->q + from, dim * sizeof(uint16_t));
+        else
+            for (int64_t d = 0; d < dim; d++) q[r * dim + d] = ((const float *)c->q)[from + d] * scale;
+        pos[r] = c->qpos[i];
+        lowest = pos[r] < lowest ? pos[r] : lowest;
+        highest = pos[r] > highest ? pos[r] : highest;
+        top[r] = HIDDEN;
+        store(total + r * VW, (vec){});
+    }
+    memset(b->out, 0, rows * dim * sizeof(float));
+    b->h = h, b->first = first, b->count = count, b->lowest = lowest, b->highest = highest;
+}
+
+/* The block's rows over key tile `tile`: scored, masked by position unless every row sees the whole tile, the
+   running softmax updated and the values weighed in. A tile no row sees is skipped. */
+static inline __attribute__((always_inline)) void attend_key_tile(const AttentionCall *c, QueryBlock *b,
+                                                                    int64_t tile) {
+    const int64_t dim = c->dim, window = c->window, rows = b->rows, h = b->h, tiles = c->tiles;
+    const int64_t lowest = b->lowest, highest = b->highest, bf16 = c->bf16;
+    float *const q = b->q, *const out = b->out, *const top = b->top, *const total = b->total;
+    uint32_t *const weights = b->weights;
+    const int64_t *const pos = b->pos;
+    const float *const transposed = c->transposed, *const widened = c->widened;
+    const int64_t heads = c->heads, m = c->m, row_stride = c->row_stride, *const kpos = c->kpos;
+    const void *const values = c->values;
+    int64_t lo = c->tile_bounds[2 * tile], hi = c->tile_bounds[2 * tile + 1], j0 = tile * KEY_TILE;
+    if (lo > highest || (window > 0 && hi <= lowest - window)) return;  /* seen by none */
+    int64_t valid = m - j0 < KEY_TILE ? m - j0 : KEY_TILE;
+    int whole = valid == KEY_TILE && hi <= lowest && (window <= 0 || lo > highest - window);
+    /* Keys after the last one a query of the block sees are neither scored nor weighed: on the diagonal of causal
+       attention, about half a tile. lo <= highest, so one key at least is seen. */
+    const int64_t *tile_pos = kpos + j0;
+    int64_t seen = valid;
+    if (!whole)
+        while (tile_pos[seen - 1] > highest) seen--;
+    float *scores = b->scores;
+#if BF16_DOT
+    const uint32_t *packed = (const uint32_t *)(transposed + (h * tiles + tile) * dim * KEY_TILE / 2);
+    if (bf16)
+        for (int64_t r = 0; r < rows; r += TILE_ROWS)
+            scores_tile_bf16((const uint32_t *)q + r * dim / 2, dim / 2, packed, c->scale, scores + r * KEY_TILE,
+                             seen);
+    else
+#endif
+    for (int64_t r = 0; r < rows; r += TILE_ROWS)
+        scores_tile(q + r * dim, dim, transposed + (h * tiles + tile) * dim * KEY_TILE, KEY_TILE,
+                    scores + r * KEY_TILE, seen);
+    for (int64_t r = 0; r < rows; r++) {
+        float *row = scores + r * KEY_TILE;
+        if (!whole) {
+            int64_t p = pos[r];
+            #pragma omp simd
+            for (int64_t j = 0; j < seen; j++) {
+                int visible = tile_pos[j] <= p && (window <= 0 || tile_pos[j] > p - window);
+                row[j] = visible ? row[j] : HIDDEN;
+            }
+            for (int64_t j = seen; j < KEY_TILE; j++) row[j] = HIDDEN;
+        }
+        if (whole) softmax_tile(row, top + r, total + r * VW, out + r * dim, dim, 1);
+        else softmax_tile(row, top + r, total + r * VW, out + r * dim, dim, 0);
+#if BF16_DOT
+        if (bf16) weights_to_bf16(row, weights + r * KEY_TILE / 2);
+#endif
+    }
+#if BF16_DOT
+    if (bf16)
+        for (int64_t r = 0; r < rows; r += TILE_ROWS)
+            values_tile_bf16(weights + r * KEY_TILE / 2, packed + heads * tiles * dim * KEY_TILE / 2,
+                             (seen + 1) / 2, out + r * dim, dim);
+    else
+#endif
+    if (WIDENED(bf16))
+        for (int64_t r = 0; r < rows; r += TILE_ROWS)
+            values_tile(scores + r * KEY_TILE, widened + (h * tiles + tile) * KEY_TILE * dim, dim, seen,
+                        out + r * dim, dim);
+    else
+        for (int64_t r = 0; r < rows; r += TILE_ROWS)
+            values_tile(scores + r * KEY_TILE, (const float *)values + j0 * row_stride + h * dim,
+                        row_stride, seen, out + r * dim, dim);
+}
+
+/* The block's rows, each divided by its softmax's sum, into `out` [n, heads * groups * dim]. */
+static inline __attribute__((always_inline)) void write_query_block(const AttentionCall *c, const QueryBlock *b,
+                                                                      void *out) {
+    const int64_t dim = c->dim, groups = c->groups, heads = c->heads;
+    for (int64_t r = 0; r < b->count * groups; r++) {
+        float sum = 0.f;
+        for (int i = 0; i < VW; i++) sum += b->total[r * VW + i];
+        float inverse = sum > 0.f ? 1.f / sum : 0.f;  /* no visible key: zeros, never NaN */
+        int64_t to = (b->first + r / groups) * heads * groups * dim + (b->h * groups + r % groups) * dim;
+        if (c->bf16)
+            for (int64_t d = 0; d < dim; d++) keep(out, to + d, b->out[r * dim + d] * inverse, 1);
+        else
+            for (int64_t d = 0; d < dim; d++) ((float *)out)[to + d] = b->out[r * dim + d] * inverse;
+    }
+}
+
 /* Queries of one sequence at any positions over its keys: for each query i and KV head h, the query heads
    q[i, h * groups + g] ([n, heads * groups, dim], row i at i * q_stride) attend the key rows j < m (keys and
    values: row j at j * row_stride, head h at h * dim) whose position kpos[j] is visible from qpos[i]: at or
@@ -1171,137 +1340,32 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
                        int64_t groups, int64_t dim, int64_t window, float scale, int64_t block_queries,
                        char *scratch, void *out, int threads, int bf16) {
     int64_t tiles = (m + KEY_TILE - 1) / KEY_TILE;
-    int64_t rows = block_queries * groups, block_rows = (rows + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
+    int64_t block_rows = (block_queries * groups + TILE_ROWS - 1) / TILE_ROWS * TILE_ROWS;
     int64_t blocks = (n + block_queries - 1) / block_queries;
-    float *transposed = (float *)scratch;  /* [heads, tiles, dim, KEY_TILE]: a tile's keys are one block */
-    float *widened = transposed + heads * tiles * dim * KEY_TILE;  /* [heads, tiles, KEY_TILE, dim]: WIDENED */
+    float *transposed = (float *)scratch;
+    float *widened = transposed + heads * tiles * dim * KEY_TILE;
     float *per_thread = widened + (WIDENED(bf16) ? heads * tiles * KEY_TILE * dim : 0);
     int64_t *tile_bounds = (int64_t *)(per_thread + threads * block_rows * FLOATS_PER_ROW(dim));
-    int64_t *row_positions_all = tile_bounds + 2 * tiles;
+    int64_t *row_positions = tile_bounds + 2 * tiles;
     #pragma omp parallel num_threads(threads)
     {
+        const AttentionCall call = {q, keys, values, qpos, kpos, q_stride, n, row_stride, m, heads, groups, dim,
+                                    window, block_queries, tiles, scale, transposed, widened, tile_bounds, bf16};
         #pragma omp for schedule(static)
-        for (int64_t task = 0; task < heads * tiles; task++) {
-            int64_t h = task / tiles, tile = task % tiles, first = tile * KEY_TILE;
-            int64_t valid = m - first < KEY_TILE ? m - first : KEY_TILE, from = first * row_stride + h * dim;
-#if BF16_DOT
-            if (bf16) {  /* the keys' pairs in the first half of the block, the values' in the second */
-                uint32_t *packed = (uint32_t *)(transposed + task * dim * KEY_TILE / 2);
-                pack_tile_bf16((const uint16_t *)keys + from, (const uint16_t *)values + from, row_stride, valid, dim,
-                               packed, (uint16_t *)(packed + heads * tiles * dim * KEY_TILE / 2));
-            } else
-#endif
-            if (WIDENED(bf16)) {
-                transpose_tile(keys, from, row_stride, valid, dim, transposed + task * dim * KEY_TILE, 1);
-                float *values_to = widened + task * KEY_TILE * dim;
-                for (int64_t j = 0; j < valid; j++)
-                    for (int64_t d = 0; d < dim; d++)
-                        values_to[j * dim + d] = stored(values, from + j * row_stride + d, 1);
-            } else {
-                transpose_tile(keys, from, row_stride, valid, dim, transposed + task * dim * KEY_TILE, 0);
-            }
-            if (h == 0) {
-                int64_t lo = INT64_MAX, hi = INT64_MIN;
-                for (int64_t j = first; j < first + KEY_TILE && j < m; j++) {
-                    lo = kpos[j] < lo ? kpos[j] : lo;
-                    hi = kpos[j] > hi ? kpos[j] : hi;
-                }
-                tile_bounds[2 * tile] = lo;
-                tile_bounds[2 * tile + 1] = hi;
-            }
-        }
+        for (int64_t task = 0; task < heads * tiles; task++) lay_out_key_tile(&call, task);
         int thread = omp_get_thread_num();
-        float *block_q = per_thread + thread * block_rows * FLOATS_PER_ROW(dim);  /* bf16: pairs, half of it */
-        float *block_out = block_q + block_rows * dim, *scores = block_out + block_rows * dim;
-        uint32_t *weights = (uint32_t *)(scores + block_rows * KEY_TILE);  /* bf16: the scores' weights, rounded */
-        float *top = (float *)(weights + block_rows * KEY_TILE / 2), *total = top + block_rows;  /* VW lanes a row */
-        int64_t *row_pos = row_positions_all + thread * block_rows;
+        QueryBlock block = {.rows = block_rows, .pos = row_positions + thread * block_rows};
+        block.q = per_thread + thread * block_rows * FLOATS_PER_ROW(dim);  /* bf16: pairs, half of it */
+        block.out = block.q + block_rows * dim;
+        block.scores = block.out + block_rows * dim;
+        block.weights = (uint32_t *)(block.scores + block_rows * KEY_TILE);
+        block.top = (float *)(block.weights + block_rows * KEY_TILE / 2);
+        block.total = block.top + block_rows;  /* VW lanes a row */
         #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < heads * blocks; task++) {
-            int64_t h = task % heads, first = task / heads * block_queries;
-            int64_t count = n - first < block_queries ? n - first : block_queries;
-            int64_t lowest = INT64_MAX, highest = INT64_MIN;
-            for (int64_t r = 0; r < block_rows; r++) {  /* rows past the block's repeat its last query */
-                int64_t i = first + (r / groups < count ? r / groups : count - 1), g = r % groups;
-                int64_t from = i * q_stride + (h * groups + g) * dim;
-                if (WIDENED(bf16))
-                    for (int64_t d = 0; d < dim; d++) block_q[r * dim + d] = stored(q, from + d, 1) * scale;
-                else if (bf16)  /* scaled as scores, not rounded again here */
-                    memcpy((uint16_t *)block_q + r * dim, (const uint16_t *)q + from, dim * sizeof(uint16_t));
-                else
-                    for (int64_t d = 0; d < dim; d++) block_q[r * dim + d] = ((const float *)q)[from + d] * scale;
-                row_pos[r] = qpos[i];
-                lowest = qpos[i] < lowest ? qpos[i] : lowest;
-                highest = qpos[i] > highest ? qpos[i] : highest;
-                top[r] = HIDDEN;
-                store(total + r * VW, (vec){});
-            }
-            memset(block_out, 0, block_rows * dim * sizeof(float));
-            for (int64_t tile = 0; tile < tiles; tile++) {
-                int64_t lo = tile_bounds[2 * tile], hi = tile_bounds[2 * tile + 1], j0 = tile * KEY_TILE;
-                if (lo > highest || (window > 0 && hi <= lowest - window)) continue;  /* seen by none */
-                int64_t valid = m - j0 < KEY_TILE ? m - j0 : KEY_TILE;
-                int whole = valid == KEY_TILE && hi <= lowest && (window <= 0 || lo > highest - window);
-                /* Keys after the last one a query of the block sees are neither scored nor weighed: on the diagonal
-                   of causal attention, about half a tile. lo <= highest, so one key at least is seen. */
-                int64_t seen = valid;
-                if (!whole)
-                    while (kpos[j0 + seen - 1] > highest) seen--;
-#if BF16_DOT
-                const uint32_t *packed = (const uint32_t *)(transposed + (h * tiles + tile) * dim * KEY_TILE / 2);
-                if (bf16)
-                    for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
-                        scores_tile_bf16((const uint32_t *)block_q + r * dim / 2, dim / 2, packed, scale,
-                                         scores + r * KEY_TILE, seen);
-                else
-#endif
-                for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
-                    scores_tile(block_q + r * dim, dim, transposed + (h * tiles + tile) * dim * KEY_TILE, KEY_TILE,
-                                scores + r * KEY_TILE, seen);
-                for (int64_t r = 0; r < block_rows; r++) {
-                    float *row = scores + r * KEY_TILE;
-                    if (!whole) {
-                        int64_t p = row_pos[r];
-                        const int64_t *tile_pos = kpos + j0;
-                        #pragma omp simd
-                        for (int64_t j = 0; j < seen; j++) {
-                            int visible = tile_pos[j] <= p && (window <= 0 || tile_pos[j] > p - window);
-                            row[j] = visible ? row[j] : HIDDEN;
-                        }
-                        for (int64_t j = seen; j < KEY_TILE; j++) row[j] = HIDDEN;
-                    }
-                    if (whole) softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim, 1);
-                    else softmax_tile(row, top + r, total + r * VW, block_out + r * dim, dim, 0);
-#if BF16_DOT
-                    if (bf16) weights_to_bf16(row, weights + r * KEY_TILE / 2);
-#endif
-                }
-#if BF16_DOT
-                if (bf16)
-                    for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
-                        values_tile_bf16(weights + r * KEY_TILE / 2, packed + heads * tiles * dim * KEY_TILE / 2,
-                                         (seen + 1) / 2, block_out + r * dim, dim);
-                else
-#endif
-                if (WIDENED(bf16))
-                    for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
-                        values_tile(scores + r * KEY_TILE, widened + (h * tiles + tile) * KEY_TILE * dim, dim, seen,
-                                    block_out + r * dim, dim);
-                else
-                    for (int64_t r = 0; r < block_rows; r += TILE_ROWS)
-                        values_tile(scores + r * KEY_TILE, (const float *)values + j0 * row_stride + h * dim,
-                                    row_stride, seen, block_out + r * dim, dim);
-            }
-            for (int64_t r = 0; r < count * groups; r++) {
-                float sum = 0.f;
-                for (int i = 0; i < VW; i++) sum += total[r * VW + i];
-                float inverse = sum > 0.f ? 1.f / sum : 0.f;  /* no visible key: zeros, never NaN */
-                int64_t to = (first + r / groups) * heads * groups * dim + (h * groups + r % groups) * dim;
-                if (bf16)
-                    for (int64_t d = 0; d < dim; d++) keep(out, to + d, block_out[r * dim + d] * inverse, 1);
-                else
-                    for (int64_t d = 0; d < dim; d++) ((float *)out)[to + d] = block_out[r * dim + d] * inverse;
-            }
+            load_query_block(&call, &block, task);
+            for (int64_t tile = 0; tile < tiles; tile++) attend_key_tile(&call, &block, tile);
+            write_query_block(&call, &block, out);
         }
     }
 }
