@@ -120,6 +120,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
+        self._ending: BaseException | None = None  # end_all's error, until the engine thread has ended everything
         self._thread = threading.Thread(target=self._loop, name="kv-engine", daemon=True)
         # torch's thread count is the calling thread's setting (OpenMP's, per thread): the engine thread takes it
         self._threads = torch.get_num_threads()
@@ -141,8 +142,11 @@ class Scheduler:
             self.engine.write_back.in_background()  # the engine goes on alone
 
     def end_all(self, error: BaseException) -> None:
-        """Fail every job, waiting or running, with `error` at the engine thread's next step (thread-safe)."""
-        self.call(lambda: self._fail_all(error))
+        """Fail every job, waiting or running, and every call not yet run with `error`, at the engine thread's
+        next step, ahead of the calls queued (thread-safe)."""
+        with self._lock:
+            self._ending = error
+        self._wake.set()
 
     @property
     def waiting(self) -> int:
@@ -195,6 +199,8 @@ class Scheduler:
         self._fail_all(ShuttingDown("the server is shutting down"))
 
     def _step(self) -> None:
+        if self._ending is not None:
+            self._end_everything()
         called = self._run_call()
         self._end_failed_jobs()
         admitted = self._admit()
@@ -218,6 +224,16 @@ class Scheduler:
             except Exception as e:  # handed to the caller, who decides what it means
                 future.set_exception(e)
         return True
+
+    def _end_everything(self) -> None:
+        with self._lock:
+            error, self._ending = self._ending, None
+            calls = list(self._calls)
+            self._calls.clear()
+        self._fail_all(error)
+        for _, future in calls:
+            if future.set_running_or_notify_cancel():
+                future.set_exception(error)
 
     def _end_failed_jobs(self) -> None:
         now = time.perf_counter()

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import time
 import uuid
-from types import FrameType
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from types import FrameType
 from typing import Any
 
 import uvicorn

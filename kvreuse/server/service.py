@@ -351,7 +351,10 @@ class EngineService:
                                    code="timeout")
                 done, _ = await asyncio.wait([compiled], timeout=min(left, DISCONNECT_POLL_SECONDS))
                 if done:
-                    return compiled.result()
+                    try:
+                        return compiled.result()
+                    except JobCancelled as e:  # the server is shutting down
+                        raise error_of(e) from None
                 if await disconnected():
                     raise APIError(499, "the client disconnected", code="cancelled")
         finally:

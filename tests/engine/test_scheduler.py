@@ -7,7 +7,7 @@ import time
 import pytest
 
 from kvreuse.engine.sampling import SamplingParams
-from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobTimeout, QueueFull, Scheduler
+from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobTimeout, QueueFull, Scheduler, ShuttingDown
 from kvreuse.model.resolved_step import OneQueryEach
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -221,6 +221,22 @@ def test_running_sequences_decode_between_two_calls(tiny_chat_engine, scheduler)
     steps_before = [call.result(timeout=60) for call in calls]
     assert steps_before[0] < steps_before[1] < steps_before[2], steps_before
     assert outcome(events)[1].result is not None
+
+
+def test_ending_everything_goes_ahead_of_the_calls_queued(tiny_chat_engine, scheduler):
+    running = start_with_a_decoding_sequence(scheduler, tiny_chat_engine)
+    waiting = queue.Queue()
+    ran = []
+    with scheduler.held():
+        queued = scheduler.call(lambda: ran.append("call"))
+        scheduler.submit(job_for(tiny_chat_engine, "a job still waiting?", waiting))
+        scheduler.end_all(ShuttingDown("the server is shutting down"))
+    for events in (running, waiting):
+        assert isinstance(outcome(events)[1].error, ShuttingDown)
+    with pytest.raises(ShuttingDown):
+        queued.result(timeout=60)
+    assert ran == [] and scheduler.running == scheduler.waiting == 0
+    assert scheduler.call(lambda: "goes on").result(timeout=60) == "goes on"
 
 
 def test_a_failing_step_fails_the_jobs_in_flight_and_the_engine_goes_on(tiny_chat_engine, scheduler, monkeypatch):
