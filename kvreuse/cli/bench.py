@@ -97,7 +97,8 @@ def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], r
     parser.add_argument("--layers", type=int, default=2,
                         help="use the embedded SmolLM2's first N layers (real per-layer cost, shorter runs); 0: all")
     parser.add_argument("--tiers", nargs="+", choices=RESTORE_TIERS, default=RESTORE_TIERS)
-    parser.add_argument("--lengths", type=positive_int, nargs="+", default=lengths, help="stored prefix lengths (tokens)")
+    parser.add_argument("--lengths", type=positive_int, nargs="+", default=lengths,
+                        help="stored prefix lengths (tokens)")
     parser.add_argument("--repeats", type=positive_int, default=repeats)
     parser.add_argument("--block", type=positive_int, default=DEFAULT_BLOCK_SIZE, help="prefix block size (tokens)")
     parser.add_argument("--threads", type=positive_int, default=1,

@@ -148,9 +148,10 @@ class PrefixRestorer:
     ):
         """boundary_stages: the stage counts whose boundary activations are stored with each block, so that
         a deployment with that many pipeline stages can restore every stage at once (none by default: one
-        process restores every layer from its embeddings, and each boundary adds a hidden state per token). compute_run: tokens' worth
-        of work the compute side claims at a time (the I/O side claims stored blocks). channels and rates: the
-        I/O channels and the learnt rates, shared by restorers of one machine (one per tenant's key space)."""
+        process restores every layer from its embeddings, and each boundary adds a hidden state per token).
+        compute_run: tokens' worth of work the compute side claims at a time (the I/O side claims stored
+        blocks). channels and rates: the I/O channels and the learnt rates, shared by restorers of one machine
+        (one per tenant's key space)."""
         if compute_run < 1:
             raise ValueError(f"compute_run must be at least 1 token, got {compute_run}")
         self.model, self.store, self.key_space, self.block_size = model, store, key_space, block_size

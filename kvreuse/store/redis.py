@@ -5,9 +5,9 @@ well, and a partial read fetches only the parts it touches, via GETRANGE). Parts
 version, and a small manifest `PREFIX:m:KEY` = "version:size:part_size" names the live version. A put writes
 its parts first and swaps the manifest last (SET ... GET): readers and concurrent writers see one whole
 version. The parts a swap replaced or a delete dropped expire after a grace period rather than at once, so a
-reader that fetched the old manifest a moment earlier still finds them; parts not yet named by a manifest expire
-too, so a write that fails half-way leaves nothing behind for long. Capacity is the server's business (maxmemory + an LRU
-policy); a part evicted under a live manifest reads as damage, hence a miss.
+reader that fetched the old manifest a moment earlier still finds them; parts not yet named by a manifest
+expire too, so a write that fails half-way leaves nothing behind for long. Capacity is the server's business
+(maxmemory + an LRU policy); a part evicted under a live manifest reads as damage, hence a miss.
 """
 
 from __future__ import annotations

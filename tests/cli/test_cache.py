@@ -64,7 +64,8 @@ def test_bench_prints_measured_and_emulated_tiers(tmp_path, redis_server, capsys
     assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in results)
 
 
-def test_a_redis_tier_that_cannot_be_reached_is_named_not_taken_for_empty(own_redis_server, make_entry, capsys):  # noqa: F811
+def test_a_redis_tier_that_cannot_be_reached_is_named_not_taken_for_empty(
+        own_redis_server, make_entry, capsys):  # noqa: F811
     spec = own_redis_server.url
     entry = make_entry()
     store = open_store(spec)
