@@ -150,4 +150,3 @@ def decode(
         if stream.add(token):
             break
     return stream.generation(prompt_tokens, ttft, time.perf_counter() - started)
-
