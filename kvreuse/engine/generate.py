@@ -70,6 +70,7 @@ class TextStream:
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
         self._shown = 0
+        self._stops = [StopMatcher(stop) for stop in params.stop if stop]
         self._settled_tokens = 0  # tokens whose text is in self.text
         self._window_start = 0  # the first of the tokens settled last: the context the next window starts from
 
@@ -83,7 +84,8 @@ class TextStream:
         searched = len(self.text)
         last = len(self.token_ids) >= self.params.max_tokens
         self._settle(final=last)
-        cut = self._stop_string_at(searched)
+        added = self.text[searched:]
+        cut = min((i for stop in self._stops if (i := stop.feed(added, searched)) >= 0), default=-1)
         if cut >= 0:
             self.text, self.finish_reason = self.text[:cut], "stop"
         elif last:
@@ -101,37 +103,47 @@ class TextStream:
         self.text += window[len(known) :]
         self._window_start, self._settled_tokens = self._settled_tokens, len(self.token_ids)
 
-    def _stop_string_at(self, searched: int) -> int:
-        """Where the first stop string starts in the text, or -1; text before `searched` held none."""
-        return min((i for s in self.params.stop if (i := self.text.find(s, max(searched - len(s) + 1, 0))) >= 0),
-                   default=-1)
-
     def new_text(self) -> str:
         """Text settled since the previous call."""
-        end = len(self.text) if self.finish_reason else len(self.text) - self._stop_string_start()
+        held = 0 if self.finish_reason else max((stop.matched for stop in self._stops), default=0)
+        end = len(self.text) - held  # what may begin a stop string waits
         delta = self.text[self._shown : end]
         self._shown = max(self._shown, end)
         return delta
-
-    def _stop_string_start(self) -> int:
-        """Characters at the text's end that may begin a stop string."""
-        return max((stop_string_start(self.text, s) for s in self.params.stop), default=0)
 
     def generation(self, prompt_tokens: int, ttft: float, total_seconds: float) -> Generation:
         return Generation(self.text, self.token_ids, self.finish_reason or "length", prompt_tokens, ttft, total_seconds)
 
 
-def stop_string_start(text: str, stop: str) -> int:
-    """The most characters at the end of `text` that begin `stop` without completing it. Runs on the engine thread
-    for every sequence after every token: only where the tail holds stop's first character is it compared, not
-    at each of stop's lengths (that was quadratic in its length)."""
-    tail = text[max(len(text) - len(stop) + 1, 0) :] if len(stop) > 1 else ""
-    start = tail.find(stop[0]) if tail else -1
-    while start >= 0:
-        if stop.startswith(tail[start:]):
-            return len(tail) - start
-        start = tail.find(stop[0], start + 1)
-    return 0
+class StopMatcher:
+    """One stop string against a text fed to it piece by piece (Knuth-Morris-Pratt): after each piece, how much of
+    the stop the text ends with, or where the stop first occurs. A token costs its own characters whatever the
+    stop's length (comparing each of the stop's prefixes with the text's end after every token, as before, was
+    quadratic in it, on the engine thread every stream shares)."""
+
+    def __init__(self, stop: str):
+        self.stop = stop
+        self.matched = 0  # the longest start of the stop that the text fed so far ends with
+        # fallback[k]: the longest proper start of stop[: k + 1] that is also its end
+        self._fallback = [0] * len(stop)
+        for k in range(1, len(stop)):
+            n = self._fallback[k - 1]
+            while n and stop[k] != stop[n]:
+                n = self._fallback[n - 1]
+            self._fallback[k] = n + (stop[k] == stop[n])
+
+    def feed(self, text: str, offset: int) -> int:
+        """Take `text`, found at `offset` of the whole; returns where in the whole the stop starts, or -1."""
+        stop, fallback, matched = self.stop, self._fallback, self.matched
+        for i, character in enumerate(text):
+            while matched and stop[matched] != character:
+                matched = fallback[matched - 1]
+            matched += stop[matched] == character
+            if matched == len(stop):
+                self.matched = matched
+                return offset + i + 1 - matched
+        self.matched = matched
+        return -1
 
 
 def decode(

@@ -7,7 +7,7 @@ import pytest
 from tokenizers import Tokenizer, decoders, models
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from kvreuse.engine.generate import TextStream, stop_string_start
+from kvreuse.engine.generate import StopMatcher, TextStream
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.model.loader import resolve_model_dir
 
@@ -47,13 +47,20 @@ def test_a_held_back_start_that_is_not_a_stop_string_is_released():
     assert "".join(feed(s, "abENx")) == "abENx"
 
 
-def test_the_held_back_start_is_the_longest_end_that_begins_a_stop_string():
+def test_a_stop_matcher_knows_the_longest_start_of_its_stop_the_text_ends_with_and_where_the_stop_is():
     rng = random.Random(0)
-    for _ in range(3000):
-        text = "".join(rng.choices("ab", k=rng.randrange(0, 12)))
+    for _ in range(2000):
         stop = "".join(rng.choices("ab", k=rng.randrange(1, 9)))
-        want = max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
-        assert stop_string_start(text, stop) == want, (text, stop)
+        matcher, text = StopMatcher(stop), ""
+        while len(text) < 30:
+            piece = "".join(rng.choices("ab", k=rng.randrange(0, 4)))
+            found = matcher.feed(piece, len(text))
+            text += piece
+            if stop in text:
+                assert found == text.find(stop), (stop, text)
+                break
+            assert found == -1
+            assert matcher.matched == max((n for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0)
 
 
 def test_a_half_decoded_character_waits_for_its_last_token():
