@@ -76,6 +76,11 @@ def _chunk_hits(placed: list[PlacedSegment]) -> list[tuple[int, PlacedSegment]]:
     return [(i, p) for i, p in enumerate(placed) if p.reusable and p.segment.kind == SegmentKind.CHUNK]
 
 
+def _every_chunk_row(placed: list[PlacedSegment]) -> dict[int, torch.Tensor]:
+    """Every row of every stored chunk: what a method recomputing layer 0 in full starts from."""
+    return {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
+
+
 def sink_rows(placed: list[PlacedSegment], sink_tokens: int) -> dict[int, torch.Tensor]:
     """The first `sink_tokens` of every chunk that moved: compiled alone, a chunk's first tokens are its own
     attention sink, which the prompt it is placed in does not have. A chunk starting the prompt sits where it was
@@ -155,10 +160,9 @@ class CacheBlend(Method):
     first_check_factor: float = 1.5  # gradual filtering: keep this many times r at the first check layer
 
     def plan(self, request: Request, placed: list[PlacedSegment]) -> FusionPlan:
-        every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
         # layer 0 is recomputed in full, but the check layers compare against every stored row
         return plan_from_rows(
-            self.name, request, placed, every_chunk_row, narrowing=self.schedule(), load_recomputed=True
+            self.name, request, placed, _every_chunk_row(placed), narrowing=self.schedule(), load_recomputed=True
         )
 
     def schedule(self) -> list[Narrowing]:
@@ -185,11 +189,10 @@ class Guarded(Method):
         if self.example_window and answers_like_examples(request, placed):
             rows = _union(sink_rows(placed, self.sink_tokens), recent_rows(placed, self.example_window))
             return plan_from_rows(self.name, request, placed, rows)
-        every_chunk_row = {i: torch.arange(len(p.segment.token_ids)) for i, p in _chunk_hits(placed)}
         check = Narrowing(self.check_layer, 0.0, self.max_residual, self.query_aware)
         pinned = _union(sink_rows(placed, self.sink_tokens), recent_rows(placed, self.recent_tokens))
-        return plan_from_rows(self.name, request, placed, every_chunk_row, narrowing=[check], load_recomputed=True,
-                              pinned=pinned)
+        return plan_from_rows(self.name, request, placed, _every_chunk_row(placed), narrowing=[check],
+                              load_recomputed=True, pinned=pinned)
 
 
 DEFAULT_MAX_KL = 0.15
