@@ -104,10 +104,10 @@ def test_conversation_history_is_reused_as_an_exact_prefix(client, server):
     server.service.engine.wait_for_write_back()
     again = client.chat.completions.create(messages=[*history, {"role": "user", "content": "Of Italy?"}],
                                            **GREEDY, **options)
-    # the history's whole blocks were reused: only its last partial block, the question and the template tail
-    # are computed
-    assert kvreuse_usage(again.usage)["computed_tokens"] < PREFIX_BLOCK + 15
-    assert again.usage.prompt_tokens_details.cached_tokens >= 2 * PREFIX_BLOCK
+    # the history's whole blocks were found and restored; how many of their rows were loaded rather than computed
+    # is the restorer's choice by the costs it measured on earlier requests (on this tiny model a row computes
+    # about as fast as it loads, so that share moves with the machine's load: it once computed all 40 rows)
+    assert kvreuse_usage(again.usage)["restored_prefix_tokens"] >= 2 * PREFIX_BLOCK
 
 
 def test_a_request_chooses_its_method_and_ratio(client):
