@@ -12,6 +12,8 @@ import httpx
 import openai
 import pytest
 
+from kvreuse.engine.scheduler import ShuttingDown
+
 from .conftest import MODEL_NAME
 
 CHAT = "/v1/chat/completions"
@@ -170,6 +172,19 @@ def test_cache_creations_are_bounded_timed_and_dropped_when_their_client_goes(ma
     with server.http() as http:
         assert http.post("/v1/caches", json=body).status_code == 200
     assert len(compiled) == 1  # none of the abandoned creations ran once the engine went on
+
+
+def test_a_cache_creation_pending_when_the_server_stops_answers_503(make_server):
+    server = make_server()
+    service = server.service
+    body = {"model": MODEL_NAME, "text": "A passage the stopping server never compiles."}
+    with server.http() as http, ThreadPoolExecutor(1) as threads:
+        with service.scheduler.held():
+            pending = threads.submit(http.post, "/v1/caches", json=body)
+            wait_until(lambda: service._compiling == 1)
+            service.scheduler.end_all(ShuttingDown("the server is shutting down"))
+        error = assert_error(pending.result(), 503, None, "shutting down")
+    assert error["code"] == "shutting_down"
 
 
 def test_the_api_key_guards_everything_but_health_and_metrics(make_server):
