@@ -4,14 +4,14 @@ first-token KL from `full`, and the limit each method could reach (DESIGN.md, "S
     kvreuse bench fusion --dataset ../shared/datasets/hotpotqa.jsonl --limit 10
 
 For each example, its chunks are compiled into every tier first (not timed, as in the papers); then each repeat
-runs every (tier, method) pair in turn, so load from elsewhere on the machine falls on all of them alike.
+runs full prefill once (it loads nothing: its row stands in every tier) and every (tier, method) pair in turn, so
+load from elsewhere on the machine falls on all of them alike.
 """
 
 from __future__ import annotations
 
 import contextlib
 import statistics
-import tempfile
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 
@@ -19,8 +19,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.bench.tiers import tier_spec
-from kvreuse.bench.timing import interleaved_samples, limit_seconds, prefill_variant, read_all_seconds
+from kvreuse.bench.tiers import TIER_SPECS, open_engines
+from kvreuse.bench.timing import time_request
 from kvreuse.controller.auto import meets
 from kvreuse.controller.cost import predict
 from kvreuse.controller.fidelity import FidelityTable, expected_fidelity, load_table
@@ -30,7 +30,6 @@ from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.methods import Auto, parse_method
 from kvreuse.fusion.segments import Request
 from kvreuse.model.loader import load_model
-from kvreuse.store.spec import open_store
 
 DEFAULT_METHODS = "full,naive,prefix,cacheblend:0.15,legolink:16,legolink0,cachetune:0.15"
 
@@ -53,22 +52,15 @@ def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats:
     prompts = load_dataset(dataset, limit=limit).prompts
     cells: dict[tuple[str, str], Cell] = defaultdict(Cell)
     lengths = []
-    with tempfile.TemporaryDirectory(prefix="kvreuse-bench-") as scratch:
-        specs = {tier: tier_spec(tier, scratch) for tier in tiers}
-        with contextlib.ExitStack() as engines_open:
-            engines = {}
-            for tier, spec in specs.items():
-                engines[tier] = ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint,
-                                                               dtype="float32"))
-                engines_open.callback(engines[tier].close)  # their write-back threads, even if a run fails
-            for prompt in prompts:
-                request = next(iter(engines.values())).build_request(prompt.chunks, prompt.question)
-                lengths.append(len(request))
-                for engine in engines.values():
-                    engine.compile(request, methods)
-                _run_example(engines, request, methods, repeats, cells)
+    with contextlib.ExitStack() as stack:
+        engines = open_engines(loaded, tiers, stack)
+        for prompt in prompts:
+            request = next(iter(engines.values())).build_request(prompt.chunks, prompt.question)
+            lengths.append(len(request))
+            _run_example(engines, request, methods, repeats, cells)
     report = {"dataset": dataset, "examples": len(prompts), "prompt_tokens_mean": statistics.mean(lengths),
-              "repeats": repeats, "specs": specs, "cells": {f"{t}|{m}": c.__dict__ for (t, m), c in cells.items()}}
+              "repeats": repeats, "specs": {tier: TIER_SPECS.get(tier, tier) for tier in tiers},
+              "cells": {f"{t}|{m}": c.__dict__ for (t, m), c in cells.items()}}
     _print(report, methods, tiers, cells)
     print_auto_against_fixed(methods, tiers, cells, load_table(loaded.fingerprint))
     return report
@@ -76,21 +68,18 @@ def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats:
 
 def _run_example(engines: dict[str, ReuseEngine], request: Request, methods: list[str], repeats: int,
                  cells: dict[tuple[str, str], Cell]) -> None:
-    variants = {(tier, method): prefill_variant(engine, request, method)
-                for tier, engine in engines.items() for method in methods}
-    samples = interleaved_samples(variants, repeats)
+    timings = time_request(engines, request, methods, repeats)
+    full = timings.full.last
     for tier, engine in engines.items():
-        full = samples[tier, "full"].last
-        full_ttft = samples[tier, "full"].median
-        read_all = read_all_seconds(engine, request)
         for method in methods:
-            out, cell = samples[tier, method].last, cells[tier, method]
-            cell.ttft.append(samples[tier, method].median)
+            sample, limit = timings.of(tier, method)
+            out, cell = sample.last, cells[tier, method]
+            cell.ttft.append(sample.median)
             cell.kl.append(first_token_kl(full.logits, out.logits))
             fusion = out.stats.fusion
             cell.recompute_share.append(fusion.recompute_share)
             cell.peak_layers_held = max(cell.peak_layers_held, fusion.peak_stored_layers_held)
-            cell.limit.append(limit_seconds(fusion, read_all, full_ttft, len(request)))
+            cell.limit.append(limit)
             cell.chosen.append(fusion.method)
             plan, span_tiers = engine.plan_on_tiers(request, fusion.method)
             cell.predicted.append(predict(plan, span_tiers, engine.controller.profile).seconds)

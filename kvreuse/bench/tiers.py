@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
+
+from kvreuse.engine.reuse import ReuseEngine
+from kvreuse.model.loader import LoadedModel
+from kvreuse.store.redis_server import LocalRedis
+from kvreuse.store.spec import open_store
 from kvreuse.store.throttled import DEVICES
 
 # Emulated devices wrap the memory tier, so the device model, not this machine's disk, sets their read time.
@@ -20,3 +27,20 @@ def tier_spec(tier: str, scratch: str) -> str:
 def report_name(tier: str) -> str:
     """How a report names a tier: emulated devices say so, with their model."""
     return str(DEVICES[tier]) if tier in DEVICES else tier
+
+
+def open_engines(loaded: LoadedModel, tiers: list[str], stack: contextlib.ExitStack, dtype: str = "float32",
+                 redis_url: str | None = None) -> dict[str, ReuseEngine]:
+    """One engine per tier, each over its own store; `stack` closes them (their write-back threads) and removes
+    the disk tier's scratch folder, even if a run fails. The redis tier is `redis_url`, or a private
+    redis-server started here."""
+    scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-bench-"))
+    engines = {}
+    for tier in tiers:
+        if tier == "redis":
+            spec = redis_url or stack.enter_context(LocalRedis()).url
+        else:
+            spec = tier_spec(tier, scratch)
+        engines[tier] = ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint, dtype=dtype))
+        stack.callback(engines[tier].close)
+    return engines

@@ -19,6 +19,7 @@ from kvreuse.store.base import metered
 
 K = TypeVar("K", bound=Hashable)
 T = TypeVar("T")
+NO_TIER = "-"  # full prefill and the peers load nothing from a store
 
 
 @dataclass(frozen=True)
@@ -57,6 +58,49 @@ def interleaved_samples(variants: dict[K, Callable[[], T]], repeats: int) -> dic
             samples[name].last = fn()
             samples[name].seconds.append(time.perf_counter() - start)
     return samples
+
+
+@dataclass
+class RequestTimings:
+    """One request's variants timed in turns, keyed by (tier, variant): kvreuse's full prefill once under
+    NO_TIER (it loads nothing), every other method on every tier, and any other variants (peers) under NO_TIER;
+    with each kvreuse variant's limit."""
+
+    samples: dict[tuple[str, str], Samples]
+    limits: dict[tuple[str, str], float]
+
+    @property
+    def full(self) -> Samples[PrefillOutcome]:
+        return self.samples[NO_TIER, "full"]
+
+    def of(self, tier: str, method: str) -> tuple[Samples[PrefillOutcome], float]:
+        """A method's samples and limit on a tier (full's, whichever the tier)."""
+        key = (NO_TIER, "full") if method == "full" else (tier, method)
+        return self.samples[key], self.limits[key]
+
+
+def time_request(engines: dict[str, ReuseEngine], request: Request, methods: list[str], repeats: int,
+                 others: dict[str, Callable[[], object]] | None = None) -> RequestTimings:
+    """Compile the request's chunks into every engine's tier (not timed, as in the papers), then time full
+    prefill, each method on each tier and the `others` in turns (interleaved_samples)."""
+    for engine in engines.values():
+        engine.compile(request, methods)
+    reference = next(iter(engines.values()))
+    variants: dict[tuple[str, str], Callable[[], object]] = {(NO_TIER, "full"): prefill_variant(reference, request,
+                                                                                                "full")}
+    variants |= {(tier, method): prefill_variant(engine, request, method)
+                 for tier, engine in engines.items() for method in methods if method != "full"}
+    variants |= {(NO_TIER, name): fn for name, fn in (others or {}).items()}
+    samples = interleaved_samples(variants, repeats)
+    full = samples[NO_TIER, "full"]
+    limits = {(NO_TIER, "full"): limit_seconds(full.last.stats.fusion, (0.0, 0), full.median, len(request))}
+    for tier, engine in engines.items():
+        read_all = read_all_seconds(engine, request)
+        for method in methods:
+            if method != "full":
+                stats = samples[tier, method].last.stats.fusion
+                limits[tier, method] = limit_seconds(stats, read_all, full.median, len(request))
+    return RequestTimings(samples, limits)
 
 
 def read_all_seconds(engine: ReuseEngine, request: Request) -> tuple[float, int]:

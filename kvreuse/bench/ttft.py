@@ -13,7 +13,6 @@ given as a ratio to kvreuse's `full` on the same prompts, and each method's TTFT
 from __future__ import annotations
 
 import contextlib
-import tempfile
 import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
@@ -24,19 +23,16 @@ from rich.progress import Progress
 
 from kvreuse.bench.peers.transformers_peer import transformers_variants
 from kvreuse.bench.peers.vllm_peer import MODES, VllmSettings, default_venv, run_vllm, unavailable_reason
-from kvreuse.bench.tiers import TIER_SPECS, tier_spec
-from kvreuse.bench.timing import PrefillOutcome, interleaved_samples, limit_seconds, prefill_variant, read_all_seconds
+from kvreuse.bench.tiers import TIER_SPECS, open_engines
+from kvreuse.bench.timing import NO_TIER, time_request
 from kvreuse.bench.workload import Shape, TextSource, Workload, build_workload
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.fusion.methods import DEFAULT_METHOD, parse_method
 from kvreuse.model.loader import LoadedModel, load_model
-from kvreuse.store.redis_server import LocalRedis
-from kvreuse.store.spec import open_store
 
 DEFAULT_METHODS = f"full,naive,{DEFAULT_METHOD},cacheblend:0.15,legolink:16,cachetune:0.15"  # the server's default first
 DEFAULT_TIERS = "memory,disk,redis,ssd,hdd,net10g"
 PEERS = ("transformers", "vllm")
-NO_TIER = "-"  # full prefill and the peers load nothing from a store
 
 
 @dataclass(frozen=True)
@@ -75,20 +71,6 @@ def engine_of(variant: str) -> str:
     return name if name in PEERS else "kvreuse"
 
 
-def _engines(loaded: LoadedModel, settings: TtftSettings, stack: contextlib.ExitStack) -> dict[str, ReuseEngine]:
-    scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-ttft-"))
-    engines = {}
-    for tier in settings.tiers:
-        if tier == "redis":
-            spec = settings.redis_url or stack.enter_context(LocalRedis()).url
-        else:
-            spec = tier_spec(tier, scratch)
-        store = open_store(spec, model_fingerprint=loaded.fingerprint, dtype=settings.dtype)
-        engines[tier] = ReuseEngine(loaded, store)
-        stack.callback(engines[tier].close)
-    return engines
-
-
 def _forget(engine: ReuseEngine, workload: Workload, methods: list[str]) -> None:
     """Drop the workload's entries, so the tiers hold one prompt's chunks at a time (8K-token prompts are big)."""
     for method in {parse_method(m).compile_mode: parse_method(m) for m in methods}.values():
@@ -99,26 +81,14 @@ def _forget(engine: ReuseEngine, workload: Workload, methods: list[str]) -> None
 
 def _measure_workload(engines: dict[str, ReuseEngine], loaded: LoadedModel, workload: Workload,
                       settings: TtftSettings, cells: dict[CellKey, Cell]) -> None:
-    request = workload.request
-    for engine in engines.values():
-        engine.compile(request, settings.methods)
-    reference = next(iter(engines.values()))
-    variants = {(NO_TIER, "full"): prefill_variant(reference, request, "full")}
-    variants |= {(tier, method): prefill_variant(engine, request, method)
-                 for tier, engine in engines.items() for method in settings.methods if method != "full"}
-    if "transformers" in settings.peers:
-        peer = transformers_variants(loaded.runtime.hf_model, workload)
-        variants |= {(NO_TIER, name): fn for name, fn in peer.items()}
-    samples = interleaved_samples(variants, settings.repeats)
-    full_seconds = samples[NO_TIER, "full"].median
-    read_all = {tier: read_all_seconds(engine, request) for tier, engine in engines.items()}
-    for (tier, variant), sample in samples.items():
+    peer = transformers_variants(loaded.runtime.hf_model, workload) if "transformers" in settings.peers else {}
+    timings = time_request(engines, workload.request, settings.methods, settings.repeats, peer)
+    for (tier, variant), sample in timings.samples.items():
         cell = cells.setdefault((workload.shape, tier, variant), Cell(engine_of(variant)))
         cell.seconds += sample.seconds
-        if isinstance(sample.last, PrefillOutcome):
-            stats = sample.last.stats.fusion
-            cell.limits.append(limit_seconds(stats, read_all.get(tier, (0.0, 0)), full_seconds, len(request)))
-            cell.recompute_shares.append(stats.recompute_share)
+        if (tier, variant) in timings.limits:
+            cell.limits.append(timings.limits[tier, variant])
+            cell.recompute_shares.append(sample.last.stats.fusion.recompute_share)
     for engine in engines.values():
         _forget(engine, workload, settings.methods)
 
@@ -159,7 +129,7 @@ def measure(settings: TtftSettings) -> dict:
                  for s in shapes for i in range(settings.prompts)}
     cells: dict[CellKey, Cell] = {}
     with contextlib.ExitStack() as stack, torch.inference_mode(), Progress(transient=True) as progress:
-        engines = _engines(loaded, settings, stack)
+        engines = open_engines(loaded, settings.tiers, stack, settings.dtype, settings.redis_url)
         task = progress.add_task("kvreuse and transformers", total=len(workloads))
         for workload in workloads.values():
             _measure_workload(engines, loaded, workload, settings, cells)

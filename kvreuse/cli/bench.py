@@ -126,7 +126,9 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, help="JSONL file in the schemas of ../shared/datasets/README.md")
     parser.add_argument("--limit", type=positive_int, default=10)
     parser.add_argument("--methods", default=FUSION_METHODS)
-    parser.add_argument("--tiers", default="memory,disk", help="memory, disk, or store specs, comma-separated")
+    parser.add_argument("--tiers", default="memory,disk",
+                        help="memory, disk, redis (a private redis-server), ssd, hdd, net10g (emulated) or store specs, "
+                             "comma-separated")
     parser.add_argument("--repeats", type=positive_int, default=3)
     add_model(parser)
 

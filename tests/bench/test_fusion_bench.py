@@ -8,10 +8,11 @@ from ..eval.support import DATASETS
 def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))  # the machine profile auto measures goes here
     args = ["bench", "fusion", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "1", "--repeats", "1",
-            "--methods", "naive,cacheblend:0.15,cachetune:0.15,auto", "--model", str(tiny_model_dir)]
+            "--methods", "naive,cacheblend:0.15,cachetune:0.15,auto", "--tiers", "memory,disk,redis",
+            "--model", str(tiny_model_dir)]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for tier in ("memory", "disk"):
+    for tier in ("memory", "disk", "redis"):
         for method in ("full", "naive", "cacheblend:0.15", "cachetune:0.15", "auto"):
             assert any(tier in line and f" {method} " in line for line in out.splitlines()), (tier, method)
         # no fidelity table for a random model: auto may only choose exact plans, as fast as full at best
