@@ -40,7 +40,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     chunking = Chunking.parse(args.chunking)
     dataset = load_dataset(args.dataset, limit=args.limit)
 
-    from kvreuse.engine.reuse import DEFAULT_STORE, ReuseEngine
+    from kvreuse.engine.reuse import ReuseEngine
+    from kvreuse.store.spec import DEFAULT_STORE
 
     store = args.store or DEFAULT_STORE
     engine = ReuseEngine.load(model=args.model, store=store)

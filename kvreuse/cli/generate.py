@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kvreuse.cli.arguments import add_model_args
+from kvreuse.store.spec import DEFAULT_STORE
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -18,7 +19,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     gen.add_argument("--document", action="append", default=[], metavar="FILE",
                      help="a text file placed before the prompt as a reusable chunk (repeatable)")
     gen.add_argument("--method", default=None, help="reuse method, e.g. cacheblend:0.15, naive, full (default: the guarded one, see README)")
-    gen.add_argument("--store", default="memory:4GB", help="store spec, e.g. disk:/var/cache/kvreuse")
+    gen.add_argument("--store", default=DEFAULT_STORE, help="store spec, e.g. disk:/var/cache/kvreuse")
     gen.add_argument("--warm", action="store_true", help="compile the documents into the store before timing")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -51,11 +51,10 @@ from kvreuse.restore.restorer import StepCosts
 from kvreuse.store.base import KVStore
 from kvreuse.store.entry import KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
-from kvreuse.store.spec import open_store
+from kvreuse.store.spec import DEFAULT_STORE, open_store
 from kvreuse.store.tiered import Probed, TieredStore, tier_label
 
 log = logging.getLogger(__name__)
-DEFAULT_STORE = "memory:4GB"
 Probes = dict[tuple[str, bool], "Probed | None"]  # (key, with extras) -> what the store said, per request
 BATCH_RESTORE = ("auto", "on", "off")
 

@@ -15,7 +15,7 @@ import yaml
 
 from kvreuse.fusion.methods import DEFAULT_METHOD
 from kvreuse.model.runtime import DECODE_WEIGHTS
-from kvreuse.store.spec import parse_size
+from kvreuse.store.spec import DEFAULT_STORE, parse_size
 
 ENV_PREFIX = "KVREUSE_"
 
@@ -27,7 +27,7 @@ class ServerConfig:
     port: int = 8000
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
     served_model_name: list[str] = field(default_factory=list)  # names clients use; default: the model's name
-    store: str = "memory:4GB"
+    store: str = DEFAULT_STORE
     prefix_block_size: int = 256  # tokens per stored block of a conversation's exact prefix (whole blocks reused)
     method: str = DEFAULT_METHOD  # reuse method of requests that do not choose one
     placement: str = "all"  # new chunks on every tier ("all"), or on the slowest whose reads hide ("cost")

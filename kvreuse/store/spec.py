@@ -24,6 +24,7 @@ from kvreuse.store.redis import RedisTier
 from kvreuse.store.throttled import DEVICES, ThrottledTier
 from kvreuse.store.tiered import TieredStore
 
+DEFAULT_STORE = "memory:4GB"  # the engine's, the server's and `kvreuse generate`'s store when none is given
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
