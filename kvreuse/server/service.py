@@ -112,8 +112,7 @@ def error_of(error: BaseException) -> APIError:
         return APIError(503, str(error), code="shutting_down")
     if isinstance(error, JobCancelled):
         return APIError(499, str(error), code="cancelled")
-    if isinstance(error, ValueError):
-        return bad_request(str(error))
+    # every client error is refused before its job is submitted: anything else, ValueError included, is a bug
     return APIError(500, f"generation failed: {type(error).__name__}")
 
 

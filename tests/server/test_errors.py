@@ -283,3 +283,14 @@ def test_a_conversation_the_chat_template_refuses_is_a_400(make_server):
     server.service.engine.tokenizer.chat_template = "{{ raise_exception('roles must alternate user/assistant') }}"
     with server.http() as http:
         assert_error(http.post(CHAT, json=chat_body()), 400, "messages", "roles must alternate")
+
+
+def test_a_value_error_inside_the_engine_is_a_500_not_the_clients_fault(server, http, monkeypatch):
+    """Every client error is found before a job starts; a ValueError raised in the engine is a bug."""
+    def broken(*args, **kwargs):
+        raise ValueError("an internal shape check")
+
+    monkeypatch.setattr(server.service.engine, "prefill", broken)
+    response = http.post(CHAT, json=chat_body())
+    assert response.status_code == 500, response.text
+    assert response.json()["error"]["message"] == "generation failed: ValueError"
