@@ -47,6 +47,7 @@ class BenchModel:
     model: LayerwiseModel
     space: KeySpace
     name: str
+    whole: bool  # all the model's layers: what an engine of this model runs, and whose profiles it reads
 
 
 def bench_model(layers: int | None) -> BenchModel:
@@ -55,11 +56,12 @@ def bench_model(layers: int | None) -> BenchModel:
     loaded = load_model(None, "float32")
     hf_model = loaded.runtime.hf_model
     name, fingerprint = loaded.name, loaded.fingerprint
-    if layers is not None and layers < len(hf_model.model.layers):
+    whole = layers is None or layers >= len(hf_model.model.layers)
+    if not whole:
         hf_model.model.layers = hf_model.model.layers[:layers]
         hf_model.config.num_hidden_layers = layers
         name, fingerprint = f"{name} (first {layers} layers)", f"{fingerprint}-layers{layers}"
-    return BenchModel(LayerwiseModel(hf_model), KeySpace(fingerprint, loaded.tokenizer_fingerprint), name)
+    return BenchModel(LayerwiseModel(hf_model), KeySpace(fingerprint, loaded.tokenizer_fingerprint), name, whole)
 
 
 def open_tiers(names: list[str], tmp: str) -> dict[str, TieredStore]:
@@ -317,8 +319,10 @@ def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeat
     bench = bench_model(layers)
     with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as tmp:
         for tier in tiers:
-            l_delta, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, compute_run, tmp)
+            threshold, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, compute_run, tmp)
             cells = ", ".join(f"{n}: {token[n] * 1e3:.0f}/{layer[n] * 1e3:.0f}" for n in sorted(token))
-            print(f"{bench.name} on {report_name(tier)}: L_delta = {l_delta} tokens "
+            print(f"{bench.name} on {report_name(tier)}: L_delta = {threshold} tokens "
                   f"(token-wise/layer-wise ms by prefix length: {cells})")
-    print(f"saved to {l_delta.profile_path()}")
+    print(f"saved to {l_delta.profile_path()} under the fingerprint {bench.space.model_fingerprint}")
+    if not bench.whole:
+        print(f"a profile of the first {layers} layers: engines of the whole model do not read it (--layers 0 does)")

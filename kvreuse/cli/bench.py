@@ -10,7 +10,7 @@ from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
 from kvreuse.bench.peers.vllm_peer import default_venv
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, PEERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
-from kvreuse.cli.arguments import add_dtype, add_model, positive_int
+from kvreuse.cli.arguments import add_dtype, add_model, positive_int, whole_number
 from kvreuse.fusion.methods import parse_method_list
 from kvreuse.model.loader import DTYPES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
@@ -64,7 +64,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     _add_ttft_arguments(ttft)
     ttft.set_defaults(func=cmd_ttft)
     restore = benches.add_parser("restore", help="prefix restoration: load, compute, Cake, CacheFlow, per tier")
-    add_restore_arguments(restore, [512, 1024, 2048, 4096, 8192], 3)
+    add_restore_arguments(restore, [512, 1024, 2048, 4096, 8192], 3, layers=2)
     restore.add_argument("--batch-only", action="store_true", help="run only the batch experiment")
     restore.add_argument("--batch-tiers", nargs="+", default=["hdd", "ssd", "memory"],
                          choices=RESTORE_TIERS + ["none"], help="tiers of the batch experiment ('none' skips it)")
@@ -92,10 +92,12 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     connector.set_defaults(func=cmd_connector)
 
 
-def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], repeats: int) -> None:
+def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], repeats: int, layers: int) -> None:
     """What `bench restore` and `profile l-delta` share."""
-    parser.add_argument("--layers", type=int, default=2,
-                        help="use the embedded SmolLM2's first N layers (real per-layer cost, shorter runs); 0: all")
+    parser.add_argument("--layers", type=whole_number, default=layers,
+                        help="use the embedded SmolLM2's first N layers (real per-layer cost, shorter runs; a "
+                             "profile of them is saved under a fingerprint of their own, which no engine reads); "
+                             f"0: all (default {layers})")
     parser.add_argument("--tiers", nargs="+", choices=RESTORE_TIERS, default=RESTORE_TIERS)
     parser.add_argument("--lengths", type=positive_int, nargs="+", default=lengths,
                         help="stored prefix lengths (tokens)")

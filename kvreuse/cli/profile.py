@@ -98,5 +98,5 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     fidelity.set_defaults(func=cmd_fidelity)
 
     l_delta = kinds.add_parser("l-delta", help="CacheFlow's L_delta (layer-wise vs token-wise restoration) per tier")
-    add_restore_arguments(l_delta, [256, 512, 1024, 2048], 3)
+    add_restore_arguments(l_delta, [256, 512, 1024, 2048], 3, layers=0)  # what the engine reads
     l_delta.set_defaults(func=cmd_l_delta)

@@ -24,17 +24,22 @@ def _entry_name(model_fingerprint: str, tier: str) -> str:
 
 
 def load_all() -> dict:
-    path = profile_path()
+    """Every saved profile; a missing or unreadable file holds none (the next save replaces it)."""
     try:
-        return json.loads(path.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        profiles = json.loads(profile_path().read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
+    return profiles if isinstance(profiles, dict) else {}
 
 
 def threshold(model_fingerprint: str, tier: str) -> int | None:
-    """The profiled L_delta in tokens, or None if this model and tier were never profiled."""
+    """The profiled L_delta in tokens, or None if this model and tier were never profiled (or their entry is
+    not one this module wrote)."""
     entry = load_all().get(_entry_name(model_fingerprint, tier))
-    return None if entry is None else int(entry["l_delta"])
+    try:
+        return int(entry["l_delta"])
+    except (TypeError, KeyError, ValueError):
+        return None
 
 
 # Layer-wise must beat token-wise by more than this share of its time. Where neither side computes, the two axes

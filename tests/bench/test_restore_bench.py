@@ -1,9 +1,12 @@
 """The restoration benchmark's ideal: the best split of the prefix between computing its front and loading its
-back, from measured spans of each side."""
+back, from measured spans of each side; `bench restore` and `profile l-delta` end to end."""
+
+import json
 
 import pytest
 
 from kvreuse.bench.restore import _paired, ideal_seconds
+from kvreuse.cli import build_parser, main
 
 
 def test_ideal_splits_where_compute_of_the_front_meets_load_of_the_back():
@@ -26,3 +29,37 @@ def test_paired_ratio_keeps_what_a_repeat_s_variants_share_out_of_the_ratio():
     cake = [0.105 * s for s in speed]
     assert _paired(cake, load) == pytest.approx(1.05)
     assert _paired(load, load) == 1.0
+
+
+def test_bench_restore_runs_end_to_end(tmp_path, capsys):
+    """Plumbing: the embedded model cut to one layer, one short prefix on the memory tier, timings unread."""
+    out = tmp_path / "restore.json"
+    assert main(["bench", "restore", "--layers", "1", "--tiers", "memory", "--lengths", "64", "--repeats", "1",
+                 "--block", "32", "--batch-tiers", "none", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(row["tier"], row["prefix"]) for row in rows] == [("memory", 64)]
+    assert "Prefix restoration" in capsys.readouterr().out
+
+
+def test_profile_l_delta_saves_under_the_fingerprint_it_names(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    assert main(["profile", "l-delta", "--layers", "1", "--tiers", "memory", "--lengths", "64", "--repeats", "1",
+                 "--block", "32"]) == 0
+    out = capsys.readouterr().out
+    saved = json.loads((tmp_path / "restore" / "l_delta.json").read_text())
+    [entry] = saved
+    fingerprint = entry.removesuffix("/memory")
+    assert fingerprint.endswith("-layers1") and f"under the fingerprint {fingerprint}" in out
+    assert "engines of the whole model do not read it" in out
+
+
+def test_profile_l_delta_profiles_the_whole_model_by_default():
+    """What an engine reads (its model's own fingerprint): a cut model's profile is for benchmarks only."""
+    assert build_parser().parse_args(["profile", "l-delta"]).layers == 0
+    assert build_parser().parse_args(["bench", "restore"]).layers == 2
+
+
+def test_a_negative_layer_count_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "restore", "--layers", "-1"])
+    assert "expected a whole number >= 0, got '-1'" in capsys.readouterr().err

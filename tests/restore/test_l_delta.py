@@ -38,3 +38,14 @@ def test_cli_registers_the_restore_commands():
     assert args.batch_tiers == ["hdd", "ssd", "memory"] and args.batch_io[0] == "auto" and not args.batch_only
     args = build_parser().parse_args(["profile", "l-delta", "--tiers", "memory", "ssd"])
     assert args.tiers == ["memory", "ssd"] and args.func.__name__ == "cmd_l_delta"
+
+
+def test_an_unreadable_profile_file_is_no_profile(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    path = l_delta.profile_path()
+    path.parent.mkdir(parents=True)
+    for text in ("{not json", "[1, 2]", '{"tiny/memory": {"tokens": 3}}', '{"tiny/memory": 7}', "\xff"):
+        path.write_text(text, encoding="latin-1")
+        assert l_delta.threshold("tiny", "memory") is None, text
+    assert l_delta.save("tiny", "memory", {16: 2.0}, {16: 1.0}) == 17  # a save replaces the damaged file
+    assert l_delta.threshold("tiny", "memory") == 17
