@@ -27,15 +27,27 @@ def fingerprint(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
+def tokenizer_identity(tokenizer: str | Path, revision: str | None = None) -> str:
+    """What names a tokenizer: the digest of a local directory's tokenizer files (the same files name the same
+    tokenizer whatever their path), else its name and revision."""
+    path = Path(tokenizer)
+    files = sorted(p for p in path.glob("tokenizer*") if p.is_file()) if path.is_dir() else []
+    if files:
+        return fingerprint(*(file_digest(p) for p in files))
+    return f"{tokenizer}@{revision or 'main'}"
+
+
 def weights_identity(model_dir: Path) -> str:
     """Digest of the weight files, cached beside them by (size, mtime) so it is computed once."""
     files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     stamp = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
     cache = cache_root() / "fingerprints" / f"{fingerprint(str(model_dir.resolve()))}.json"
-    if cache.is_file():
+    try:
         saved = json.loads(cache.read_text())
-        if saved.get("stamp") == stamp:
-            return saved["digest"]
+        if saved["stamp"] == stamp:
+            return str(saved["digest"])
+    except (OSError, ValueError, TypeError, KeyError):  # none yet, or damaged: computed again and replaced
+        pass
     digest = fingerprint(*(file_digest(f) for f in files))
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"stamp": stamp, "digest": digest}))

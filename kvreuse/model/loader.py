@@ -23,7 +23,9 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
 
-from kvreuse.model.identity import cache_root, file_digest, fingerprint, weights_identity  # noqa: E402
+from kvreuse.model.identity import (  # noqa: E402
+    cache_root, file_digest, fingerprint, tokenizer_identity, weights_identity,
+)
 from kvreuse.model.runtime import LayerwiseModel  # noqa: E402
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
@@ -146,12 +148,11 @@ def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
     runtime = LayerwiseModel(hf_model)
     config = {k: v for k, v in hf_model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
     config_json = json.dumps(config, sort_keys=True, default=str)
-    tokenizer_files = sorted(p for p in model_dir.glob("tokenizer*") if p.is_file())
     return LoadedModel(
         runtime=runtime,
         tokenizer=tokenizer,
         name=_display_name(model),
         path=model_dir,
         fingerprint=fingerprint(config_json, dtype, weights_identity(model_dir)),
-        tokenizer_fingerprint=fingerprint(*(file_digest(p) for p in tokenizer_files)),
+        tokenizer_fingerprint=tokenizer_identity(model_dir),
     )

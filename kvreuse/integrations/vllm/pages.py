@@ -249,3 +249,15 @@ def check_spans(spans: object, num_prompt_tokens: int) -> list[tuple[int, int]]:
         checked.append((start, end))
         expected = end
     return checked
+
+
+def unnamed_reason(prompt_token_ids: Sequence[int] | None, multimodal: bool, lora: bool) -> str | None:
+    """Why a request's prompt tokens do not name its KV, so that the connector must neither load nor save it;
+    None when they do."""
+    if prompt_token_ids is None:
+        return "its prompt is embeddings, not tokens"
+    if multimodal:
+        return "its images or audio are not among its tokens"
+    if lora:
+        return "a LoRA adapter changes its KV, and the store's keys do not name adapters"
+    return None

@@ -17,6 +17,7 @@ from kvreuse.integrations.vllm.pages import (
     probe_layout,
     rotate_keys,
     scheduler_tiers,
+    unnamed_reason,
     write_entry,
 )
 from kvreuse.store.memory import MemoryTier
@@ -199,3 +200,10 @@ def test_the_scheduler_sees_the_shared_tiers_and_a_memory_only_store_is_refused(
     assert scheduler_tiers("memory:2GB, disk:/x ,redis://127.0.0.1:6379/0") == "disk:/x,redis://127.0.0.1:6379/0"
     with pytest.raises(ValueError, match="only a memory tier"):
         scheduler_tiers("memory:2GB")
+
+
+def test_only_requests_whose_tokens_name_their_kv_are_served():
+    assert unnamed_reason([1, 2, 3], multimodal=False, lora=False) is None
+    assert "embeddings" in unnamed_reason(None, multimodal=False, lora=False)
+    assert "images" in unnamed_reason([1, 2, 3], multimodal=True, lora=False)
+    assert "LoRA" in unnamed_reason([1, 2, 3], multimodal=False, lora=True)
