@@ -354,8 +354,11 @@ class PrefixRestorer:
     def store_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> int:
         """Store each block of the exact prefix `token_ids` the store lacks (its whole blocks and the partial one
         at its end), with its boundary activations: the stored prefix is loaded, the rest computed. Returns how
-        many blocks were written."""
-        return self.restore(token_ids, "load", write_back=True, with_tail=True).stats["blocks_written"]
+        many blocks were written, once they are readable (a tiered store queues its writes)."""
+        written = self.restore(token_ids, "load", write_back=True, with_tail=True).stats["blocks_written"]
+        if isinstance(self.store, TieredStore):
+            self.store.flush()
+        return written
 
     def _write_back(self, ids: torch.Tensor, rows: slice, capture: Capture, with_tail: bool) -> int:
         """Put the whole blocks inside `rows` (whose KV and boundaries `capture` holds) that are not stored, and

@@ -39,8 +39,17 @@ def restorer_with(model, stored: list[int], store=None, **kwargs) -> PrefixResto
     restorer = PrefixRestorer(model, store or open_store("memory:64MB"), SPACE, block_size=BLOCK, **kwargs)
     if stored:
         restorer.store_prefix(stored)
-        restorer.store.flush()
     return restorer
+
+
+def test_what_store_prefix_stored_is_found_when_it_returns(tiny_model, tmp_path):
+    """A disk tier behind a tiered store writes in the background: store_prefix waits for its blocks."""
+    ids = ids_of(4 * BLOCK + 3, seed=5)
+    restorer = PrefixRestorer(tiny_model, open_store(f"throttled:ssd:disk:{tmp_path}"), SPACE, block_size=BLOCK)
+    assert restorer.store_prefix(ids) == 5
+    assert restorer.stored_length(ids) == 4 * BLOCK
+    assert len(restorer.stored_blocks(ids)) == 4
+    restorer.store.close()
 
 
 # prompt length, stored prefix length: a prefix of one block, several, not a whole number of blocks (the
