@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kvreuse.controller.cost import Prediction, predict
-from kvreuse.controller.fidelity import EXACT, Fidelity, FidelityTable
+from kvreuse.controller.fidelity import EXACT, Fidelity, FidelityTable, choosable
 from kvreuse.controller.profile import MachineProfile
 from kvreuse.fusion.methods import Auto
 from kvreuse.fusion.plan import FusionPlan
@@ -66,7 +66,7 @@ class AutoController:
             if ratio is not None and self.table and (fidelity := self.table.of(f"{name}:{ratio:g}")):
                 known[f"{name}:{ratio:g}"] = fidelity
         known[EXACT] = Fidelity(0.0, 1.0)
-        return {m: f for m, f in known.items() if m != "full" and meets(f, floor)}
+        return {m: f for m, f in known.items() if m != "full" and choosable(m) and meets(f, floor)}
 
     def choose(self, floor: Auto, plan_for: PlanFor) -> Choice:
         tier = _main_tier(*plan_for("naive"))

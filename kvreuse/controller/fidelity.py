@@ -9,11 +9,15 @@ a floor met by the table is met on each of them. The embedded model's table ship
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
+from kvreuse.fusion.methods import Auto, parse_method
 from kvreuse.model.identity import cache_root
+
+log = logging.getLogger(__name__)
 
 EXACT = "prefix"  # exact prefix restored, every chunk recomputed: full prefill's output, always available
 EXACT_METHODS = (EXACT, "full")
@@ -44,9 +48,28 @@ class FidelityTable:
     @classmethod
     def from_json(cls, data: dict) -> FidelityTable:
         try:
-            return cls(data["model"], {m: Fidelity(**f) for m, f in data["methods"].items()}, data.get("sources", []))
-        except (KeyError, TypeError) as e:
+            methods = {m: Fidelity(**f) for m, f in data["methods"].items()}
+            return cls(data["model"], _choosable_only(methods), data.get("sources", []))
+        except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a kvreuse fidelity table: {e}") from None
+
+
+def choosable(method: str) -> bool:
+    """Whether method auto can plan `method`: a fixed method at the engine's own dtype, not auto itself nor an
+    eval's METHOD@VARIANT (another dtype or decoding)."""
+    if "@" in method:
+        return False
+    try:
+        return not isinstance(parse_method(method), Auto)
+    except ValueError:
+        return False
+
+
+def _choosable_only(methods: dict[str, Fidelity]) -> dict[str, Fidelity]:
+    skipped = sorted(set(methods) - {m for m in methods if choosable(m)})
+    if skipped:
+        log.info("fidelity table: left out %s (method auto cannot choose them)", ", ".join(skipped))
+    return {m: f for m, f in methods.items() if m not in skipped}
 
 
 def expected_fidelity(table: FidelityTable | None, method: str) -> Fidelity | None:
@@ -78,32 +101,46 @@ def _ratio_of(method: str, family: str) -> float | None:
 def from_eval_results(paths: list[Path]) -> FidelityTable:
     """The worst fidelity of each method over the inputs: `kvreuse eval` result files (results.json) and earlier
     fidelity tables (so a new dataset's results fold into a table whose eval outputs are gone)."""
-    tables = [_as_table(json.loads(Path(path).read_text())) for path in paths]
+    tables = [_read_table(Path(path)) for path in paths]
     models = {table.model for table in tables}
     if len(models) != 1:
         raise ValueError(f"eval results of {len(models)} models given ({', '.join(sorted(models))}); "
                          "one table per model")
     worst: dict[str, Fidelity] = {}
+    sources: list[str] = []
     for table in tables:
+        # An input whose every source is in already (a table folded again, a second run of the same examples with
+        # other methods) measured the same examples: they count once.
+        seen = set(table.sources) <= set(sources)
         for method, new in table.methods.items():
             old = worst.get(method)
             worst[method] = new if old is None else Fidelity(
                 max(old.first_token_kl, new.first_token_kl), min(old.agreement, new.agreement),
-                old.examples + new.examples)
-    return FidelityTable(models.pop(), worst, [source for table in tables for source in table.sources])
+                max(old.examples, new.examples) if seen else old.examples + new.examples)
+        sources += [source for source in table.sources if source not in sources]
+    return FidelityTable(models.pop(), worst, sources)
 
 
-def _as_table(data: dict) -> FidelityTable:
+def _read_table(path: Path) -> FidelityTable:
+    try:
+        return _as_table(json.loads(path.read_text()))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _as_table(data: object) -> FidelityTable:
     """One eval run (results.json: a list of method rows) or a fidelity table (a dict of methods) as a table."""
+    if not isinstance(data, dict):
+        raise ValueError(f"neither kvreuse eval results nor a fidelity table: a JSON {type(data).__name__}")
     if isinstance(data.get("methods"), dict):
         return FidelityTable.from_json(data)
     try:
         methods = {row["method"]: Fidelity(row["first_token_kl"], row["agreement"], row["examples"])
                    for row in data["methods"]}
         source = f"{data['settings']['dataset']}: {data['methods'][0]['examples']} examples"
-        return FidelityTable(data["settings"]["model"], methods, [source])
+        return FidelityTable(data["settings"]["model"], _choosable_only(methods), [source])
     except (KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"neither kvreuse eval results nor a fidelity table: {e}") from None
+        raise ValueError(f"neither kvreuse eval results nor a fidelity table: {e!r}") from None
 
 
 def user_table_path(model: str) -> Path:
@@ -117,10 +154,13 @@ def _shipped_tables() -> list[dict]:
 
 def load_table(model: str) -> FidelityTable | None:
     """The model's table: one made on this machine first, else one shipped with the package, else None."""
+    path = user_table_path(model)
     try:
-        return FidelityTable.from_json(json.loads(user_table_path(model).read_text()))
-    except (FileNotFoundError, json.JSONDecodeError, ValueError):
+        return FidelityTable.from_json(json.loads(path.read_text()))
+    except FileNotFoundError:
         pass
+    except (OSError, ValueError) as e:
+        log.warning("fidelity table %s is unreadable (%s): using the shipped one, if any", path, e)
     shipped = [t for t in _shipped_tables() if t.get("model") == model]
     return FidelityTable.from_json(shipped[0]) if shipped else None
 

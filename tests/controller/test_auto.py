@@ -59,3 +59,12 @@ def test_a_ratio_tuned_for_the_tier_is_tried_with_the_fidelity_below_it():
     assert {c.method for c in choice.candidates} == {"cacheblend:0.15", "cacheblend:0.2", "cacheblend:0.3", "prefix"}
     assert choice.candidates == sorted(choice.candidates, key=lambda c: c.prediction.seconds)
     assert choice.method == "cacheblend:0.15" and choice.predicted_seconds == choice.candidates[0].prediction.seconds
+
+
+def test_rows_auto_cannot_plan_are_never_candidates():
+    """A table built in code may hold what an eval ran (auto itself, another dtype): auto skips them."""
+    table = FidelityTable("synthetic", {**TABLE.methods, "auto": Fidelity(0.0, 1.0),
+                                        "naive@bfloat16": Fidelity(0.0, 1.0), "magic": Fidelity(0.0, 1.0)})
+    assert set(AutoController(synthetic_profile(PER_ROW), table).admitted(parse_method("auto:kl=0.5"))) == {
+        "naive", "legolink:16", "cacheblend:0.15", "cacheblend:0.3", "prefix"}
+    assert choose("auto", table=table) == "cacheblend:0.15"

@@ -109,3 +109,41 @@ def test_a_file_that_is_neither_results_nor_a_table_is_refused(tmp_path):
     bad.write_text(json.dumps({"settings": {}, "methods": [{"method": "naive"}]}))
     with pytest.raises(ValueError, match="neither kvreuse eval results nor a fidelity table"):
         from_eval_results([bad])
+
+
+def test_a_file_is_named_when_it_cannot_be_read(tmp_path):
+    good = eval_results(tmp_path / "good.json", "m", "x", {"naive": (0.4, 0.5)})
+    for name, text in [("truncated.json", '{"settings": {'), ("list.json", "[]"), ("empty.json", "")]:
+        bad = tmp_path / name
+        bad.write_text(text)
+        with pytest.raises(ValueError, match=f"{bad}: "):
+            from_eval_results([bad, good])
+
+
+def test_auto_itself_and_other_dtypes_are_left_out_of_a_table(tmp_path):
+    """An eval that ran auto or METHOD@bfloat16 gives rows auto cannot plan: a table holding them made every
+    auto request fail."""
+    rows = {"naive": (0.4, 0.5), "auto": (0.0, 1.0), "auto:kl=0.35": (0.1, 0.8), "full@bfloat16": (0.01, 0.9),
+            "cacheblend:0.15@int8-decode": (0.1, 0.8)}
+    table = from_eval_results([eval_results(tmp_path / "a.json", "m", "x", rows)])
+    assert set(table.methods) == {"naive"}
+    saved = {"model": "m", "methods": {m: {"first_token_kl": kl, "agreement": a} for m, (kl, a) in rows.items()}}
+    assert set(FidelityTable.from_json(saved).methods) == {"naive"}  # a table saved before this rule
+
+
+def test_the_same_examples_folded_twice_count_once(tmp_path):
+    run = eval_results(tmp_path / "a.json", "m", "2wikimqa", {"naive": (0.4, 0.5)})
+    other_run = eval_results(tmp_path / "b.json", "m", "2wikimqa", {"naive": (0.3, 0.6), "legolink:16": (0.2, 0.6)})
+    table_file = save_table(from_eval_results([run]), tmp_path / "table.json")
+    table = from_eval_results([table_file, run, other_run])
+    assert table.methods["naive"] == Fidelity(0.4, 0.5, 10)
+    assert table.sources == ["2wikimqa: 10 examples"]
+
+
+def test_an_unreadable_table_of_this_machine_is_named_and_the_shipped_one_used(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    path = user_table_path("m")
+    path.parent.mkdir(parents=True)
+    path.write_text("{half")
+    assert load_table("m") is None
+    assert str(path) in caplog.text
