@@ -124,24 +124,58 @@ def _multinews_examples(rows: list[dict]) -> list[_Example]:
     return [_Example(row["id"], [row["document"]], question, [row["summary"]]) for row in rows]
 
 
+def _text(value: object) -> bool:
+    return isinstance(value, str) and bool(value.strip())
+
+
+def _texts(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(map(_text, value))
+
+
+def _passages(value: object) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(p, dict) and isinstance(p.get("title"), str) and _text(p.get("text")) for p in value)
+
+
 @dataclass(frozen=True)
 class _Schema:
-    keys: frozenset[str]
+    fields: dict[str, tuple[Callable[[object], bool], str]]  # each field's check, and what it must be
     task: Task
     max_tokens: int
     first_line: bool
     examples: Callable[[list[dict]], list[_Example]]
 
+    @property
+    def keys(self) -> frozenset[str]:
+        return frozenset(self.fields)
+
+    def problem(self, row: dict) -> str | None:
+        """What is wrong with a row of this schema, or None."""
+        missing = sorted(self.keys - set(row))
+        if missing:
+            return f"row lacks field(s) {', '.join(missing)}"
+        for name, (check, what) in self.fields.items():
+            if not check(row[name]):
+                return f"{name} must be {what}, got {json.dumps(row[name])[:80]}"
+        return None
+
+
+_ID = (lambda v: isinstance(v, (str, int)) and not isinstance(v, bool) and str(v).strip() != "", "a string or number")
+_TEXT = (_text, "non-empty text")
 
 # Recognised by the fields of the first row; the most specific schema comes first.
 SCHEMAS = {
-    "qa": _Schema(frozenset({"id", "question", "answers", "passages"}), "qa", 32, True, _qa_examples),
-    "samsum": _Schema(frozenset({"id", "split", "dialogue", "summary"}), "summary", 128, True, _samsum_examples),
-    "multinews": _Schema(frozenset({"id", "document", "summary"}), "summary", 512, False, _multinews_examples),
+    "qa": _Schema({"id": _ID, "question": _TEXT, "answers": (_texts, "a non-empty list of non-empty texts"),
+                   "passages": (_passages, 'a non-empty list of {"title": ..., "text": ...} objects')},
+                  "qa", 32, True, _qa_examples),
+    "samsum": _Schema({"id": _ID, "split": _TEXT, "dialogue": _TEXT, "summary": _TEXT},
+                      "summary", 128, True, _samsum_examples),
+    "multinews": _Schema({"id": _ID, "document": _TEXT, "summary": _TEXT}, "summary", 512, False, _multinews_examples),
 }
 
 
-def read_jsonl(path: Path) -> list[dict]:
+def _numbered_rows(path: Path) -> list[tuple[int, object]]:
+    """The file's rows with their line numbers (blank lines skipped)."""
     if not path.is_file():
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
     rows = []
@@ -150,12 +184,16 @@ def read_jsonl(path: Path) -> list[dict]:
             if not line.strip():
                 continue
             try:
-                rows.append(json.loads(line))
+                rows.append((number, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{number}: not valid JSON ({e.msg})") from None
     if not rows:
         raise DatasetError(f"dataset file {str(path)!r} holds no rows")
     return rows
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    return [row for _, row in _numbered_rows(path)]
 
 
 def detect_schema(path: Path, rows: list[dict]) -> _Schema:
@@ -167,21 +205,34 @@ def detect_schema(path: Path, rows: list[dict]) -> _Schema:
     raise DatasetError(f"{path}: unknown dataset schema (fields {', '.join(sorted(fields))}); known schemas: {known}")
 
 
+def _checked_rows(path: Path) -> tuple[_Schema, list[dict]]:
+    """The file's rows, each an object of one schema with fields of the right types, and no id twice."""
+    numbered = _numbered_rows(path)
+    schema = detect_schema(path, [row for _, row in numbered])
+    seen: dict[str, int] = {}
+    for line, row in numbered:
+        problem = "a row must be a JSON object" if not isinstance(row, dict) else schema.problem(row)
+        if problem:
+            raise DatasetError(f"{path}:{line}: {problem}")
+        if str(row["id"]) in seen:
+            raise DatasetError(f"{path}:{line}: id {row['id']!r} is already the id of line {seen[str(row['id'])]}")
+        seen[str(row["id"])] = line
+    return schema, [row for _, row in numbered]
+
+
 def load_dataset(
     path: str | Path, chunking: Chunking = Chunking(), tokenizer=None, limit: int | None = None
 ) -> Dataset:
     """Read a normalised dataset file into prompts; `limit` keeps the first rows (of the test split, for SAMSum)."""
     path = Path(path)
-    rows = read_jsonl(path)
-    schema = detect_schema(path, rows)
-    missing = [(i, sorted(schema.keys - set(r))) for i, r in enumerate(rows, 1) if not schema.keys <= set(r)]
-    if missing:
-        line, keys = missing[0]
-        raise DatasetError(f"{path}:{line}: row lacks field(s) {', '.join(keys)}")
+    schema, rows = _checked_rows(path)
     if chunking.size is not None and tokenizer is None:
         raise DatasetError("fixed-size chunking needs a tokenizer")
     prompts = [
-        ChunkedPrompt(e.id, _chunk(e.pieces, chunking, tokenizer), e.question, e.answers, schema.task)
+        ChunkedPrompt(str(e.id), _chunk(e.pieces, chunking, tokenizer), e.question, e.answers, schema.task)
         for e in schema.examples(rows)[:limit]
     ]
+    if not prompts:
+        evaluated = "test rows" if schema is SCHEMAS["samsum"] else "rows"
+        raise DatasetError(f"{path}: no examples to evaluate (no {evaluated})")
     return Dataset(path.stem, schema.task, prompts, schema.max_tokens, schema.first_line)

@@ -6,6 +6,7 @@ papers: TTFT measures the online path only, including every load from the store.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import statistics
 import time
@@ -117,8 +118,12 @@ class ResultCache:
                     continue
 
     @staticmethod
-    def key(settings: RunSettings, example_id: str, method: str) -> str:
-        return json.dumps({**asdict(settings), "id": example_id, "method": method}, sort_keys=True)
+    def key(settings: RunSettings, prompt: ChunkedPrompt, method: str) -> str:
+        """The settings, the method, the example's id and a digest of its text: an edited dataset file, or another
+        file of the same name, is measured again."""
+        text = json.dumps([prompt.chunks, prompt.question, prompt.answers])
+        digest = hashlib.sha256(text.encode()).hexdigest()[:16]
+        return json.dumps({**asdict(settings), "id": prompt.id, "text": digest, "method": method}, sort_keys=True)
 
     def get(self, key: str) -> MethodResult | None:
         return self.records.get(key)
@@ -225,7 +230,7 @@ def run(
     warmed = False
     with ProgressBar(progress, f"eval {dataset.name}", len(dataset.prompts) * len(methods)) as bar:
         for prompt in dataset.prompts:
-            keys = {m: ResultCache.key(settings, prompt.id, m) for m in methods}
+            keys = {m: ResultCache.key(settings, prompt, m) for m in methods}
             todo = [m for m in methods if cache.get(keys[m]) is None]
             bar.advance(len(methods) - len(todo), f"{prompt.id}: cached")
             if todo:

@@ -92,3 +92,44 @@ def test_bad_files_are_named(tmp_path):
     rows = [{"id": "1", "document": "d", "summary": "s"}, {"id": "2", "document": "d"}]
     with pytest.raises(DatasetError, match="mixed.jsonl:2: row lacks field"):
         load_dataset(write_jsonl(tmp_path / "mixed.jsonl", rows))
+
+
+QA_ROW = {"id": "q1", "question": "Who?", "answers": ["Ada"], "passages": [{"title": "T", "text": "Ada wrote."}]}
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("answers", [], "answers must be a non-empty list of non-empty texts"),
+    ("answers", [""], "answers must be a non-empty list"),
+    ("answers", "Free Guy", "answers must be a non-empty list"),  # split into characters before
+    ("passages", "abc", "passages must be a non-empty list of"),
+    ("passages", [{"text": "no title"}], "passages must be"),
+    ("question", None, "question must be non-empty text"),
+    ("id", {"a": 1}, "id must be a string or number"),
+])
+def test_a_row_of_the_wrong_types_is_named_by_its_line(tmp_path, field, value, message):
+    rows = [QA_ROW, {**QA_ROW, "id": "q2", field: value}]
+    with pytest.raises(DatasetError, match=f"bad.jsonl:2: {re.escape(message)}"):
+        load_dataset(write_jsonl(tmp_path / "bad.jsonl", rows))
+
+
+def test_lines_are_counted_in_the_file_blank_ones_included(tmp_path):
+    path = tmp_path / "gaps.jsonl"
+    path.write_text("\n" + json.dumps(QA_ROW) + "\n\n" + json.dumps({"id": "q2"}) + "\n" + "5\n")
+    with pytest.raises(DatasetError, match="gaps.jsonl:4: row lacks field"):
+        load_dataset(path)
+    path.write_text(json.dumps(QA_ROW) + "\n5\n")
+    with pytest.raises(DatasetError, match="gaps.jsonl:2: a row must be a JSON object"):
+        load_dataset(path)
+
+
+def test_an_id_used_twice_is_refused(tmp_path):
+    """Results are cached by id: a second row of the same id would never run, its twin counted twice."""
+    rows = [QA_ROW, {**QA_ROW, "question": "Who else?"}]
+    with pytest.raises(DatasetError, match="dup.jsonl:2: id 'q1' is already the id of line 1"):
+        load_dataset(write_jsonl(tmp_path / "dup.jsonl", rows))
+
+
+def test_a_samsum_file_without_test_rows_has_nothing_to_evaluate(tmp_path):
+    rows = [{"id": str(i), "split": "train", "dialogue": "A: hi", "summary": "A greets."} for i in range(12)]
+    with pytest.raises(DatasetError, match="no examples to evaluate \\(no test rows\\)"):
+        load_dataset(write_jsonl(tmp_path / "samsum.jsonl", rows))

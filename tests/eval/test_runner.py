@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -133,6 +135,17 @@ def test_a_changed_setting_is_a_new_key(tmp_path):
     engine = FakeEngine()
     changed = RunSettings(**{**SETTINGS.__dict__, "max_tokens": 16})
     run(engine, toy_dataset(1), METHODS, changed, ResultCache(path), False)
+    assert engine.calls[("generate", "naive")] == 1
+
+
+def test_an_example_whose_text_changed_is_measured_again(tmp_path):
+    """The same file name and ids, another passage (an edited dataset, another folder's file): not the old figures."""
+    path = tmp_path / "r.jsonl"
+    run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(path), False)
+    [prompt] = toy_dataset(1).prompts
+    edited = Dataset("toy", "qa", [replace(prompt, chunks=["Passage 1: A\nanother text"])], 32, True)
+    engine = FakeEngine()
+    run(engine, edited, METHODS, SETTINGS, ResultCache(path), False)
     assert engine.calls[("generate", "naive")] == 1
 
 
