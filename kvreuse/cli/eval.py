@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import sys
 from pathlib import Path
 
 from kvreuse.cli.arguments import add_model, positive_float, positive_int
@@ -28,17 +30,29 @@ def add_commands(subparsers) -> None:
     ev.set_defaults(func=cmd_eval)
 
 
+def check_out_holds(out: Path, dataset: str) -> None:
+    """An --out folder holds one dataset's report: another dataset's would replace it without a word."""
+    try:
+        earlier = json.loads((out / "results.json").read_text())["settings"]["dataset"]
+    except (OSError, ValueError, KeyError, TypeError):  # no report yet (or not one this command wrote)
+        return
+    if earlier != dataset:
+        raise ValueError(f"--out: {out} holds the report of dataset {earlier!r}; give dataset {dataset!r} a folder "
+                         "of its own")
+
+
 def cmd_eval(args: argparse.Namespace) -> int:
     from kvreuse.eval.datasets import Chunking, load_dataset
     from kvreuse.eval.report import markdown_table, write_report
     from kvreuse.eval.runner import (ResultCache, RunSettings, aggregate, engine_options, parse_methods, run,
-                                     split_dtype)
+                                     runs_missing_chunks, split_dtype)
     from kvreuse.fusion.methods import DEFAULT_MAX_KL
 
     # Everything the user typed is checked before the model loads, so a typo fails in a second, not a minute.
     methods = parse_methods(args.methods)
     chunking = Chunking.parse(args.chunking)
     dataset = load_dataset(args.dataset, limit=args.limit)
+    check_out_holds(args.out, dataset.name)
 
     from kvreuse.engine.reuse import ReuseEngine
     from kvreuse.store.spec import DEFAULT_STORE
@@ -63,6 +77,12 @@ def cmd_eval(args: argparse.Namespace) -> int:
         for opened in [engine, *engines.values()]:
             opened.close()
     floor = args.floor if args.floor is not None else DEFAULT_MAX_KL
+    short = runs_missing_chunks(results)
+    if short:
+        print(f"warning: {len(short)} of {len(results)} runs found fewer of their chunks in the store than were "
+              f"compiled (e.g. {short[0].example_id}, {short[0].method}: {short[0].stats['chunk_hits']} of "
+              f"{short[0].stats['chunks']}): the store {store} is too small for one example; those runs recomputed "
+              "the missing chunks", file=sys.stderr)
     summaries = aggregate(results, methods, floor)
     paths = write_report(args.out, settings, dataset.task, summaries, results, floor)
     print(markdown_table(summaries, dataset.task, floor), end="")

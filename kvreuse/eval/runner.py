@@ -19,7 +19,7 @@ import torch
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.eval.datasets import ChunkedPrompt, Dataset
 from kvreuse.eval.metrics import agreement, first_line, first_token_kl, mean_log_likelihood, task_score
-from kvreuse.fusion.methods import DEFAULT_MAX_KL, parse_method, parse_method_list
+from kvreuse.fusion.methods import DEFAULT_MAX_KL, Auto, parse_method, parse_method_list
 
 REFERENCE = "full"
 
@@ -208,7 +208,8 @@ class ExampleRun:
             gold_loglik=mean_log_likelihood(logprobs),
             first_token_kl=first_token_kl(self.reference_logits, out.logits),
             ttft=float(out.ttft),
-            recompute_share=stats.get("recompute_share"),
+            # of the reused chunk rows: none for a method that reused none (full, prefix), not 0
+            recompute_share=stats.get("recompute_share") if stats.get("reused_tokens") else None,
             output=output,
             stats=stats,
         )
@@ -238,7 +239,7 @@ def run(
                 example = ExampleRun(engine, prompt, dataset, settings.max_tokens, engines)
                 example.compile(todo)
                 if not warmed:  # the first prefill of every engine pays one-off costs; keep them out of TTFT
-                    for method in {REFERENCE, *(f"{REFERENCE}@{dtype}" for dtype in engines or {})}:
+                    for method in _warm_up_methods(methods, engines or {}):
                         warm, request, name = example.engine_for(method)
                         warm.prefill(request, method=name)
                     warmed = True
@@ -250,6 +251,20 @@ def run(
                     bar.advance(1)
             results += [cache.get(keys[m]) for m in methods]
     return results
+
+
+def runs_missing_chunks(results: list[MethodResult]) -> list[MethodResult]:
+    """Runs that found fewer of their example's chunks stored than were compiled just before (a store too small
+    for one example's chunks evicts some before they are read): a reuse method's figures there are partly full
+    prefill's."""
+    return [r for r in results if r.stats.get("chunk_hits", 0) < r.stats.get("chunks", 0)]
+
+
+def _warm_up_methods(methods: list[str], engines: Mapping[str, Engine]) -> set[str]:
+    """Full prefill on every engine, and each auto method: an engine's first auto request measures the machine
+    profile its controller lacks (seconds), which must not count as that request's TTFT."""
+    autos = {m for m in methods if isinstance(parse_method(split_dtype(m)[0]), Auto)}
+    return {REFERENCE, *(f"{REFERENCE}@{dtype}" for dtype in engines), *autos}
 
 
 class ProgressBar:

@@ -22,11 +22,13 @@ def test_eval_writes_every_method_and_resumes(tiny_model_dir, tmp_path, capsys):
     assert list(summary) == methods and all(m["examples"] == 3 for m in summary.values())
     assert summary["full"]["agreement"] == 1.0 and summary["full"]["first_token_kl"] == 0.0
     assert summary["naive"]["recompute_share"] == 0.0 and summary["cacheblend:0.15"]["recompute_share"] > 0.0
+    assert summary["full"]["recompute_share"] is None and "| full | 3 |" in (out / "results.md").read_text()
     assert all(r["gold_loglik"] < 0 and r["ttft"] > 0 for r in document["examples"])
     table = (out / "results.md").read_text()
     assert all(f"| {m} | 3 |" in table for m in methods)
     assert (out / "quality_vs_ttft.png").read_bytes().startswith(b"\x89PNG")
-    assert capsys.readouterr().out.startswith("| method |")
+    printed = capsys.readouterr()
+    assert printed.out.startswith("| method |") and "found fewer of their chunks" not in printed.err
 
     cached = (out / "examples.jsonl").read_text()
     assert len(cached.splitlines()) == 3 * len(methods)
@@ -61,3 +63,11 @@ def test_eval_runs_methods_on_an_engine_decoding_over_int8_weights(tiny_model_di
     assert main(argv) == 0 and switched == [True]
     summary = {m["method"]: m for m in json.loads((out / "results.json").read_text())["methods"]}
     assert list(summary) == ["full", "full@int8-decode"] and summary["full@int8-decode"]["first_token_kl"] == 0
+
+
+def test_eval_warns_when_the_store_cannot_hold_an_example_s_chunks(tiny_model_dir, tmp_path, capsys):
+    argv = ["eval", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "1", "--model", str(tiny_model_dir),
+            "--methods", "naive", "--store", "memory:20KB", "--out", str(tmp_path), "--max-tokens", "2",
+            "--no-progress"]
+    assert main(argv) == 0
+    assert "found fewer of their chunks in the store than were compiled" in capsys.readouterr().err

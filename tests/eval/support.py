@@ -15,6 +15,7 @@ BEHAVIOUR = {
     "full": ([2.0, 0.0, 0.0], "Free Guy\nbecause ...", 0.4, 1.0),
     "naive": ([0.0, 0.0, 0.0], "Forbidden Ground", 0.1, 0.0),
     "cacheblend:0.15": ([2.0, 1.0, 0.0], "free guy film", 0.2, 0.15),
+    "auto": ([2.0, 0.5, 0.0], "Free Guy", 0.2, 0.15),
 }
 
 
@@ -53,8 +54,8 @@ class FakeEngine:
     def _output(self, method: str) -> Output:
         logits, text, ttft, share = BEHAVIOUR[method]
         text = self.text_override.get(method, text)
-        return Output(torch.tensor(logits), ttft, {"method": method, "recompute_share": share}, text,
-                      FakeCache(method))
+        stats = {"method": method, "recompute_share": share, "reused_tokens": 0 if method == "full" else 20}
+        return Output(torch.tensor(logits), ttft, stats, text, FakeCache(method))
 
     def prefill(self, request, method, extra_capacity=0):
         self.calls[("prefill", method)] += 1

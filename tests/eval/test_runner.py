@@ -89,6 +89,7 @@ def test_run_measures_every_method_against_full(tmp_path):
     assert blend.first_token_kl > 0
     assert full.gold_loglik == pytest.approx(-3.0) and naive.gold_loglik == pytest.approx(-1.5)
     assert (blend.ttft, blend.recompute_share) == (0.2, 0.15)
+    assert full.recompute_share is None  # it reused no chunk row: no share of them, rather than 0 as naive's
 
 
 def test_first_line_datasets_stop_generating_at_the_end_of_the_first_line(tmp_path):
@@ -127,6 +128,13 @@ def test_a_method_added_later_runs_alone_against_recomputed_reference_logits(tmp
     generated = {key[1] for key in later.calls if key[0] == "generate"}
     assert generated == {"cacheblend:0.15"}
     assert later.calls[("prefill", "full")] >= 2  # full's logits, once per example (plus one warm-up)
+
+
+def test_auto_runs_once_before_anything_is_timed(tmp_path):
+    """An engine's first auto request measures the machine profile it lacks: in the warm-up, not a TTFT."""
+    engine = FakeEngine()
+    run(engine, toy_dataset(2), ["full", "naive", "auto"], SETTINGS, ResultCache(tmp_path / "r.jsonl"), False)
+    assert engine.calls[("prefill", "auto")] == 2 + 1 and engine.calls[("prefill", "naive")] == 2
 
 
 def test_a_changed_setting_is_a_new_key(tmp_path):
