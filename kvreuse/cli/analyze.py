@@ -19,6 +19,7 @@ class Analysis:
     methods: tuple[str, ...]  # methods it runs, so their chunks are compiled in every mode they need
     help: str
     reads: tuple[str, ...] = ()  # the settings it uses beyond the dataset's: "ratio", "seed"
+    limit: int = 4  # examples by default
 
 
 DEFAULT_RATIO, DEFAULT_SEED = 0.15, 0
@@ -38,7 +39,8 @@ ANALYSES = {
                       ("legolink0", "legolink:2", "cacheblend:0.15", "cachetune:0.15"),
                       "Epic Fig. 4: attention on chunk-initial tokens, naive vs full vs LegoLink"),
     "fidelity-signal": Analysis("guard", "fidelity_signal", "draw_fidelity_signal", ("cacheblend:0.15",),
-                                "layer-1 KV deviation vs first-token KL per request; guarded:d speed vs bound"),
+                                "layer-1 KV deviation vs first-token KL per request; guarded:d speed vs bound",
+                                limit=20),  # its rank correlations take 3 held-out examples at least
 }
 
 
@@ -59,7 +61,8 @@ def add_commands(subparsers) -> None:
         sub = names.add_parser(name, help=analysis.help)
         add = sub.add_argument
         add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file, one chunk per passage")
-        add("--limit", type=positive_int, default=4, metavar="N", help="the first N examples (default 4)")
+        add("--limit", type=positive_int, default=analysis.limit, metavar="N",
+            help=f"the first N examples (default {analysis.limit})")
         add("--out", type=Path, default=Path("docs/img"), metavar="DIR", help="where NAME.png and NAME.json go")
         add_model(sub)
         if "ratio" in analysis.reads:

@@ -89,3 +89,12 @@ def test_an_analysis_offers_only_the_settings_it_reads(name, takes, capsys):
     help_text = capsys.readouterr().out
     offered = {flag for flag in ("--ratio", "--seed") if flag in help_text}
     assert offered == takes
+
+
+def test_fidelity_signal_defaults_to_enough_examples_for_its_held_out_correlations():
+    """Its rank correlations are over the odd examples and need 3: the default 4 of the others gave none."""
+    from kvreuse.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["analyze", "fidelity-signal", "--dataset", "x.jsonl"]).limit == 20
+    assert parse(["analyze", "sinks", "--dataset", "x.jsonl"]).limit == 4
