@@ -17,21 +17,29 @@ def cmd_costs(args: argparse.Namespace) -> int:
 
     from kvreuse.bench.tiers import tier_spec
     from kvreuse.controller.measure import measure_profile
-    from kvreuse.controller.profile import save_profile
+    from kvreuse.controller.profile import load_profile, merged, save_profile
     from kvreuse.controller.report import profile_table
     from kvreuse.model.loader import load_model
     from kvreuse.store.spec import open_store
 
     loaded = load_model(args.model, args.dtype)
+    out = Path(args.out) if args.out else None
+    saved = load_profile(loaded.fingerprint, args.dtype, out)
     with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as scratch:
         stores = {tier: open_store(tier_spec(tier, scratch), model_fingerprint=loaded.fingerprint, dtype=args.dtype)
                   for tier in args.tiers.split(",")}
         profile = measure_profile(loaded.runtime, loaded.fingerprint, args.dtype, stores, args.repeats)
+        if saved is not None:
+            profile = merged(saved, profile)
+            kept = sorted(set(saved.tiers) - set(stores))
+            if kept or saved.tuned_ratios:
+                print(f"kept from the saved profile: tiers {', '.join(kept) or 'none'}; tuned ratios "
+                      f"{', '.join(f'{k} {r:g}' for k, r in sorted(saved.tuned_ratios.items())) or 'none'}")
         if args.calibrate:
             profile = _calibrate(loaded, stores, profile, args.calibration_repeats)
         for store in stores.values():
             store.close()
-    path = save_profile(profile, Path(args.out) if args.out else None)
+    path = save_profile(profile, out)
     Console(width=140).print(profile_table(profile, loaded.name))
     print(f"saved to {path}")
     return 0

@@ -13,7 +13,7 @@ import json
 import os
 import tempfile
 from bisect import bisect_left
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvreuse.model.identity import cache_root
@@ -140,6 +140,15 @@ def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
         json.dump(profile.to_json(), f, indent=1)
     os.replace(tmp, path)  # atomic: a reader never sees half a file
     return path
+
+
+def merged(saved: MachineProfile, measured: MachineProfile) -> MachineProfile:
+    """`measured` (compute and some tiers), keeping what `saved` knows that it lacks: the tiers not measured
+    again, and every tuned ratio (a calibration outlives a new measurement of the same costs; --calibrate
+    replaces it)."""
+    tiers = {**saved.tiers, **measured.tiers}
+    kept = {key: ratio for key, ratio in saved.tuned_ratios.items() if key.partition("@")[2] in tiers}
+    return replace(measured, tiers=tiers, tuned_ratios={**kept, **measured.tuned_ratios})
 
 
 def load_profile(model: str, dtype: str, path: Path | None = None) -> MachineProfile | None:

@@ -147,3 +147,23 @@ def test_an_unreadable_table_of_this_machine_is_named_and_the_shipped_one_used(t
     path.write_text("{half")
     assert load_table("m") is None
     assert str(path) in caplog.text
+
+
+def test_profile_costs_keeps_the_saved_tiers_and_tuned_ratios_it_does_not_measure(tiny_model_dir, tmp_path,
+                                                                                   monkeypatch, capsys):
+    """Measuring the disk tier again must not cost the memory tier's measurement and its calibrated ratios."""
+    from kvreuse.cli import main
+    from kvreuse.model.loader import load_model
+
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    fingerprint = load_model(str(tiny_model_dir), "float32").fingerprint
+    earlier = replace(synthetic_profile(1e-5), model=fingerprint,
+                      tuned_ratios={"cacheblend@memory": 0.3, "cachetune@memory": 0.2})
+    save_profile(earlier)
+    assert main(["profile", "costs", "--model", str(tiny_model_dir), "--tiers", "disk", "--repeats", "1"]) == 0
+    profile = load_profile(fingerprint, "float32")
+    assert set(profile.tiers) == {*earlier.tiers, "disk"}
+    assert profile.tiers["memory"] == earlier.tiers["memory"] and profile.tuned_ratios == earlier.tuned_ratios
+    assert profile.compute != earlier.compute  # measured again
+    assert "kept from the saved profile: tiers hdd, memory, ssd; tuned ratios cacheblend@memory 0.3" in (
+        capsys.readouterr().out)
