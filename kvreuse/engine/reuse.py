@@ -98,6 +98,7 @@ class ReuseEngine:
         self.batch_restore = batch_restore
         self._controller = controller
         self.placement = placement
+        self._closed = False
         self.write_back = WriteBack()
         self._batch_restorer: BatchRestorer | None = None
         profile = controller.profile if controller else load_profile(self.fingerprint, self._dtype_name)
@@ -172,6 +173,7 @@ class ReuseEngine:
         of its own: its stored blocks come back under `split`, or its first `restored` tokens were restored
         before the plan (a batch's restoration); the rest is computed. `probes`: what this request already asked
         the store (one probe serves every candidate of method auto)."""
+        self._check_open()
         keys = {i: self.key_of(request, s, method) for i, s in enumerate(request.segments)
                 if s.kind == SegmentKind.CHUNK}
         found = self._probe([k for k in keys.values() if k not in lost], method.needs_ranking, probes)
@@ -220,6 +222,8 @@ class ReuseEngine:
     def compile(self, request: Request, methods: list[str] | None = None) -> int:
         """Store the exact prefix's blocks and compile every chunk of `request` that the store lacks, in each
         compile mode the methods need; returns how many entries were written. Waits until they are readable."""
+        self._check_open()
+        self.check_fits(request)  # a chunk longer than the window would be stored and never read
         prefix = exact_prefix(request)
         written = self.restorer_for(request).store_prefix(prefix.token_ids) if prefix else 0
         for method in {parse_method(m).compile_mode: parse_method(m) for m in methods or [None]}.values():
@@ -451,7 +455,15 @@ class ReuseEngine:
         logprobs = torch.log_softmax(torch.stack(logits).float(), dim=-1)
         return logprobs[torch.arange(len(answer_ids)), torch.tensor(answer_ids)]
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this ReuseEngine is closed: its store and write-back are gone")
+
     def close(self) -> None:
+        """Finish the queued store writes and release the store; a second call does nothing."""
+        if self._closed:
+            return
+        self._closed = True
         self.write_back.close()
         self.executor.close()
         if self._batch_restorer is not None:

@@ -197,6 +197,26 @@ def test_prompt_longer_than_the_context_window_names_the_field(tiny_engine, rag_
         tiny_engine.prefill(rag_request(chunks=(window // 2, window // 2)), "naive")
 
 
+def test_a_chunk_longer_than_the_window_is_not_compiled(tiny_engine, rag_request):
+    """It could never be read: a prompt holding it does not fit."""
+    window = tiny_engine.model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=r"chunks\[0\]: .* exceed the context window"):
+        tiny_engine.compile(rag_request(chunks=(window + 1,)))
+    assert list(tiny_engine.store.keys()) == []
+
+
+def test_a_closed_engine_refuses_work_instead_of_queueing_writes_nobody_runs(tiny_model, make_engine, rag_request):
+    engine = make_engine(tiny_model)
+    request = rag_request()
+    engine.prefill(request, "naive")
+    engine.close()
+    for work in (lambda: engine.prefill(request, "naive"), lambda: engine.compile(request)):
+        with pytest.raises(RuntimeError, match="ReuseEngine is closed"):
+            work()
+    assert engine.write_back.pending == 0
+    engine.close()  # a second close does nothing
+
+
 def test_empty_segments_are_refused(rag_request):
     with pytest.raises(ValueError, match="empty chunk segment"):
         rag_request(chunks=(10, 0, 5))
