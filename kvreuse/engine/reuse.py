@@ -165,7 +165,7 @@ class ReuseEngine:
         return PrefixRestorer(self.model, self.store, self._key_space(request.salt if request else None),
                               self.prefix_block_size, channels=self._restore_channels, rates=self._restore_rates)
 
-    def lookup(self, request: Request, method: Method, lost: frozenset[str] | set[str] = frozenset(),
+    def lookup(self, request: Request, method: Method | str | None, lost: frozenset[str] | set[str] = frozenset(),
                restored: int = 0, probes: Probes | None = None, split: PrefixSplit | None = None
                ) -> list[PlacedSegment]:
         """Each segment of `request` with its store key, whether the store holds it and on which tier (keys in
@@ -174,6 +174,7 @@ class ReuseEngine:
         before the plan (a batch's restoration); the rest is computed. `probes`: what this request already asked
         the store (one probe serves every candidate of method auto)."""
         self._check_open()
+        method = method if isinstance(method, Method) else parse_method(method)
         keys = {i: self.key_of(request, s, method) for i, s in enumerate(request.segments)
                 if s.kind == SegmentKind.CHUNK}
         found = self._probe([k for k in keys.values() if k not in lost], method.needs_ranking, probes)
@@ -223,6 +224,8 @@ class ReuseEngine:
         """Store the exact prefix's blocks and compile every chunk of `request` that the store lacks, in each
         compile mode the methods need; returns how many entries were written. Waits until they are readable."""
         self._check_open()
+        if isinstance(methods, str):
+            raise TypeError(f"methods: expected a list of method names, got the text {methods!r}")
         self.check_fits(request)  # a chunk longer than the window would be stored and never read
         prefix = exact_prefix(request)
         written = self.restorer_for(request).store_prefix(prefix.token_ids) if prefix else 0
@@ -309,9 +312,7 @@ class ReuseEngine:
                 if i not in restorations:
                     yield self.prefill(request, method, extra)
                     continue
-                restoration = restorations[i].result()
-                restoration.cache.allocate(torch.arange(restoration.cache.length, len(request),
-                                                        device=self.model.device))
+                restoration = restorations[i].result()  # its cache holds every row of the prompt already
                 yield self._fuse(request, method, extra, restoration, started, batch=len(restorations))
             except Exception as e:  # one request's failure is its own
                 yield e

@@ -294,6 +294,8 @@ TAKES_ARGUMENT = {"legolink", "cacheblend", "cachetune", "guarded", "guarded-que
 
 def parse_method(spec: str | None) -> Method:
     """'cacheblend:0.15' -> CacheBlend(ratio=0.15); the parameter may be omitted for its default."""
+    if spec is not None and not isinstance(spec, str):
+        raise TypeError(f"method: expected a method name such as 'cacheblend:0.15', got {spec!r}")
     spec = (spec or DEFAULT_METHOD).strip()
     name, _, arg = spec.partition(":")
     if name not in METHODS:

@@ -111,6 +111,10 @@ def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], questi
     return Request([s for s in segments if s.token_ids], salt, template_tail)
 
 
+def _shown(value: object) -> str:
+    return f"{type(value).__name__} {value!r}"[:80]
+
+
 def build_request(
     tokenizer,
     chunks: list[str],
@@ -126,12 +130,17 @@ def build_request(
     conversation grows, its stored blocks are reused. Each chunk is tokenized alone (with `chunk_separator`
     appended, so chunks do not run into each other).
     """
+    if isinstance(chunks, str) or not all(isinstance(c, str) for c in chunks):
+        raise TypeError(f"chunks: expected a list of texts, got {_shown(chunks)}")
+    if not isinstance(question, str) or (system is not None and not isinstance(system, str)):
+        raise TypeError(f"question and system: expected text, got {_shown(question)} and {_shown(system)}")
     if any(not c.strip() for c in chunks):
         raise ValueError("chunks: every chunk must contain text")
     if not question.strip():
         raise ValueError("question: must contain text")
-    if any(not isinstance(m, dict) or not {"role", "content"} <= m.keys() for m in history or []):
-        raise ValueError("history: every message must be a dict with 'role' and 'content'")
+    if any(not isinstance(m, dict) or not {"role", "content"} <= m.keys() or not isinstance(m["content"], str)
+           for m in history or []):
+        raise ValueError("history: every message must be a dict with 'role' and a text 'content'")
     messages = ([{"role": "system", "content": system}] if system else []) + list(history or [])
     return chat_request(tokenizer, messages, [chunk_ids(tokenizer, c, chunk_separator) for c in chunks], question,
                         salt)

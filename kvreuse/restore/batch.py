@@ -25,7 +25,7 @@ import torch
 from kvreuse.model import native
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore.job import JobAxis, PrefixJob, Run, forward
-from kvreuse.restore.restorer import (STRATEGIES, PrefixRestoration, PrefixRestorer, RestoreResult, _as_ids,
+from kvreuse.restore.restorer import (STRATEGIES, PrefixRestoration, PrefixRestorer, RestoreResult, as_ids,
                                      restore_stats)
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN, Rates, Span, TwoPointer, UnitLog
 
@@ -182,7 +182,7 @@ class BatchRestorer:
                cache_capacity: int | None, max_tokens: int | None = None) -> Future:
         if strategy == "load" or strategy == "compute":
             raise ValueError("the batch scheduler runs two-pointer strategies: cake, layerwise or auto")
-        ids = _as_ids(token_ids, restorer.model.device)
+        ids = as_ids(token_ids, restorer.model.device)
         blocks = restorer.blocks_to_restore(ids, max_tokens)
         if not blocks and max_tokens is not None:
             raise ValueError("nothing of this prompt's prefix is stored: there is no prefix to restore")

@@ -297,7 +297,7 @@ class PrefixRestorer:
         """Bring back the longest stored prefix of `token_ids` (whole blocks within `max_tokens`, never the
         last token) into a new cache for the whole prompt; the rows after it are left to the caller."""
         started = time.perf_counter()
-        ids = _as_ids(token_ids, self.model.device)
+        ids = as_ids(token_ids, self.model.device)
         blocks = self.blocks_to_restore(ids, max_tokens)
         strategy = self.strategy_for(strategy, blocks)
         job = self.new_job(ids, blocks, cache_capacity)
@@ -402,7 +402,8 @@ def _as_list(token_ids: Sequence[int] | torch.Tensor) -> list[int]:
     return token_ids.tolist() if isinstance(token_ids, torch.Tensor) else list(token_ids)
 
 
-def _as_ids(token_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+def as_ids(token_ids: Sequence[int] | torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Token ids as a 1-D long tensor on `device` (what every restoration takes)."""
     ids = torch.as_tensor(token_ids, dtype=torch.long, device=device)
     if ids.ndim != 1 or ids.numel() == 0:
         raise ValueError(f"token_ids must be a non-empty 1-D sequence, got shape {tuple(ids.shape)}")

@@ -27,7 +27,7 @@ from kvreuse.fusion.plan import Block
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore.job import HiddenSource
-from kvreuse.restore.restorer import PrefixRestorer, RestoreResult, _as_ids, restore_stats, stage_layers
+from kvreuse.restore.restorer import PrefixRestorer, RestoreResult, as_ids, restore_stats, stage_layers
 from kvreuse.store import KeySpace, open_store
 from kvreuse.store.base import KVStore
 
@@ -71,7 +71,7 @@ def restore_stage(restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Ten
     rank, world = dist.get_rank(), dist.get_world_size()
     model = restorer.model
     layers = stage_layers(model.num_layers, world)[rank]
-    ids = _as_ids(token_ids, model.device)
+    ids = as_ids(token_ids, model.device)
     blocks = restorer.blocks_to_restore(ids)
     hidden_in = boundary_source(restorer.store, blocks, layers.start) if layers.start else None
     job = restorer.new_job(ids, blocks, cache_capacity, layers=layers, hidden_in=hidden_in)

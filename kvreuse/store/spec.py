@@ -87,6 +87,8 @@ def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = Non
                ) -> TieredStore:
     """Open the tiers named by `spec`. With model_fingerprint/dtype set, entries of any other model or dtype
     read as misses (and putting one is an error)."""
+    if not isinstance(spec, (str, list, tuple)) or not all(isinstance(s, str) for s in spec):
+        raise TypeError(f"store spec: expected text such as 'memory:4GB,disk:/var/kv', got {spec!r}")
     specs = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
     if not specs or not all(specs):
         raise ValueError(f"bad store spec {spec!r}: no tiers named")

@@ -1,5 +1,6 @@
 """ReuseEngine on tiny models: write-back off the critical path, lost entries, the loader thread, bad input."""
 
+import re
 import threading
 import time
 
@@ -385,3 +386,28 @@ def test_an_engine_over_a_bare_tier_reuses_as_over_a_tiered_store(tiny_model, ma
     reused = engine.prefill(request, "naive")
     assert reused.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK))
     engine.close()
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda e: e.build_request("one document", "Q?"), "chunks: expected a list of texts, got str"),
+    (lambda e: e.build_request([123], "Q?"), "chunks: expected a list of texts"),
+    (lambda e: e.build_request(["doc"], None), "question and system: expected text, got NoneType"),
+    (lambda e: e.build_request(["doc"], "Q?", system=123), "question and system: expected text"),
+    (lambda e: e.prefill(e.build_request(["doc"], "Q?"), 5), "method: expected a method name"),
+    (lambda e: e.compile(e.build_request(["doc"], "Q?"), "cacheblend:0.15"), "methods: expected a list"),
+])
+def test_arguments_of_the_wrong_type_are_named(tiny_chat_engine, call, message):
+    """A string where a list of documents goes made one chunk per character, silently."""
+    with pytest.raises(TypeError, match=re.escape(message)):
+        call(tiny_chat_engine)
+
+
+def test_a_store_spec_that_is_not_text_is_named():
+    with pytest.raises(TypeError, match="store spec: expected text"):
+        open_store(None)
+
+
+def test_lookup_takes_a_method_by_name(tiny_engine, rag_request):
+    request = rag_request()
+    assert [p.key for p in tiny_engine.lookup(request, "naive")] == [
+        p.key for p in tiny_engine.lookup(request, parse_method("naive"))]

@@ -9,7 +9,7 @@ import torch
 
 from kvreuse.restore import PrefixRestorer
 from kvreuse.restore.job import JobAxis, LayerAxis, PrefixJob, TokenAxis, forward
-from kvreuse.restore.restorer import _as_ids
+from kvreuse.restore.restorer import as_ids
 from kvreuse.restore.units import Span
 from kvreuse.store import KeySpace, open_store
 
@@ -27,7 +27,7 @@ def jobs_of(model, seed: int) -> list[PrefixJob]:
     for i, (n, stored) in enumerate(PROMPTS):
         ids = torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed + i)).tolist()
         restorer.store_prefix(ids[:stored])
-        token_ids = _as_ids(ids, model.device)
+        token_ids = as_ids(ids, model.device)
         jobs.append(restorer.new_job(token_ids, restorer.blocks_to_restore(token_ids)))
     return jobs
 

@@ -10,7 +10,7 @@ import torch
 
 from kvreuse.restore import STRATEGIES, PrefixRestorer
 from kvreuse.restore.job import LayerAxis, TokenAxis
-from kvreuse.restore.restorer import _as_ids
+from kvreuse.restore.restorer import as_ids
 from kvreuse.restore.units import Rates
 from kvreuse.store import KeySpace, open_store
 
@@ -79,7 +79,7 @@ def test_every_split_point_gives_full_prefill(tiny_model, axis):
     the result is exact."""
     token_ids = ids_of(45)
     restorer = restorer_with(tiny_model, token_ids)
-    ids = _as_ids(token_ids, tiny_model.device)
+    ids = as_ids(token_ids, tiny_model.device)
     with torch.inference_mode():
         for split in range(axis(restorer.new_job(ids, restorer.blocks_to_restore(ids))).length + 1):
             job = restorer.new_job(ids, restorer.blocks_to_restore(ids))

@@ -9,7 +9,7 @@ import torch
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer
 from kvreuse.restore.job import LayerAxis, TokenAxis
-from kvreuse.restore.restorer import _as_ids, stage_layers
+from kvreuse.restore.restorer import as_ids, stage_layers
 from kvreuse.restore.stages import MissingBoundary, boundary_source, spawn_stages
 from kvreuse.store import KeySpace, open_store
 
@@ -56,7 +56,7 @@ def test_a_stage_without_stored_boundaries_says_so(make_tiny):
     restorer = PrefixRestorer(tiny_model, open_store("memory:64MB"), SPACE, block_size=BLOCK, boundary_stages=(2,))
     prompt = ids_of(30, seed=0)
     restorer.store_prefix(prompt)
-    ids = _as_ids(prompt, tiny_model.device)
+    ids = as_ids(prompt, tiny_model.device)
     with pytest.raises(MissingBoundary, match="layer 2"):
         boundary_source(restorer.store, restorer.blocks_to_restore(ids), 2)(slice(0, 8))
 
@@ -69,7 +69,7 @@ def test_a_stage_from_its_boundary_is_exact_at_every_split_point(make_tiny, axis
     restorer = PrefixRestorer(model, open_store("memory:64MB"), SPACE, block_size=BLOCK, boundary_stages=(2,))
     prompt = ids_of(45, seed=3)
     restorer.store_prefix(prompt)
-    ids = _as_ids(prompt, model.device)
+    ids = as_ids(prompt, model.device)
     blocks = restorer.blocks_to_restore(ids)
     layers = stage_layers(model.num_layers, 2)[1]
     full = model.prefill(prompt)
