@@ -186,8 +186,9 @@ def ensure_profile(model: LayerwiseModel, model_fingerprint: str, dtype: str, ti
     whole profile, or a tier it never saw) is measured now and saved, so it is measured once per machine."""
     profile = load_profile(model_fingerprint, dtype)
     if profile is None:
-        log.warning("no machine profile for model %s (%s): measuring one now; `kvreuse profile` refreshes it",
-                    model_fingerprint, dtype)
+        log.warning("no usable machine profile for model %s (%s): none saved, unreadable, or measured by another "
+                    "runtime revision; measuring one now (`kvreuse profile costs` refreshes it)", model_fingerprint,
+                    dtype)
         profile = measure_profile(model, model_fingerprint, dtype, tiers)
     else:
         missing = {label: tier for label, tier in tiers.items() if label not in profile.tiers}
