@@ -129,8 +129,8 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--limit", type=positive_int, default=10)
     parser.add_argument("--methods", default=FUSION_METHODS)
     parser.add_argument("--tiers", default="memory,disk",
-                        help="memory, disk, redis (a private redis-server), ssd, hdd, net10g (emulated) or store specs, "
-                             "comma-separated")
+                        help="memory, disk, redis (a private redis-server), ssd, hdd, net10g (emulated) or store "
+                             "specs, comma-separated")
     parser.add_argument("--repeats", type=positive_int, default=3)
     add_model(parser)
 
