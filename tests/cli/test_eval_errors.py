@@ -38,9 +38,11 @@ def test_counts_must_be_positive(option, capsys):
     assert exit_info.value.code == 2 and "expected a whole number >= 1, got '0'" in capsys.readouterr().err
 
 
-def test_an_out_folder_of_another_dataset_is_refused(tmp_path, capsys):
+def test_an_out_folder_of_another_dataset_is_refused(tiny_model_dir, tmp_path, capsys):
     """Its report would be replaced by this dataset's without a word."""
     (tmp_path / "results.json").write_text('{"settings": {"dataset": "hotpotqa"}}')
-    assert main(["eval", "--dataset", QA_FILE, "--out", str(tmp_path)]) == 2
+    argv = ["--dataset", QA_FILE, "--out", str(tmp_path), "--model", str(tiny_model_dir), "--limit", "1",
+            "--methods", "naive", "--max-tokens", "1", "--no-progress"]  # short, were it not refused
+    assert main(["eval", *argv]) == 2
     assert "holds the report of dataset 'hotpotqa'; give dataset '2wikimqa' a folder of its own" in (
         capsys.readouterr().err)
