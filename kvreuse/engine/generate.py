@@ -36,20 +36,12 @@ def eos_token_ids(loaded: LoadedModel) -> set[int]:
 
 
 @torch.inference_mode()
-def iter_tokens(
-    model: LayerwiseModel,
-    first_logits: torch.Tensor,
-    cache: KVCache,
-    sampler: Sampler,
-    eos_ids: set[int],
-) -> Iterator[int]:
-    """Yield sampled tokens one by one, EOS included, for as long as the caller keeps asking."""
+def iter_tokens(model: LayerwiseModel, first_logits: torch.Tensor, cache: KVCache, sampler: Sampler) -> Iterator[int]:
+    """Yield sampled tokens one by one for as long as the caller keeps asking (a TextStream says when to stop)."""
     logits = first_logits
     while True:
         token = sampler(logits)
         yield token
-        if token in eos_ids:
-            return
         logits = model.decode(token, cache)
 
 
@@ -65,7 +57,9 @@ class TextStream:
     token by what precedes it (SentencePiece's leading space) give the whole decode's text."""
 
     def __init__(self, tokenizer, params: SamplingParams, eos_ids: set[int]):
-        self.tokenizer, self.params, self.eos_ids = tokenizer, params, eos_ids
+        """eos_ids: the model's end-of-sequence tokens, which finish it unless `params.ignore_eos`."""
+        self.tokenizer, self.params = tokenizer, params
+        self.eos_ids = set() if params.ignore_eos else eos_ids
         self.token_ids: list[int] = []
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
@@ -75,19 +69,18 @@ class TextStream:
         self._window_start = 0  # the first of the tokens settled last: the context the next window starts from
 
     def add(self, token: int) -> bool:
-        """Take the next sampled token; returns True once the sequence is finished."""
-        if token in self.eos_ids:
-            self._settle(final=True)
-            self.finish_reason = "stop"
-            return True
-        self.token_ids.append(token)
+        """Take the next sampled token; returns True once the sequence is finished. EOS ends it like the last
+        token max_tokens allows: what is still held back (half a character) settles, and stop strings see it."""
+        eos = token in self.eos_ids
+        if not eos:
+            self.token_ids.append(token)
         searched = len(self.text)
         last = len(self.token_ids) >= self.params.max_tokens
-        self._settle(final=last)
+        self._settle(final=eos or last)
         added = self.text[searched:]
         cut = min((i for stop in self._stops if (i := stop.feed(added, searched)) >= 0), default=-1)
-        if cut >= 0:
-            self.text, self.finish_reason = self.text[:cut], "stop"
+        if cut >= 0 or eos:
+            self.text, self.finish_reason = self.text[:cut] if cut >= 0 else self.text, "stop"
         elif last:
             self.finish_reason = "length"
         return self.finish_reason is not None
@@ -155,9 +148,9 @@ def decode(
     prompt_tokens: int,
 ) -> Generation:
     """Decode from an already prefilled `cache`; `started` is when the request arrived (for TTFT)."""
-    stream = TextStream(loaded.tokenizer, params, set() if params.ignore_eos else eos_token_ids(loaded))
+    stream = TextStream(loaded.tokenizer, params, eos_token_ids(loaded))
     ttft = 0.0
-    for token in iter_tokens(loaded.runtime, first_logits, cache, Sampler(params), stream.eos_ids):
+    for token in iter_tokens(loaded.runtime, first_logits, cache, Sampler(params)):
         ttft = ttft or time.perf_counter() - started
         if stream.add(token):
             break

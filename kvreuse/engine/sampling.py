@@ -17,6 +17,14 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # as OpenAI's API takes it: one stop string, not one per character
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(stop, str) for stop in self.stop):
+            raise TypeError(f"stop: expected a text or a list of texts, got {self.stop!r}")
+        for name, value in (("max_tokens", self.max_tokens), ("seed", self.seed)):
+            if not isinstance(value, int) or isinstance(value, bool):
+                if not (name == "seed" and value is None):
+                    raise TypeError(f"{name}: expected a whole number, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:
@@ -35,9 +43,14 @@ class Sampler:
             self.generator.seed()
 
     def __call__(self, logits: torch.Tensor) -> int:
-        scaled = logits.float() / self.params.temperature if self.params.temperature else None
-        if scaled is None or not bool(torch.isfinite(scaled).all()):
-            # greedy, or a temperature so close to 0 that the scaled logits overflow: greedy is its limit
+        if bool(torch.isnan(logits).any()):
+            raise ValueError("the model's next-token logits hold NaN")
+        if not self.params.temperature:
+            return int(logits.argmax())
+        scaled = logits.float() / self.params.temperature
+        if bool((torch.isinf(scaled) & torch.isfinite(logits)).any()):
+            # a temperature so close to 0 that finite logits overflow: greedy is its limit (a logit that is -inf
+            # already, a masked token, just gets probability 0 below)
             return int(logits.argmax())
         probs = torch.softmax(scaled, dim=-1)
         if self.params.top_p < 1:

@@ -318,9 +318,8 @@ class Scheduler:
                 seq.cache = self.pool.adopt(seq.cache, seq.cache.length + job.sampling.max_tokens) or seq.cache
 
     def _sequence(self, job: GenerationJob, fused: FusedPrefill, queued: float) -> _Sequence:
-        eos_ids = set() if job.sampling.ignore_eos else self._eos_ids
         sampler = Sampler(job.sampling)
-        seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, eos_ids),
+        seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, self._eos_ids),
                         replace(fused.stats, queue_seconds=queued))
         seq.last_token = sampler(fused.logits)
         seq.ttft = time.perf_counter() - job.arrived

@@ -40,3 +40,25 @@ def test_bad_parameters_name_the_field(field, value):
 def test_a_temperature_too_small_to_scale_the_logits_by_is_greedy():
     logits = torch.tensor([1.0, 3.0, 2.0])
     assert Sampler(SamplingParams(temperature=1e-45, seed=0))(logits) == 1  # logits / 1e-45 overflow to inf
+
+
+def test_one_stop_string_is_one_stop_not_one_per_character():
+    assert SamplingParams(stop="member").stop == ["member"]
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"max_tokens": 16.0}, "max_tokens: expected a whole number"), ({"max_tokens": True}, "max_tokens"),
+    ({"seed": "7"}, "seed: expected a whole number"), ({"stop": ["ok", 3]}, "stop: expected a text or a list"),
+])
+def test_parameters_of_the_wrong_type_name_the_field(fields, message):
+    with pytest.raises(TypeError, match=message):
+        SamplingParams(**fields)
+
+
+def test_a_masked_token_keeps_temperature_sampling_and_nan_is_an_error():
+    logits = torch.tensor([1.0, 1.0, float("-inf"), 1.0])
+    sampler = Sampler(SamplingParams(temperature=1.0, seed=0))
+    drawn = {sampler(logits) for _ in range(200)}
+    assert drawn == {0, 1, 3}  # sampled, never the masked token, not greedy's argmax alone
+    with pytest.raises(ValueError, match="NaN"):
+        sampler(torch.tensor([1.0, float("nan")]))

@@ -147,3 +147,20 @@ def test_a_sentencepiece_tokenizers_leading_spaces_are_the_whole_decodes():
     for ids in ([1, 3, 2, 7], [4, 5, 6, 1, 2], [2, 2, 5, 5, 6, 3, 1], [5, 6]):
         whole = tok.decode(ids, skip_special_tokens=True)
         assert _streamed(tok, ids) == (whole, whole), ids
+
+
+def test_eos_after_a_held_back_half_character_still_applies_the_stop_strings():
+    """The text the last token completes may be held back (half a character); EOS must settle it through the
+    stop strings as the last token max_tokens allows does, not append it past them."""
+    for finish in ([EOS], [ord("z")]):
+        s = stream(stop=["a\ufffd"], max_tokens=3)
+        feed(s, "a\x01")
+        assert s.text == "a" and s.finish_reason is None  # the half character waits
+        s.add(finish[0])
+        assert (s.text, s.finish_reason) == ("", "stop"), finish
+
+
+def test_ignore_eos_takes_eos_as_any_other_token():
+    s = TextStream(CharTokenizer(), SamplingParams(max_tokens=3, ignore_eos=True), {EOS})
+    assert not s.add(ord("a")) and not s.add(EOS) and s.add(ord("b"))
+    assert (s.token_ids, s.finish_reason) == ([ord("a"), EOS, ord("b")], "length")
