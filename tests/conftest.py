@@ -142,8 +142,8 @@ def finished_rows(monkeypatch) -> list[tuple[int, int]]:
     step resolved once: `ResolvedStep.run_layer`), as models run."""
     finished: list[tuple[int, int]] = []
     finish, run_layer = LayerwiseModel.finish_layer, ResolvedStep.run_layer
-    monkeypatch.setattr(LayerwiseModel, "finish_layer", lambda self, layer, residual, out:
-                        finished.append((layer, residual.shape[0])) or finish(self, layer, residual, out))
+    monkeypatch.setattr(LayerwiseModel, "finish_layer", lambda self, layer, residual, out, int8=False:
+                        finished.append((layer, residual.shape[0])) or finish(self, layer, residual, out, int8))
     monkeypatch.setattr(ResolvedStep, "run_layer", lambda self, layer, hidden:
                         finished.append((layer, hidden.shape[0])) or run_layer(self, layer, hidden))
     return finished

@@ -59,35 +59,38 @@ class LlamaAdapter:
         attn, mlp = block.self_attn, block.mlp
         return [_qkv(attn), (attn.o_proj,), _gate_up(mlp), (mlp.down_proj,)]
 
-    def project_qkv(self, block: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def project_qkv(self, block: nn.Module, hidden: torch.Tensor, int8: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Hidden rows [n, hidden] entering `block` -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v [n, Hkv, D]:
-        views of one product of the normalised rows (one native call for both where it runs)."""
+        views of one product of the normalised rows (one native call for both where it runs); `int8`: over the
+        weights in int8 (decoding rows of a model decoding in int8)."""
         attn, norm = block.self_attn, block.input_layernorm
         projections = _qkv(attn)
-        panels = in_panels(hidden, *projections) if self._norm_runs_native(norm, hidden) else None
+        panels = in_panels(hidden, *projections) if self._norm_runs_native(norm, hidden) and not int8 else None
         if panels is not None and native.parts_take(hidden, hidden.shape[1]):
             product = native.normed_panel_rows(hidden, norm.weight, norm.variance_epsilon, panels)
         else:
-            product = linear(self.norm(norm, hidden), *projections)
+            product = linear(self.norm(norm, hidden), *projections, int8=int8)
         qkv = product.split([p.out_features for p in projections], -1)
         return tuple(part.view(hidden.shape[0], -1, attn.head_dim) for part in qkv)
 
-    def mlp(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None = None) -> torch.Tensor:
+    def mlp(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None = None, int8: bool = False
+            ) -> torch.Tensor:
         """The gated MLP of normalised rows [n, hidden]: what `mlp(x)` computes, through the runtime's `linear`
-        (`plus` added to its output, as `linear` adds it), in passes of at most MLP_PASS_BYTES of intermediate
-        values."""
+        (`plus` added to its output, as `linear` adds it; `int8`: as `linear` takes it), in passes of at most
+        MLP_PASS_BYTES of intermediate values."""
         rows = _pass_rows(mlp, x)
         if x.shape[0] <= rows:
-            return self._mlp_pass(mlp, x, plus)
-        return torch.cat([self._mlp_pass(mlp, x[s : s + rows], None if plus is None else plus[s : s + rows])
+            return self._mlp_pass(mlp, x, plus, int8)
+        return torch.cat([self._mlp_pass(mlp, x[s : s + rows], None if plus is None else plus[s : s + rows], int8)
                           for s in range(0, x.shape[0], rows)])
 
-    def _mlp_pass(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:
-        gate, up = linear(x, *_gate_up(mlp)).split(mlp.gate_proj.out_features, -1)
+    def _mlp_pass(self, mlp: nn.Module, x: torch.Tensor, plus: torch.Tensor | None, int8: bool) -> torch.Tensor:
+        gate, up = linear(x, *_gate_up(mlp), int8=int8).split(mlp.gate_proj.out_features, -1)
         if isinstance(mlp.act_fn, SILU) and native.runs_fp32_or_bf16(gate):
-            return linear(native.silu_mul(gate, up), mlp.down_proj, plus=plus)
+            return linear(native.silu_mul(gate, up), mlp.down_proj, plus=plus, int8=int8)
         # in place: one buffer fewer to allocate and fill
-        return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj, plus=plus)
+        return linear(mlp.act_fn(gate).mul_(up), mlp.down_proj, plus=plus, int8=int8)
 
     def norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """`norm(x)` for rows [n, hidden]: in the native kernel when it is Llama's RMSNorm."""
@@ -99,11 +102,13 @@ class LlamaAdapter:
     def _norm_runs_native(norm: nn.Module, x: torch.Tensor) -> bool:
         return isinstance(norm, PLAIN_RMS_NORMS) and native.runs_fp32_or_bf16(x, norm.weight)
 
-    def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor, int8: bool = False
+                     ) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP of the attended rows: one native call where
-        every product runs in panels and the MLP in one pass (`native.layer_end`, to the bit the same)."""
+        every product runs in panels and the MLP in one pass (`native.layer_end`, to the bit the same); `int8`:
+        as `project_qkv` takes it."""
         attn, mlp, norm = block.self_attn, block.mlp, block.post_attention_layernorm
-        if (isinstance(mlp.act_fn, SILU) and self._norm_runs_native(norm, attn_out)
+        if (not int8 and isinstance(mlp.act_fn, SILU) and self._norm_runs_native(norm, attn_out)
                 and attn_out.shape[0] <= _pass_rows(mlp, attn_out)):
             o_proj, gate_up, down = (in_panels(attn_out, *layers) for layers in ((attn.o_proj,), _gate_up(mlp),
                                                                                 (mlp.down_proj,)))
@@ -112,8 +117,8 @@ class LlamaAdapter:
                                           mlp.down_proj.in_features)):
                 return native.layer_end(attn_out.contiguous(), residual.contiguous(), o_proj, norm.weight,
                                         norm.variance_epsilon, gate_up, down)
-        hidden = linear(attn_out, attn.o_proj, plus=residual)
-        return self.mlp(mlp, self.norm(norm, hidden), plus=hidden)
+        hidden = linear(attn_out, attn.o_proj, plus=residual, int8=int8)
+        return self.mlp(mlp, self.norm(norm, hidden), plus=hidden, int8=int8)
 
     def native_layers(self, rows: int, dtype: torch.dtype, int8: bool = False) -> list[LayerWeights] | None:
         """Every layer's `native_layer` for a step of `rows` rows of `dtype` (over int8 weights if `int8`), or None if
@@ -187,8 +192,9 @@ def _gate_up(mlp: nn.Module) -> tuple[nn.Linear, nn.Linear]:
 class Qwen3Adapter(LlamaAdapter):
     """Qwen3 normalises q and k per head before RoPE; the stored (pre-RoPE) key is the normalised one."""
 
-    def project_qkv(self, block: nn.Module, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        q, k, v = super().project_qkv(block, hidden)
+    def project_qkv(self, block: nn.Module, hidden: torch.Tensor, int8: bool = False
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        q, k, v = super().project_qkv(block, hidden, int8)
         return block.self_attn.q_norm(q), block.self_attn.k_norm(k), v
 
     def native_layer(self, block: nn.Module, rows: torch.Tensor, int8: bool = False) -> LayerWeights | None:
@@ -205,9 +211,10 @@ class Gemma3Adapter(Qwen3Adapter):
         if getattr(self.config, "attn_logit_softcapping", None) is not None:  # Gemma 2's; the fused kernel has none
             raise UnsupportedModelError("attention logit soft-capping is not supported by the layer-wise runtime")
 
-    def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
-        hidden = residual + block.post_attention_layernorm(linear(attn_out, block.self_attn.o_proj))
-        mlp_out = self.mlp(block.mlp, block.pre_feedforward_layernorm(hidden))
+    def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor, int8: bool = False
+                     ) -> torch.Tensor:
+        hidden = residual + block.post_attention_layernorm(linear(attn_out, block.self_attn.o_proj, int8=int8))
+        mlp_out = self.mlp(block.mlp, block.pre_feedforward_layernorm(hidden), int8=int8)
         return hidden + block.post_feedforward_layernorm(mlp_out)
 
     def cap_logits(self, logits: torch.Tensor) -> torch.Tensor:

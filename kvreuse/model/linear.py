@@ -85,9 +85,13 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None) -> torch.Tensor:
+def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None, int8: bool = False
+           ) -> torch.Tensor:
     """rows [n, in_features] through each of `layers` (which all take that input): their outputs side by side,
-    [n, sum of their out_features], as one product; `plus` (of that shape: a residual) added to it if given."""
+    [n, sum of their out_features], as one product; `plus` (of that shape: a residual) added to it if given.
+    `int8`: over the layers' weights in int8 (a model decoding in int8, LayerwiseModel.decode_in_int8)."""
+    if int8:
+        return linear_int8(rows, *layers, plus=plus)
     panels = in_panels(rows, *layers)
     if panels is not None:
         return native.panel_rows(rows, panels.panels, panels.out_features, panels.bias, plus)
@@ -221,10 +225,10 @@ def int8_panels(*layers: nn.Linear) -> native.Panels:
     return packed.panels
 
 
-def linear_int8(rows: torch.Tensor, *layers: nn.Linear) -> torch.Tensor:
+def linear_int8(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = None) -> torch.Tensor:
     """`linear` of fp32 rows over the layers' weights in int8 (`int8_panels`)."""
     panels = int8_panels(*layers)
-    return native.panel_rows(rows, panels.panels, panels.out_features, panels.bias)
+    return native.panel_rows(rows.contiguous(), panels.panels, panels.out_features, panels.bias, plus)
 
 
 def _stacked(layers: Sequence[nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:

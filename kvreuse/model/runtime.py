@@ -194,9 +194,11 @@ class LayerwiseModel:
     def embed(self, token_ids: torch.Tensor) -> torch.Tensor:
         return self.decoder.embed_tokens(token_ids)
 
-    def qkv(self, layer: int, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Hidden rows [n, hidden] entering `layer` -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v."""
-        return self.adapter.project_qkv(self.layers[layer], hidden)
+    def qkv(self, layer: int, hidden: torch.Tensor, int8: bool = False
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Hidden rows [n, hidden] entering `layer` -> q [n, Hq, D], k [n, Hkv, D] (before RoPE), v; `int8`: over
+        the weights in int8 (a decoding step of a model that decodes in int8)."""
+        return self.adapter.project_qkv(self.layers[layer], hidden, int8)
 
     def rotary(self, positions: torch.Tensor | range) -> Rotary:
         """RoPE tables for `positions`, from the model's own rotary module (its scaling included). For a range
@@ -310,9 +312,10 @@ class LayerwiseModel:
         head reads a hidden state, and only the prompt's last row's (LAST_ROW); below it every row's (None)."""
         return LAST_ROW if layer == self.num_layers - 1 else None
 
-    def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def finish_layer(self, layer: int, residual: torch.Tensor, attn_out: torch.Tensor, int8: bool = False
+                     ) -> torch.Tensor:
         """Output projection, residual, post-attention norm and MLP for the rows that were attended."""
-        return self.adapter.finish_layer(self.layers[layer], residual, attn_out)
+        return self.adapter.finish_layer(self.layers[layer], residual, attn_out, int8)
 
     def logits(self, hidden: torch.Tensor, int8: bool = False) -> torch.Tensor:
         """Final norm and LM head (over its weight in int8 if `int8`); callers pass only the rows whose next token
@@ -325,9 +328,10 @@ class LayerwiseModel:
         int8 (symmetric, one scale per output: `native.int8_panels`), multiplied by fp32 rows: a decoding step reads a
         quarter of fp32's bytes.
         Prompts, fusion plans and restorations keep the model's fp32 weights, so stored KV and first tokens are
-        unchanged; only the tokens after the first move (docs/RESULTS.md, its fidelity rows). A decoding step runs
-        over int8 weights wholly, where the native layer calls run it (`ResolvedStep`), or not at all (a pool's
-        sequences out of slot order take the general step, in fp32)."""
+        unchanged; only the tokens after the first move (docs/RESULTS.md, its fidelity rows). Every decoding step
+        runs over int8 weights, whichever step runs it (the native layer calls of `ResolvedStep`, or the general
+        step for a batch the pool cannot attend in slot order), so a sequence's tokens do not depend on its
+        neighbours in a batch."""
         if not enabled:
             self.int8_decoding = False
             return
@@ -359,7 +363,7 @@ class LayerwiseModel:
         shape = self._shape_of(groups)
         if shape.resolved is not None and shape.resolved.takes(hidden):
             return shape.resolved.run_layer(layer, hidden)
-        q, k, v = self.qkv(layer, hidden)
+        q, k, v = self.qkv(layer, hidden, shape.int8)
         parts = shape.parts
         if shape.captures:
             for group, part in zip(groups, parts):
@@ -370,7 +374,7 @@ class LayerwiseModel:
             pool, pooled = shape.pooled
             scale = self.layers[layer].self_attn.scaling
             out = pool.attend_one_each(layer, pooled, q, k, v, self.windows[layer], scale)
-            return self.finish_layer(layer, hidden, out)
+            return self.finish_layer(layer, hidden, out, shape.int8)
         outputs, kept = [], []
         selecting = any(g.narrow is not None or g.outputs is not None for g in groups)
         for group, part in zip(groups, parts):
@@ -390,7 +394,7 @@ class LayerwiseModel:
             keys, values = group.cache.keys[layer][:end], group.cache.values[layer][:end]
             outputs.append(self.attend(layer, gq, positions, keys, values, group.cache.positions[:end]))
         residual = hidden[torch.cat(kept)] if kept else hidden
-        return self.finish_layer(layer, residual, outputs[0] if len(outputs) == 1 else torch.cat(outputs))
+        return self.finish_layer(layer, residual, outputs[0] if len(outputs) == 1 else torch.cat(outputs), shape.int8)
 
     def _shape_of(self, groups: Sequence[RowGroup]) -> StepShape:
         """What the step derives from its groups alone, built at the first layer that gets them: a driver that
@@ -499,7 +503,7 @@ class LayerwiseModel:
         driver = Straight(self.embed(torch.tensor(token_ids, dtype=torch.long, device=self.device)), groups)
         self.run_layers(range(self.num_layers), driver)
         shape = self._step_under_way.shape
-        return self.logits(driver.hidden, int8=shape.int8 and shape.resolved is not None)
+        return self.logits(driver.hidden, int8=shape.int8)
 
 
 def _pool_decoding(groups: Sequence[RowGroup]) -> KVPool | None:

@@ -135,13 +135,28 @@ def test_check_model_s_int8_figure_counts_the_steps_whose_top_token_moved():
         LayerwiseModel(make_tiny_model("qwen3")), prompt)
 
 
-def test_a_step_the_resolved_calls_do_not_run_decodes_wholly_in_fp32():
-    """A pool's sequences out of slot order take the general step: its layers and its LM head alike stay fp32."""
+def batch_layouts(model: LayerwiseModel) -> dict[str, list]:
+    """Three sequences' caches as a server's batches may hold them; the steps of all but the first run the general
+    step (the pool cannot attend them in slot order)."""
+    in_order = prefilled(model, [12, 20, 31], pooled=True)
+    holed = prefilled(model, [12, 20, 31], pooled=True)
+    holed[1].pool.release(holed[1])  # a neighbour finished: its slot is free between the others
+    mixed = prefilled(model, [12, 20, 31], pooled=True)[:2] + prefilled(model, [31], pooled=False)
+    return {"in slot order": in_order, "out of slot order": in_order[::-1], "around a freed slot": holed[::2],
+            "pooled and alone": mixed, "own caches": prefilled(model, [12, 20, 31], pooled=False)}
+
+
+@pytest.mark.parametrize("layout", ["in slot order", "out of slot order", "around a freed slot", "pooled and alone",
+                                    "own caches"])
+def test_every_decoding_step_is_over_int8_weights_whatever_the_batch(layout):
+    """A sequence's tokens must not depend on its neighbours: the general step, which runs batches the pool
+    cannot attend in slot order, multiplies the int8 weights as the native calls do."""
     model = tiny("llama")
-    exact, int8 = (prefilled(model, [12, 20], pooled=True) for _ in range(2))
-    expected = model.decode_batch([5, 6], exact[::-1])
+    twin_caches, caches = batch_layouts(model)[layout], batch_layouts(model)[layout]  # the same prompts' KV
+    tokens = [5 + i for i in range(len(caches))]
+    expected = int8_twin(model).decode_batch(tokens, twin_caches)
     model.decode_in_int8()
     try:
-        assert torch.equal(model.decode_batch([5, 6], int8[::-1]), expected)
+        torch.testing.assert_close(model.decode_batch(tokens, caches), expected, rtol=1e-4, atol=1e-4)
     finally:
         model.decode_in_int8(False)
