@@ -19,7 +19,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.bench.tiers import TIER_SPECS, open_engines
+from kvreuse.bench.tiers import open_engines
 from kvreuse.bench.timing import time_request
 from kvreuse.controller.auto import meets
 from kvreuse.controller.cost import predict
@@ -53,13 +53,13 @@ def run(dataset: str, limit: int, methods: list[str], tiers: list[str], repeats:
     cells: dict[tuple[str, str], Cell] = defaultdict(Cell)
     lengths = []
     with contextlib.ExitStack() as stack:
-        engines = open_engines(loaded, tiers, stack)
+        engines, specs = open_engines(loaded, tiers, stack)
         for prompt in prompts:
             request = next(iter(engines.values())).build_request(prompt.chunks, prompt.question)
             lengths.append(len(request))
             _run_example(engines, request, methods, repeats, cells)
     report = {"dataset": dataset, "examples": len(prompts), "prompt_tokens_mean": statistics.mean(lengths),
-              "repeats": repeats, "specs": {tier: TIER_SPECS.get(tier, tier) for tier in tiers},
+              "repeats": repeats, "specs": specs,
               "cells": {f"{t}|{m}": c.__dict__ for (t, m), c in cells.items()}}
     _print(report, methods, tiers, cells)
     print_auto_against_fixed(methods, tiers, cells, load_table(loaded.fingerprint))

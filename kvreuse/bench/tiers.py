@@ -30,17 +30,20 @@ def report_name(tier: str) -> str:
 
 
 def open_engines(loaded: LoadedModel, tiers: list[str], stack: contextlib.ExitStack, dtype: str = "float32",
-                 redis_url: str | None = None) -> dict[str, ReuseEngine]:
-    """One engine per tier, each over its own store; `stack` closes them (their write-back threads) and removes
-    the disk tier's scratch folder, even if a run fails. The redis tier is `redis_url`, or a private
-    redis-server started here."""
+                 redis_url: str | None = None) -> tuple[dict[str, ReuseEngine], dict[str, str]]:
+    """One engine per tier, each over its own store, and the store spec each opened (for the report); `stack`
+    closes them (their write-back threads) and removes the disk tier's scratch folder, even if a run fails. The
+    redis tier is `redis_url`, or a private redis-server started here."""
+    if not tiers:
+        raise ValueError("--tiers: no tier named")
     scratch = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvreuse-bench-"))
-    engines = {}
+    engines, specs = {}, {}
     for tier in tiers:
         if tier == "redis":
-            spec = redis_url or stack.enter_context(LocalRedis()).url
+            specs[tier] = redis_url or stack.enter_context(LocalRedis()).url
         else:
-            spec = tier_spec(tier, scratch)
-        engines[tier] = ReuseEngine(loaded, open_store(spec, model_fingerprint=loaded.fingerprint, dtype=dtype))
+            specs[tier] = tier_spec(tier, scratch)
+        store = open_store(specs[tier], model_fingerprint=loaded.fingerprint, dtype=dtype)
+        engines[tier] = ReuseEngine(loaded, store)
         stack.callback(engines[tier].close)
-    return engines
+    return engines, specs

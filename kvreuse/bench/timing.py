@@ -83,8 +83,9 @@ def time_request(engines: dict[str, ReuseEngine], request: Request, methods: lis
                  others: dict[str, Callable[[], object]] | None = None) -> RequestTimings:
     """Compile the request's chunks into every engine's tier (not timed, as in the papers), then time full
     prefill, each method on each tier and the `others` in turns (interleaved_samples)."""
-    for engine in engines.values():
+    for tier, engine in engines.items():
         engine.compile(request, methods)
+        _check_holds(tier, engine, request, methods)
     reference = next(iter(engines.values()))
     variants: dict[tuple[str, str], Callable[[], object]] = {(NO_TIER, "full"): prefill_variant(reference, request,
                                                                                                 "full")}
@@ -101,6 +102,17 @@ def time_request(engines: dict[str, ReuseEngine], request: Request, methods: lis
                 stats = samples[tier, method].last.stats.fusion
                 limits[tier, method] = limit_seconds(stats, read_all, full.median, len(request))
     return RequestTimings(samples, limits)
+
+
+def _check_holds(tier: str, engine: ReuseEngine, request: Request, methods: list[str]) -> None:
+    """A tier that cannot give back what was just compiled into it (unreachable, too small for one prompt's
+    chunks) would time full prefills under the names of reuse methods: refused by name."""
+    for method in methods:
+        missing = sum(p.key is not None and not p.hit for p in engine.lookup(request, method))
+        if missing:
+            raise ValueError(f"tier {tier}: {missing} of a prompt's chunks cannot be read back right after they were "
+                             f"compiled (its store is unreachable, or too small for one prompt): its {method} "
+                             "figures would be full prefill's")
 
 
 def read_all_seconds(engine: ReuseEngine, request: Request) -> tuple[float, int]:

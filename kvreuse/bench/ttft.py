@@ -23,7 +23,7 @@ from rich.progress import Progress
 
 from kvreuse.bench.peers.transformers_peer import transformers_variants
 from kvreuse.bench.peers.vllm_peer import MODES, VllmSettings, default_venv, run_vllm, unavailable_reason
-from kvreuse.bench.tiers import TIER_SPECS, open_engines
+from kvreuse.bench.tiers import open_engines
 from kvreuse.bench.timing import NO_TIER, time_request
 from kvreuse.bench.workload import Shape, TextSource, Workload, build_workload
 from kvreuse.engine.reuse import ReuseEngine
@@ -129,7 +129,7 @@ def measure(settings: TtftSettings) -> dict:
                  for s in shapes for i in range(settings.prompts)}
     cells: dict[CellKey, Cell] = {}
     with contextlib.ExitStack() as stack, torch.inference_mode(), Progress(transient=True) as progress:
-        engines = open_engines(loaded, settings.tiers, stack, settings.dtype, settings.redis_url)
+        engines, specs = open_engines(loaded, settings.tiers, stack, settings.dtype, settings.redis_url)
         task = progress.add_task("kvreuse and transformers", total=len(workloads))
         for workload in workloads.values():
             _measure_workload(engines, loaded, workload, settings, cells)
@@ -141,4 +141,4 @@ def measure(settings: TtftSettings) -> dict:
     return {"model": loaded.name, "source": source.name, "cells": cells, "prompt_tokens": dict(prompt_tokens),
             "peers": peers, "duration_seconds": time.perf_counter() - started,
             "settings": {**asdict(settings), "vllm_venv": str(settings.vllm_venv)},
-            "tier_specs": {t: TIER_SPECS.get(t, t) for t in settings.tiers}}
+            "tier_specs": specs}

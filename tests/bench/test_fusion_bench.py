@@ -23,3 +23,12 @@ def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys, monk
 def test_fusion_bench_rejects_an_unknown_method(capsys):
     assert main(["bench", "fusion", "--dataset", "x.jsonl", "--methods", "magic"]) == 2
     assert "unknown method 'magic'" in capsys.readouterr().err
+
+
+def test_a_tier_that_cannot_hold_a_prompt_s_chunks_is_refused_by_name(tiny_model_dir, capsys, monkeypatch, tmp_path):
+    """Its reuse rows would be full prefills under the methods' names."""
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    args = ["bench", "fusion", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "1", "--repeats", "1",
+            "--methods", "naive", "--tiers", "memory,memory:20KB", "--model", str(tiny_model_dir)]
+    assert main(args) == 2
+    assert "tier memory:20KB: " in capsys.readouterr().err

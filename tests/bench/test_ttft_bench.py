@@ -33,6 +33,7 @@ def test_writes_json_markdown_and_plot(ttft_run):
 def test_every_variant_of_every_shape_is_reported(ttft_run):
     report = json.loads(ttft_run.joinpath("ttft.json").read_text())
     assert "no vLLM venv" in report["peers"]["vllm"]["skipped"]
+    assert report["tier_specs"]["memory"] == "memory:8GB" and report["tier_specs"]["disk"].startswith("disk:/")
     expected = {(NO_TIER, "full"), (NO_TIER, "transformers:full"), (NO_TIER, "transformers:prefix")}
     expected |= {(tier, m) for tier in ("memory", "disk") for m in METHODS[1:]}
     for tokens in (96, 160):
