@@ -10,7 +10,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.model.resolved_step import ResolvedStep
 from kvreuse.model.runtime import LayerwiseModel
-from kvreuse.store.redis_server import LocalRedis
+from kvreuse.store.redis_server import LocalRedis, RedisServerError
 
 TINY_COMMON = dict(
     vocab_size=256,
@@ -93,7 +93,7 @@ def start_redis() -> LocalRedis:
     # CI installs redis-server (make system-deps); a missing server is a set-up failure, never a silent skip.
     try:
         return LocalRedis()
-    except RuntimeError as e:
+    except RedisServerError as e:
         pytest.fail(str(e), pytrace=False)
 
 

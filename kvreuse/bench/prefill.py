@@ -4,6 +4,7 @@ prefill (kvreuse.bench.machine): achieved / limit."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,8 +81,7 @@ def _measure_vllm(loaded: LoadedModel, rows: list[PrefillRow], repeats: int, dty
                                      lambda settings: run_vllm(settings, "full", prompts, repeats)):
         for row in rows:
             if row.dtype == dtype and str(row.tokens) in prompts:
-                samples = sorted(timings.seconds[str(row.tokens)])
-                row.seconds["vllm"] = samples[len(samples) // 2]
+                row.seconds["vllm"] = statistics.median(timings.seconds[str(row.tokens)])  # as kvreuse's
 
 
 def _print(rows: list[PrefillRow], model_name: str, repeats: int) -> None:

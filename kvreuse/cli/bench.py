@@ -69,7 +69,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     restore.add_argument("--batch-tiers", nargs="+", default=["hdd", "ssd", "memory"],
                          choices=RESTORE_TIERS + ["none"], help="tiers of the batch experiment ('none' skips it)")
     restore.add_argument("--batch-lengths", type=positive_int, nargs="+", default=[512, 1024, 2048, 4096])
-    restore.add_argument("--batch-compute-workers", type=int, nargs="+", default=[1, 2],
+    restore.add_argument("--batch-compute-workers", type=positive_int, nargs="+", default=[1, 2],
                          help="compute workers of the batch-aware scheduler to measure, each running batched steps "
                               "over its share of the batch (1: the other core is the I/O side's; 2: one per core "
                               "of this 2-core CPU; per-request Cake: one per request)")
@@ -201,7 +201,11 @@ def settings_from(args: argparse.Namespace) -> TtftSettings:
 
 
 def cmd_ttft(args: argparse.Namespace) -> int:
-    raw = measure(settings_from(args))
+    settings = settings_from(args)
+    if args.out.exists() and not args.out.is_dir():  # found before the run, not after minutes of it
+        raise ValueError(f"--out {args.out}: not a folder")
+    args.out.mkdir(parents=True, exist_ok=True)
+    raw = measure(settings)
     rows = summarize(raw)
     print_report(raw, rows)
     for path in write(raw, rows, args.out):

@@ -19,13 +19,17 @@ def free_loopback_port() -> int:
         return s.getsockname()[1]
 
 
+class RedisServerError(OSError):
+    """A private redis-server could not be started (not installed, exited, never answered)."""
+
+
 class LocalRedis:
     """A throw-away redis-server: loopback only, no persistence, its files in a temp dir."""
 
     def __init__(self) -> None:
         binary = shutil.which("redis-server")
         if binary is None:
-            raise RuntimeError(f"redis-server is not installed: {INSTALL_HINT}")
+            raise RedisServerError(f"redis-server is not installed: {INSTALL_HINT}")
         self.dir = tempfile.TemporaryDirectory(prefix="kvreuse-redis-")
         self.port = free_loopback_port()
         self.url = f"redis://127.0.0.1:{self.port}/0"
@@ -34,14 +38,18 @@ class LocalRedis:
              "--dir", self.dir.name],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         )
-        self._wait_ready()
+        try:
+            self._wait_ready()
+        except BaseException:  # not ready, or interrupted meanwhile: the server must not outlive the caller
+            self.stop()
+            raise
 
     def _wait_ready(self, timeout: float = 10.0) -> None:
         client = redis.Redis(port=self.port, host="127.0.0.1", socket_connect_timeout=0.2)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"redis-server exited with code {self.proc.returncode} on port {self.port}")
+                raise RedisServerError(f"redis-server exited with code {self.proc.returncode} on port {self.port}")
             try:
                 client.ping()
                 return
@@ -49,8 +57,7 @@ class LocalRedis:
                 time.sleep(0.02)
             finally:
                 client.close()
-        self.stop()
-        raise RuntimeError(f"redis-server did not answer on port {self.port} within {timeout} s")
+        raise RedisServerError(f"redis-server did not answer on port {self.port} within {timeout} s")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

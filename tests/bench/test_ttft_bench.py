@@ -84,3 +84,13 @@ def test_summary_of_known_samples():
 def test_rejects_an_unknown_peer(capsys):
     assert main(["bench", "ttft", "--peers", "sglang"]) == 2
     assert "unknown peer 'sglang'" in capsys.readouterr().err
+
+
+def test_an_out_path_that_is_a_file_is_refused_before_the_run(tmp_path, capsys, monkeypatch):
+    import kvreuse.cli.bench as bench_cli
+
+    monkeypatch.setattr(bench_cli, "measure", lambda settings: pytest.fail("measured before --out was checked"))
+    taken = tmp_path / "afile"
+    taken.write_text("")
+    assert main(["bench", "ttft", "--peers", "none", "--out", str(taken)]) == 2
+    assert f"--out {taken}: not a folder" in capsys.readouterr().err
