@@ -20,9 +20,11 @@ from kvreuse.cli.arguments import positive_int
 from kvreuse.store.base import TierUnavailable
 from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
 from kvreuse.store.spec import open_store
+from kvreuse.store.throttled import DEVICES
 from kvreuse.store.tiered import TieredStore
 
 STORE_ENV = "KVREUSE_STORE"
+ENTRY_DTYPES = ("float32", "bfloat16", "float16")  # what `cache bench`'s synthetic entries may hold
 
 
 def add_commands(subparsers: argparse._SubParsersAction) -> None:
@@ -46,10 +48,20 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--redis", default="auto",
                        help="'auto' starts a private redis-server on loopback; a URL uses that server; 'none' skips")
     bench.add_argument("--entries", type=positive_int, default=24)
-    bench.add_argument("--emulate", default="ssd,hdd,net10g", help="devices to emulate over memory ('' for none)")
+    bench.add_argument("--emulate", type=_devices, default="ssd,hdd,net10g",
+                       help=f"devices to emulate over memory, from {','.join(DEVICES)} ('' for none)")
     bench.add_argument("--json", help="also write the results to this file (for the restoration controllers)")
     for field in dataclasses.fields(EntryShape):
-        bench.add_argument(f"--{field.name.replace('_', '-')}", type=type(field.default), default=field.default)
+        checked = {"dtype": {"choices": ENTRY_DTYPES}}.get(field.name, {"type": positive_int})
+        bench.add_argument(f"--{field.name.replace('_', '-')}", default=field.default, **checked)
+
+
+def _devices(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in DEVICES]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown device {unknown[0]!r}; known: {', '.join(DEVICES)}")
+    return names
 
 
 def _console(stderr: bool = False) -> Console:
@@ -96,7 +108,10 @@ def cmd_stats(args: argparse.Namespace) -> int:
         usage = (t.get("entries", "?"), t.get("bytes_used", "?"), t.get("capacity") or "-")
         table.add_row(t["tier"], *map(str, usage))
     _console().print(table)
-    return 0
+    unreachable = [t["tier"] for t in tiers if "entries" not in t]
+    for tier in unreachable:
+        _console(stderr=True).print(f"{tier}: could not be reached: its entries are unknown")
+    return 1 if unreachable else 0
 
 
 def cmd_rm(args: argparse.Namespace) -> int:
@@ -132,7 +147,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     console.print(f"{args.entries} entries of {entries[0].nbytes / 1e6:.2f} MB ({shape.layers} layers x "
                   f"{shape.tokens} tokens x {shape.heads} heads x {shape.head_dim}, {shape.dtype}); "
                   f"{os.cpu_count()} CPUs, load average {load:.2f} before the run")
-    results = bench_all_tiers(entries, args.dir, args.redis, list(filter(None, args.emulate.split(","))))
+    results = bench_all_tiers(entries, args.dir, args.redis, args.emulate)
     console.print(_table(results))
     if args.json:
         with open(args.json, "w") as f:

@@ -53,6 +53,13 @@ def test_commands_name_bad_input(capsys, monkeypatch):
         run("cache", "ls", "--store", "nowhere")
 
 
+@pytest.mark.parametrize("option, value", [("--emulate", "ssd,floppy"), ("--layers", "-1"), ("--dtype", "float64x")])
+def test_bench_refuses_bad_shapes_and_devices_before_measuring(option, value, capsys):
+    with pytest.raises(SystemExit):
+        run("cache", "bench", option, value)
+    assert option in capsys.readouterr().err
+
+
 def test_bench_prints_measured_and_emulated_tiers(tmp_path, redis_server, capsys):
     out_json = tmp_path / "bench.json"
     assert run("cache", "bench", "--entries", "2", "--layers", "2", "--tokens", "32", "--dir", str(tmp_path),
@@ -77,3 +84,5 @@ def test_a_redis_tier_that_cannot_be_reached_is_named_not_taken_for_empty(
             run("cache", command, "--store", spec)
     assert run("cache", "rm", "--store", spec, entry.key) == 1
     assert "a tier could not be reached" in capsys.readouterr().err
+    assert run("cache", "stats", "--store", spec) == 1
+    assert f"{spec}: could not be reached" in capsys.readouterr().err.replace("\n", "")
