@@ -61,6 +61,10 @@ def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, r
     for dtype in dtypes:
         loaded = load_model(model, dtype)
         runtime = loaded.runtime
+        needed, window = prompt_tokens + WARM_UP_STEPS + steps + 1, runtime.config.max_position_embeddings
+        if needed > window:
+            raise ValueError(f"--prompt-tokens and --steps: {needed} positions exceed the model's context window "
+                             f"of {window}")
         limit = measure(runtime)
         for batch in batches:
             prompts = prompts_of(batch, prompt_tokens, runtime.config.vocab_size)
@@ -106,7 +110,12 @@ def _kvreuse_steps(model: LayerwiseModel, prefilled: list[PrefillResult], steps:
     caches = [r.cache.clone() for r in prefilled]
     if pooled:
         pool = KVPool.for_model(model, len(caches), DEFAULT_POOL_BYTES)
-        caches = [pool.adopt(cache, cache.capacity) or cache for cache in caches]
+        adopted = [pool.adopt(cache, cache.capacity) for cache in caches]
+        if None in adopted:  # the pooled columns would time the sequences' own caches under the pool's name
+            raise ValueError(f"{len(caches)} sequences of {caches[0].capacity} rows do not fit the KV pool of "
+                             f"{DEFAULT_POOL_BYTES / 2**30:g} GiB the server decodes from: fewer --batches or "
+                             "--prompt-tokens")
+        caches = adopted
     tokens = [int(r.logits.argmax()) for r in prefilled]
     seconds = []
     for step in range(WARM_UP_STEPS + steps):

@@ -52,7 +52,11 @@ def prefill_flops(model: LayerwiseModel, tokens: int) -> float:
 
 
 def weight_bytes(model: LayerwiseModel) -> int:
-    return sum(p.numel() * p.element_size() for p in model.hf_model.parameters())
+    """Bytes of the weights a step reads: every parameter but an input embedding table of its own (a step gathers
+    only its tokens' rows of it; tied to the LM head, the LM head reads it whole)."""
+    total = sum(p.numel() * p.element_size() for p in model.hf_model.parameters())
+    embedding, head = model.hf_model.get_input_embeddings().weight, model.hf_model.lm_head.weight
+    return total if embedding.data_ptr() == head.data_ptr() else total - embedding.numel() * embedding.element_size()
 
 
 def decode_step_flops(model: LayerwiseModel, batch: int, context: int) -> float:

@@ -13,11 +13,11 @@ from rich.console import Console
 from rich.table import Table
 
 from kvreuse.bench.machine import MachineLimit, measure, prefill_flops, weight_bytes
+from kvreuse.bench.peers import PEERS
 from kvreuse.bench.peers.vllm_peer import PlainPrompt, each_dtype, run_vllm
 from kvreuse.bench.timing import interleaved_samples
 from kvreuse.model.loader import LoadedModel, load_model
 
-PEERS = ("transformers", "vllm")
 
 
 @dataclass
@@ -43,6 +43,9 @@ def run(model: str | None, lengths: list[int], repeats: int, dtypes: list[str], 
     loaded = None
     for dtype in dtypes:
         loaded = load_model(model, dtype)
+        window = loaded.runtime.config.max_position_embeddings
+        if max(lengths) > window:
+            raise ValueError(f"--lengths: {max(lengths)} tokens exceed the model's context window of {window}")
         rows += [_measure_in_process(loaded, length, repeats, dtype, "transformers" in peers) for length in lengths]
     if "vllm" in peers and loaded is not None:
         _measure_vllm(loaded, rows, repeats, dtypes, vllm_venv)

@@ -294,6 +294,7 @@ def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, 
         batch_io: list[str], batch_repeats: int, json_out: str | None) -> dict:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
+    _check_window(bench, [*lengths, *batch_lengths])
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvreuse-restore-bench-", dir="/var/tmp") as tmp:
         rows = bench_lengths(bench, tiers, lengths, repeats, block, compute_run, tmp) if lengths else []
@@ -313,10 +314,18 @@ def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, 
     return result
 
 
+def _check_window(bench: BenchModel, lengths: list[int]) -> None:
+    window = bench.model.config.max_position_embeddings
+    if lengths and max(lengths) + FRESH_TOKENS > window:
+        raise ValueError(f"lengths: a stored prefix of {max(lengths)} tokens and its {FRESH_TOKENS}-token turn exceed "
+                         f"the model's context window of {window}")
+
+
 def run_profile(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int,
                 threads: int, compute_run: int) -> None:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
+    _check_window(bench, lengths)
     with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as tmp:
         for tier in tiers:
             threshold, token, layer = measure_l_delta(bench, tier, lengths, repeats, block, compute_run, tmp)

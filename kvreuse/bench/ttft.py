@@ -22,6 +22,7 @@ import torch
 from rich.progress import Progress
 
 from kvreuse.bench.peers.transformers_peer import transformers_variants
+from kvreuse.bench.peers import PEERS
 from kvreuse.bench.peers.vllm_peer import MODES, VllmSettings, default_venv, run_vllm, unavailable_reason
 from kvreuse.bench.tiers import open_engines
 from kvreuse.bench.timing import NO_TIER, time_request
@@ -32,7 +33,6 @@ from kvreuse.model.loader import LoadedModel, load_model
 
 DEFAULT_METHODS = f"full,naive,{DEFAULT_METHOD},cacheblend:0.15,legolink:16,cachetune:0.15"  # the server's default first
 DEFAULT_TIERS = "memory,disk,redis,ssd,hdd,net10g"
-PEERS = ("transformers", "vllm")
 
 
 @dataclass(frozen=True)

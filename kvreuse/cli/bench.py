@@ -8,7 +8,8 @@ from pathlib import Path
 
 from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
 from kvreuse.bench.peers.vllm_peer import default_venv
-from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, PEERS, TtftSettings, measure
+from kvreuse.bench.peers import PEERS
+from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
 from kvreuse.cli.arguments import add_dtype, add_model, positive_int, whole_number
 from kvreuse.fusion.methods import parse_method_list
@@ -109,18 +110,27 @@ def add_restore_arguments(parser: argparse.ArgumentParser, lengths: list[int], r
                         help="tokens' worth of work the compute side claims at a time")
 
 
+def known_peers(peers: list[str], allowed: tuple[str, ...]) -> list[str]:
+    """The peers named (none: 'none'), each one the bench can run: a misspelt peer must not just vanish."""
+    peers = [] if peers == ["none"] else peers
+    unknown = sorted(set(peers) - set(allowed))
+    if unknown:
+        raise ValueError(f"peers: unknown peer {unknown[0]!r}; known: {', '.join(allowed)}, or none")
+    return peers
+
+
 def cmd_prefill(args: argparse.Namespace) -> int:
     from kvreuse.bench.prefill import run
 
-    run(args.model, args.lengths, args.repeats, args.dtypes, args.peers, args.vllm_venv)
+    run(args.model, args.lengths, args.repeats, args.dtypes, known_peers(args.peers, PEERS), args.vllm_venv)
     return 0
 
 
 def cmd_decode(args: argparse.Namespace) -> int:
     from kvreuse.bench.decode import run
 
-    run(args.model, args.batches, args.prompt_tokens, args.steps, args.repeats, args.dtypes, args.peers,
-        args.vllm_venv)
+    run(args.model, args.batches, args.prompt_tokens, args.steps, args.repeats, args.dtypes,
+        known_peers(args.peers, ("vllm",)), args.vllm_venv)
     return 0
 
 
@@ -190,10 +200,7 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
 
 def settings_from(args: argparse.Namespace) -> TtftSettings:
     methods = parse_method_list(args.methods)  # a bad name fails here, before the model loads
-    peers = [] if args.peers == "none" else _names(args.peers)
-    unknown = sorted(set(peers) - set(PEERS))
-    if unknown:
-        raise ValueError(f"peers: unknown peer {unknown[0]!r}; known: {', '.join(PEERS)}, or none")
+    peers = known_peers(_names(args.peers), PEERS)
     return TtftSettings(methods=methods, tiers=_names(args.tiers),
                         lengths=args.lengths, chunks=args.chunks, prompts=args.prompts, repeats=args.repeats,
                         dataset=args.dataset, model=args.model, peers=peers, redis_url=args.redis_url,

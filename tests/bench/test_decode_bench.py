@@ -63,3 +63,17 @@ def test_the_command_runs(tiny_model_dir, tmp_path, capsys):
                  "--steps", "3", "--repeats", "1", "--vllm-venv", str(tmp_path / "none")]) == 0
     out = capsys.readouterr().out
     assert "peer vllm skipped" in out and "kvreuse ms/step" in out and "kvreuse achieved / limit" in out
+
+
+def test_positions_past_the_context_window_are_refused(tiny_model_dir, tmp_path):
+    with pytest.raises(ValueError, match="exceed the model's context window of 8192"):
+        run(str(tiny_model_dir), [1], 8190, 4, 1, ["float32"], [], tmp_path)
+
+
+def test_a_batch_the_kv_pool_cannot_hold_is_refused_not_timed_on_its_own_caches(tiny_model, monkeypatch):
+    import kvreuse.bench.decode as decode
+
+    monkeypatch.setattr(decode, "DEFAULT_POOL_BYTES", 1 << 16)
+    prefilled = _prefill(tiny_model, prompts_of(2, 64, tiny_model.config.vocab_size), WARM_UP_STEPS + 3)
+    with pytest.raises(ValueError, match="do not fit the KV pool"):
+        _kvreuse_steps(tiny_model, prefilled, 2, pooled=True)

@@ -41,3 +41,10 @@ def test_a_prompt_filling_the_model_s_context_is_not_sent_to_vllm(tiny_model_dir
     assert set(rows[0].seconds) == {"kvreuse"}
     out = capsys.readouterr().out
     assert "peer vllm: skipped [8192] tokens" in out and "at most 8191" in out and "no vLLM venv" not in out
+
+
+def test_lengths_past_the_context_window_and_unknown_peers_are_refused(tiny_model_dir, capsys):
+    assert main(["bench", "prefill", "--model", str(tiny_model_dir), "--lengths", "8193", "--peers", "none"]) == 2
+    assert "--lengths: 8193 tokens exceed the model's context window of 8192" in capsys.readouterr().err
+    assert main(["bench", "prefill", "--model", str(tiny_model_dir), "--peers", "transfomers"]) == 2
+    assert "unknown peer 'transfomers'" in capsys.readouterr().err

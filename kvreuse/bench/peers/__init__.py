@@ -1,0 +1,3 @@
+"""The engines a benchmark measures beside kvreuse, in the same run."""
+
+PEERS = ("transformers", "vllm")
