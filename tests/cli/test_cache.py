@@ -66,6 +66,8 @@ def test_bench_prints_measured_and_emulated_tiers(tmp_path, redis_server, capsys
                "--redis", redis_server.url, "--emulate", "ssd", "--json", str(out_json)) == 0
     out = capsys.readouterr().out
     assert "write GB/s" in out and "ssd (emulated)" in out and "EMULATED over memory: 0.5 GB/s" in out
+    [ssd_row] = [line for line in out.splitlines() if "ssd (emulated)" in line]
+    assert ssd_row.split("│")[2].strip() == "-"  # only reads are emulated: no write speed under its name
     results = json.loads(out_json.read_text())["results"]
     assert [r["tier"] for r in results] == ["memory", "disk", "disk", "disk int8", "redis", "ssd (emulated)"]
     assert all(r["read_gbps"] > 0 and r["write_gbps"] > 0 for r in results)
