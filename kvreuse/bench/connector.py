@@ -98,11 +98,11 @@ def _cached(result: RoundsResult, rounds: range) -> float:
 
 def run(dataset: str | None, num_prompts: int, tokens: int, chunks: int, repeats: int, venv: Path) -> dict:
     loaded = load_model(None, "float32")
-    window = loaded.runtime.config.max_position_embeddings
+    window = min(loaded.runtime.config.max_position_embeddings, 4096)  # vLLM's context here: prompts fit it
     source = TextSource(dataset)
     prompts = [RagPrompt.of(build_workload(loaded.tokenizer, source, Shape(tokens, chunks), i, window), seed=i)
                for i in range(num_prompts)]
-    settings = VllmSettings(venv, loaded.path, max_model_len=min(window, 4096), threads=torch.get_num_threads(),
+    settings = VllmSettings(venv, loaded.path, max_model_len=window, threads=torch.get_num_threads(),
                             kv_cache_bytes=2**30)
     reason = unavailable_reason(settings)
     if reason:
