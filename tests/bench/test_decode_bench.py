@@ -2,7 +2,6 @@
 measured, and a step decodes every sequence of the batch."""
 
 import pytest
-import torch
 
 from kvreuse.bench.decode import WARM_UP_STEPS, _kvreuse_steps, _prefill, prompts_of, run
 from kvreuse.cli import main
