@@ -97,8 +97,9 @@ def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple
             c = cells[tier, method]
             ttft, limit = statistics.mean(c.ttft), statistics.mean(c.limit)
             label = method if method == c.chosen[-1] else f"{method} ({_tally(c.chosen)})"
-            table.add_row(report_name(tier), label, f"{ttft:.3f}", f"{full / ttft:.2f}x", f"{limit:.3f}", f"{ttft / limit:.2f}",
-                          f"{statistics.mean(c.predicted):.3f}", f"{statistics.median(prediction_errors(c)):.0%}",
+            table.add_row(report_name(tier), label, f"{ttft:.3f}", f"{full / ttft:.2f}x", f"{limit:.3f}",
+                          f"{ttft / limit:.2f}", f"{statistics.mean(c.predicted):.3f}",
+                          f"{statistics.median(prediction_errors(c)):.0%}",
                           f"{statistics.mean(c.kl):.3f}", f"{statistics.mean(c.recompute_share):.3f}",
                           str(c.peak_layers_held))
     Console(width=180).print(table)

@@ -111,7 +111,7 @@ def from_eval_results(paths: list[Path]) -> FidelityTable:
     for table in tables:
         # An input whose every source is in already (a table folded again, a second run of the same examples with
         # other methods) measured the same examples: they count once.
-        seen = set(table.sources) <= set(sources)
+        seen = bool(table.sources) and set(table.sources) <= set(sources)
         for method, new in table.methods.items():
             old = worst.get(method)
             worst[method] = new if old is None else Fidelity(

@@ -15,7 +15,8 @@ def test_the_mlp_in_passes_equals_one_pass(tiny_model, monkeypatch):
     passes = []
     run_pass = adapters.LlamaAdapter._mlp_pass
     monkeypatch.setattr(adapters.LlamaAdapter, "_mlp_pass",
-                        lambda self, mlp, x, plus, int8: passes.append(x.shape[0]) or run_pass(self, mlp, x, plus, int8))
+                        lambda self, mlp, x, plus, int8:
+                        passes.append(x.shape[0]) or run_pass(self, mlp, x, plus, int8))
     in_passes = tiny_model.prefill(prompt)
     # every layer but the last in passes of 7 rows; the last one's MLP runs the prompt's last row alone (in one
     # native call with the rest of the layer's end, where that runs)
