@@ -151,8 +151,6 @@ class BatchRestorer:
         rule, or shortest remaining first on a tier that loads faster than this machine computes (auto_priority)."""
         if io_priority not in IO_PRIORITY_CHOICES:
             raise ValueError(f"unknown I/O priority {io_priority!r}: expected one of {', '.join(IO_PRIORITY_CHOICES)}")
-        if compute_workers < 1:  # nothing would ever compute: every restoration would wait forever
-            raise ValueError(f"compute_workers: at least 1, got {compute_workers}")
         self.restorer, self.io_priority = restorer, io_priority
         self._active: list[Restoration] = []
         self._cond = threading.Condition()

@@ -63,3 +63,9 @@ def test_a_negative_layer_count_is_refused(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "restore", "--layers", "-1"])
     assert "expected a whole number >= 0, got '-1'" in capsys.readouterr().err
+
+
+def test_a_batch_without_compute_workers_is_refused():
+    """No worker would compute its steps (a BatchRestorer of 0 workers is driven by its caller): it would hang."""
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "restore", "--batch-compute-workers", "0"])

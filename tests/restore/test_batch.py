@@ -243,10 +243,3 @@ def test_workers_release_their_idle_openmp_workers_before_they_wait(make_tiny, m
     finally:
         batch.close()
     assert computed_and_idle >= 2  # idle before the request came, and again once it was restored
-
-
-def test_a_batch_restorer_without_compute_workers_is_refused(tiny_model):
-    """Nothing would ever compute: every restoration would wait forever."""
-    restorer = PrefixRestorer(tiny_model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
-    with pytest.raises(ValueError, match="compute_workers: at least 1, got 0"):
-        BatchRestorer(restorer, compute_workers=0)
