@@ -14,6 +14,7 @@ A spec is a list of tier specs, or one string of them joined by commas.
 from __future__ import annotations
 
 import re
+from pathlib import Path
 from typing import Sequence
 from urllib.parse import urlsplit
 
@@ -49,12 +50,8 @@ def open_tier(spec: str, **expect: str | bool | None) -> KVStore:
     if kind == "memory" and rest:
         return MemoryTier(parse_size(rest), **expect)
     if kind == "disk" and rest:
-        path, _, size = rest.rpartition(":")
-        # A tail that starts like a number is a size, mistyped or not: taken as part of the path, "50XB" would
-        # make a new directory "kv:50XB" of unlimited size.
-        if path and (not size or size.lstrip()[:1] in "0123456789+-."):
-            return DiskTier(path, _size_in(spec, size), **expect)
-        return DiskTier(rest, **expect)
+        path, size = _disk_path_and_size(rest)
+        return DiskTier(path, _size_in(spec, size) if size is not None else None, **expect)
     if kind == "throttled":
         device, _, inner = rest.partition(":")
         if device not in DEVICES or not inner:
@@ -64,6 +61,31 @@ def open_tier(spec: str, **expect: str | bool | None) -> KVStore:
         f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
         "throttled:DEVICE:TIER or int8:TIER"
     )
+
+
+def _disk_path_and_size(rest: str) -> tuple[str, str | None]:
+    """disk:PATH[:SIZE]'s path and size (None: unlimited)."""
+    path, _, size = rest.rpartition(":")
+    # A tail that starts like a number is a size, mistyped or not: taken as part of the path, "50XB" would make a
+    # new directory "kv:50XB" of unlimited size.
+    if path and (not size or size.lstrip()[:1] in "0123456789+-."):
+        return path, size
+    return rest, None
+
+
+def disk_paths(spec: str) -> list[Path]:
+    """The folders of a store spec's disk tiers (inspection commands refuse one that does not exist, where
+    opening the tier would create it)."""
+    paths = []
+    for tier in spec.split(","):
+        kind, _, rest = tier.strip().partition(":")
+        while kind in ("int8", "throttled"):  # wrappers: the tier they wrap follows
+            if kind == "throttled":
+                rest = rest.partition(":")[2]
+            kind, _, rest = rest.partition(":")
+        if kind == "disk" and rest:
+            paths.append(Path(_disk_path_and_size(rest)[0]))
+    return paths
 
 
 def _size_in(spec: str, size: str) -> int:

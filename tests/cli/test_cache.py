@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
 from kvreuse.cli.cache import add_commands
-from kvreuse.store.spec import open_store
+from kvreuse.store.spec import disk_paths, open_store
 
 from ..store.conftest import make_entry  # noqa: F401, F811  (the store tests' entry fixture)
 
@@ -43,6 +44,21 @@ def test_ls_stats_rm_clear(disk_store, capsys, monkeypatch):
     assert run("cache", "rm", entries[0].key) == 1 and "not found" in capsys.readouterr().err
     assert run("cache", "clear") == 0 and "deleted 2 entries" in capsys.readouterr().out
     assert list(open_store(spec).keys()) == []
+
+
+def test_inspecting_a_disk_folder_that_does_not_exist_does_not_create_it(tmp_path):
+    """A mistyped path would be created and shown as an empty store."""
+    missing = tmp_path / "nodir" / "sub"
+    for command in ("ls", "stats", "clear"):
+        with pytest.raises(SystemExit, match=f"{missing}: no such folder"):
+            run("cache", command, "--store", f"memory:1GB,throttled:ssd:disk:{missing}:1GB")
+    assert not (tmp_path / "nodir").exists()
+
+
+def test_disk_paths_of_a_spec():
+    assert disk_paths("memory:1GB,disk:/a/b:2GB,int8:disk:/c,throttled:hdd:disk:/d,redis://h:1") == [
+        Path("/a/b"), Path("/c"), Path("/d")]
+    assert disk_paths("disk:/kv:fast") == [Path("/kv:fast")]  # a tail that is no size stays in the path
 
 
 def test_commands_name_bad_input(capsys, monkeypatch):
