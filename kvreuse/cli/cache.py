@@ -19,7 +19,7 @@ from rich.table import Table
 from kvreuse.cli.arguments import positive_int
 from kvreuse.store.base import TierUnavailable
 from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
-from kvreuse.store.spec import disk_paths, open_store
+from kvreuse.store.spec import open_store
 from kvreuse.store.throttled import DEVICES
 from kvreuse.store.tiered import TieredStore
 
@@ -74,12 +74,9 @@ def _console(stderr: bool = False) -> Console:
 def _opened(args: argparse.Namespace) -> Iterator[TieredStore]:
     if not args.store:
         raise SystemExit(f"no store given: pass --store SPEC or set ${STORE_ENV}")
-    absent = [path for path in disk_paths(args.store) if not path.is_dir()]
-    if absent:  # opening the tier would create it, and show a mistyped path as an empty store
-        raise SystemExit(f"{absent[0]}: no such folder")
-    try:
-        store = open_store(args.store)
-    except ValueError as e:  # a bad spec: say what is wrong, no traceback
+    try:  # a mistyped disk path is refused, not created and shown as an empty store
+        store = open_store(args.store, create_folders=False)
+    except (ValueError, FileNotFoundError) as e:  # a bad spec: say what is wrong, no traceback
         raise SystemExit(str(e)) from e
     try:
         yield store

@@ -22,9 +22,9 @@ class SamplingParams:
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(stop, str) for stop in self.stop):
             raise TypeError(f"stop: expected a text or a list of texts, got {self.stop!r}")
         for name, value in (("max_tokens", self.max_tokens), ("seed", self.seed)):
-            if not isinstance(value, int) or isinstance(value, bool):
-                if not (name == "seed" and value is None):
-                    raise TypeError(f"{name}: expected a whole number, got {value!r}")
+            whole = isinstance(value, int) and not isinstance(value, bool)
+            if not whole and not (name == "seed" and value is None):
+                raise TypeError(f"{name}: expected a whole number, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
         if self.temperature < 0:

@@ -59,9 +59,12 @@ class FileSource(ByteSource):
 
 class DiskTier(BlobTier):
     def __init__(self, root: str | os.PathLike, capacity: int | None = None, *, protected_share: float = 0.8,
-                 quantize: bool = False, **expect: str | None):
+                 quantize: bool = False, create: bool = True, **expect: str | None):
+        """create: make `root` if it does not exist (False: it must exist)."""
         super().__init__(f"disk:{root}", quantize=quantize, **expect)
         self.root = Path(root)
+        if not create and not self.root.is_dir():
+            raise FileNotFoundError(f"{self.root}: no such folder")
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = SegmentedLRU(capacity, protected_share)
         self.lock = threading.Lock()

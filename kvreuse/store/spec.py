@@ -14,7 +14,6 @@ A spec is a list of tier specs, or one string of them joined by commas.
 from __future__ import annotations
 
 import re
-from pathlib import Path
 from typing import Sequence
 from urllib.parse import urlsplit
 
@@ -39,24 +38,26 @@ def parse_size(text: str) -> int:
     return size
 
 
-def open_tier(spec: str, **expect: str | bool | None) -> KVStore:
+def open_tier(spec: str, *, create_folders: bool = True, **expect: str | bool | None) -> KVStore:
+    """One tier; `create_folders=False`: a disk tier's folder must exist (inspecting a store creates nothing)."""
     kind, _, rest = spec.partition(":")
     if kind == "int8":
         if rest.partition(":")[0] not in ("disk", "redis", "rediss"):
             raise ValueError(f"bad store spec {spec!r}: int8 applies to disk and redis tiers")
-        return open_tier(rest, quantize=True, **expect)
+        return open_tier(rest, create_folders=create_folders, quantize=True, **expect)
     if kind in ("redis", "rediss"):
         return open_redis(spec, **expect)
     if kind == "memory" and rest:
         return MemoryTier(parse_size(rest), **expect)
     if kind == "disk" and rest:
         path, size = _disk_path_and_size(rest)
-        return DiskTier(path, _size_in(spec, size) if size is not None else None, **expect)
+        capacity = _size_in(spec, size) if size is not None else None
+        return DiskTier(path, capacity, create=create_folders, **expect)
     if kind == "throttled":
         device, _, inner = rest.partition(":")
         if device not in DEVICES or not inner:
             raise ValueError(f"bad store spec {spec!r}: expected throttled:DEVICE:TIER, DEVICE in {sorted(DEVICES)}")
-        return ThrottledTier(open_tier(inner, **expect), DEVICES[device])
+        return ThrottledTier(open_tier(inner, create_folders=create_folders, **expect), DEVICES[device])
     raise ValueError(
         f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
         "throttled:DEVICE:TIER or int8:TIER"
@@ -71,21 +72,6 @@ def _disk_path_and_size(rest: str) -> tuple[str, str | None]:
     if path and (not size or size.lstrip()[:1] in "0123456789+-."):
         return path, size
     return rest, None
-
-
-def disk_paths(spec: str) -> list[Path]:
-    """The folders of a store spec's disk tiers (inspection commands refuse one that does not exist, where
-    opening the tier would create it)."""
-    paths = []
-    for tier in spec.split(","):
-        kind, _, rest = tier.strip().partition(":")
-        while kind in ("int8", "throttled"):  # wrappers: the tier they wrap follows
-            if kind == "throttled":
-                rest = rest.partition(":")[2]
-            kind, _, rest = rest.partition(":")
-        if kind == "disk" and rest:
-            paths.append(Path(_disk_path_and_size(rest)[0]))
-    return paths
 
 
 def _size_in(spec: str, size: str) -> int:
@@ -105,13 +91,14 @@ def open_redis(spec: str, **expect: str | bool | None) -> RedisTier:
         raise ValueError(f"bad store spec {spec!r}: {e}") from None
 
 
-def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = None, dtype: str | None = None
-               ) -> TieredStore:
+def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = None, dtype: str | None = None,
+               create_folders: bool = True) -> TieredStore:
     """Open the tiers named by `spec`. With model_fingerprint/dtype set, entries of any other model or dtype
-    read as misses (and putting one is an error)."""
+    read as misses (and putting one is an error). `create_folders=False`: a disk tier's folder must exist."""
     if not isinstance(spec, (str, list, tuple)) or not all(isinstance(s, str) for s in spec):
         raise TypeError(f"store spec: expected text such as 'memory:4GB,disk:/var/kv', got {spec!r}")
     specs = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
     if not specs or not all(specs):
         raise ValueError(f"bad store spec {spec!r}: no tiers named")
-    return TieredStore([open_tier(s, model_fingerprint=model_fingerprint, dtype=dtype) for s in specs])
+    return TieredStore([open_tier(s, create_folders=create_folders, model_fingerprint=model_fingerprint, dtype=dtype)
+                        for s in specs])

@@ -69,3 +69,10 @@ def test_a_batch_without_compute_workers_is_refused():
     """No worker would compute its steps (a BatchRestorer of 0 workers is driven by its caller): it would hang."""
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "restore", "--batch-compute-workers", "0"])
+
+
+def test_a_prefix_past_the_context_window_is_refused(capsys):
+    assert main(["bench", "restore", "--layers", "1", "--tiers", "memory", "--lengths", "8192", "--repeats", "1",
+                 "--batch-tiers", "none"]) == 2
+    assert "a stored prefix of 8192 tokens and its 32-token turn exceed the model's context window" in (
+        capsys.readouterr().err)

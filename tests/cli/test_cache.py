@@ -4,12 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 
 import pytest
 
 from kvreuse.cli.cache import add_commands
-from kvreuse.store.spec import disk_paths, open_store
+from kvreuse.store.spec import open_store
 
 from ..store.conftest import make_entry  # noqa: F401, F811  (the store tests' entry fixture)
 
@@ -53,12 +52,6 @@ def test_inspecting_a_disk_folder_that_does_not_exist_does_not_create_it(tmp_pat
         with pytest.raises(SystemExit, match=f"{missing}: no such folder"):
             run("cache", command, "--store", f"memory:1GB,throttled:ssd:disk:{missing}:1GB")
     assert not (tmp_path / "nodir").exists()
-
-
-def test_disk_paths_of_a_spec():
-    assert disk_paths("memory:1GB,disk:/a/b:2GB,int8:disk:/c,throttled:hdd:disk:/d,redis://h:1") == [
-        Path("/a/b"), Path("/c"), Path("/d")]
-    assert disk_paths("disk:/kv:fast") == [Path("/kv:fast")]  # a tail that is no size stays in the path
 
 
 def test_commands_name_bad_input(capsys, monkeypatch):

@@ -19,3 +19,11 @@ def test_a_server_interrupted_while_starting_is_stopped(monkeypatch):
         LocalRedis()
     [server] = started
     assert server.poll() is not None  # exited: killed and reaped
+
+
+def test_a_missing_redis_server_is_a_one_line_error(monkeypatch, capsys):
+    from kvreuse.cli import main
+
+    monkeypatch.setattr("shutil.which", lambda name: None)
+    assert main(["cache", "bench", "--entries", "1", "--layers", "2", "--tokens", "8", "--emulate", ""]) == 2
+    assert "kvreuse: error: redis-server is not installed" in capsys.readouterr().err
