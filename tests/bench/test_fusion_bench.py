@@ -1,5 +1,9 @@
 """`kvreuse bench fusion` runs end to end (plumbing only: a tiny random model, one example, timings unread)."""
 
+import json
+
+import pytest
+
 from kvreuse.cli import main
 
 from ..eval.support import DATASETS
@@ -9,7 +13,7 @@ def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys, monk
     monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))  # the machine profile auto measures goes here
     args = ["bench", "fusion", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "1", "--repeats", "1",
             "--methods", "naive,cacheblend:0.15,cachetune:0.15,auto", "--tiers", "memory,disk,redis",
-            "--model", str(tiny_model_dir)]
+            "--model", str(tiny_model_dir), "--json", str(tmp_path / "fusion.json")]
     assert main(args) == 0
     out = capsys.readouterr().out
     for tier in ("memory", "disk", "redis"):
@@ -18,6 +22,10 @@ def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys, monk
         # no fidelity table for a random model: auto may only choose exact plans, as fast as full at best
         assert f"{tier}: auto " in out and "the best fixed method meeting its floor (full" in out
     assert "cost model over every (example, tier, method): median error" in out
+    cells = json.loads((tmp_path / "fusion.json").read_text())["cells"]
+    assert sorted(cells) == sorted(f"{t}|{m}" for t in ("memory", "disk", "redis")
+                                   for m in ("full", "naive", "cacheblend:0.15", "cachetune:0.15", "auto"))
+    assert all(len(cell["ttft"]) == 1 and cell["ttft"][0] > 0 for cell in cells.values())
 
 
 def test_fusion_bench_rejects_an_unknown_method(capsys):
@@ -32,3 +40,13 @@ def test_a_tier_that_cannot_hold_a_prompt_s_chunks_is_refused_by_name(tiny_model
             "--methods", "naive", "--tiers", "memory,memory:20KB", "--model", str(tiny_model_dir)]
     assert main(args) == 2
     assert "tier memory:20KB: " in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("command", [["bench", "fusion", "--dataset", "x.jsonl"], ["bench", "restore"],
+                                     ["bench", "connector"], ["cache", "bench"]])
+def test_a_figures_file_that_cannot_be_written_is_refused_before_the_run(command, tmp_path, capsys):
+    for path, error in [(tmp_path / "missing" / "figures.json", f"its folder '{tmp_path / 'missing'}' does not exist"),
+                        (tmp_path, "is a folder, not a file")]:
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--json", str(path)])
+        assert exit_info.value.code == 2 and error in capsys.readouterr().err
