@@ -59,9 +59,13 @@ class Request:
         return [s for s in self.segments if s.kind == kind]
 
     def question_ending(self, tokens: int) -> list[int]:
-        """The last `tokens` tokens of the user's text: the cue the answer follows (e.g. 'Answer:')."""
+        """The last `tokens` tokens of the user's text: the cue the answer follows (e.g. 'Answer:'). Only the
+        trailing fresh segment holds the user's text: an empty question has no ending, not its last chunk's."""
+        last = self.segments[-1]
+        if last.kind != SegmentKind.FRESH:
+            return []
         end = len(self) - self.template_tail
-        return self.token_ids[max(0, end - tokens) : end].tolist()
+        return self.token_ids[max(last.start, end - tokens) : end].tolist()
 
 
 SENTINEL = "\x00KVREUSE_CONTENT\x00"

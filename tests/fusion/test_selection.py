@@ -12,7 +12,7 @@ from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.compile import compile_chunk, frequency_ranking
 from kvreuse.fusion.executor import most_deviating, question_attention
-from kvreuse.fusion.methods import answers_like_examples, parse_method
+from kvreuse.fusion.methods import CUE_TOKENS, answers_like_examples, parse_method
 from kvreuse.fusion.plan import FusionPlan, Narrowing, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.model.kv_cache import KVCache
@@ -267,6 +267,18 @@ def test_chunks_are_examples_when_most_of_them_hold_the_questions_ending():
     tailed = few_shot(tail=4)  # the template's tail is not part of the question
     assert answers_like_examples(tailed, all_hits(tailed))
     assert not answers_like_examples(rag(), all_hits(rag()))
+
+
+def test_an_empty_question_has_no_ending_even_when_every_chunk_ends_alike():
+    """Documents sent with an empty user message (the instruction in the system prompt): the chunks all end
+    with the same separator, which must not be taken for a question's cue that they share."""
+    chunks = [Segment(SegmentKind.CHUNK, [*random_ids(18, i + 1), *CUE]) for i in range(3)]
+    tail_only = Request([Segment(SegmentKind.PREFIX, random_ids(5, 0)), *chunks,
+                         Segment(SegmentKind.FRESH, [3, 3, 3])], template_tail=3)
+    assert tail_only.question_ending(CUE_TOKENS) == []
+    assert not answers_like_examples(tail_only, all_hits(tail_only))
+    ends_in_a_chunk = Request([Segment(SegmentKind.PREFIX, random_ids(5, 0)), *chunks])
+    assert ends_in_a_chunk.question_ending(CUE_TOKENS) == []
 
 
 def test_the_guard_recomputes_the_examples_nearest_a_few_shot_question_instead_of_deviating_rows():
