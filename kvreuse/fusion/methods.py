@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -137,8 +138,16 @@ class LegoLink(Method):
         return _union(sink_rows(placed, self.sink_tokens), recent_rows(placed, self.recent_tokens))
 
 
-def _top_share(scores: torch.Tensor, ratio: float) -> torch.Tensor:
-    return scores.topk(round(ratio * scores.numel())).indices
+def shares_of(sizes: list[int], ratio: float) -> list[int]:
+    """`ratio` of all the rows (halves rounded up), split across chunks in proportion to their sizes by largest
+    remainder: a short chunk's share is not rounded away on its own, so the request recomputes its ratio."""
+    quotas = [ratio * n for n in sizes]
+    counts = [math.floor(q) for q in quotas]
+    total = math.floor(ratio * sum(sizes) + 0.5)
+    largest_remainder_first = sorted(range(len(sizes)), key=lambda i: counts[i] - quotas[i])
+    for i in largest_remainder_first[: total - sum(counts)]:
+        counts[i] += 1
+    return counts
 
 
 @dataclass(frozen=True)
@@ -150,7 +159,9 @@ class CacheTune(Method):
         missing = [p.segment.start for _, p in _chunk_hits(placed) if p.ranking is None]
         if missing:
             raise ValueError(f"cachetune needs the frequency ranking stored with each chunk (none at row {missing[0]})")
-        return {i: _top_share(p.ranking, self.ratio) for i, p in _chunk_hits(placed)}
+        hits = _chunk_hits(placed)
+        counts = shares_of([p.ranking.numel() for _, p in hits], self.ratio)
+        return {i: p.ranking.topk(count).indices for (i, p), count in zip(hits, counts)}
 
 
 @dataclass(frozen=True)

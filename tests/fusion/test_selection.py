@@ -12,7 +12,7 @@ from kvreuse.eval.datasets import load_dataset
 from kvreuse.eval.metrics import first_token_kl
 from kvreuse.fusion.compile import compile_chunk, frequency_ranking
 from kvreuse.fusion.executor import most_deviating, question_attention
-from kvreuse.fusion.methods import CUE_TOKENS, answers_like_examples, parse_method
+from kvreuse.fusion.methods import CUE_TOKENS, answers_like_examples, parse_method, shares_of
 from kvreuse.fusion.plan import FusionPlan, Narrowing, PlacedSegment
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.model.kv_cache import KVCache
@@ -90,6 +90,17 @@ def test_cachetune_recomputes_the_highest_ranked_rows_of_each_chunk():
     assert computed_chunk_rows(request, plan) == {1: top_of_first, 2: [0, 3, 6]}
     loaded = {span.key: span.load.tolist() for span in plan.reused}
     assert loaded["k2"] == [1, 2, 4, 5, 7, 8, 9]  # sparse transfer: the recomputed rows are not read
+
+
+def test_cachetune_recomputes_its_ratio_of_all_chunk_rows_however_short_the_chunks():
+    """r is a share of every reused row: 20 chunks of 3 rows at 0.15 recompute 9 rows (each chunk's own share,
+    0.45 of a row, would round to none), one per chunk, in the chunks with the largest remainders."""
+    request = rag(chunks=(3,) * 20)
+    rankings = {i: torch.tensor([0.1, 0.9, 0.5]) for i in range(1, 21)}
+    rows = computed_chunk_rows(request, parse_method("cachetune:0.15").plan(request, all_hits(request, rankings)))
+    assert sum(map(len, rows.values())) == 9 and all(r in ([], [1]) for r in rows.values())
+    assert shares_of([20, 10, 3], 0.3) == [6, 3, 1]  # quotas 6, 3, 0.9
+    assert shares_of([5, 5], 0.5) == [3, 2]  # 2.5 each: the total rounds half up, the first chunk takes it
 
 
 def smooth_bump_on(rows: slice, tokens: int = 64, layers: int = 2) -> tuple[torch.Tensor, torch.Tensor]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvreuse.fusion.methods import _top_share
+from kvreuse.fusion.methods import shares_of
 
 from .conftest import _make_entry
 
@@ -17,7 +17,7 @@ LAYERS = 4
 def loaded_rows(ranking: torch.Tensor, ratio: float) -> torch.Tensor:
     """The rows CacheTune at `ratio` loads: all but the top `ratio` of the ranking, in token order."""
     recomputed = torch.zeros(ranking.numel(), dtype=torch.bool)
-    recomputed[_top_share(ranking, ratio)] = True
+    recomputed[ranking.topk(shares_of([ranking.numel()], ratio)[0]).indices] = True
     return (~recomputed).nonzero().flatten()
 
 
