@@ -230,10 +230,10 @@ class ReuseEngine:
         prefix = exact_prefix(request)
         written = self.restorer_for(request).store_prefix(prefix.token_ids) if prefix else 0
         for method in {parse_method(m).compile_mode: parse_method(m) for m in methods or [None]}.values():
-            for p in self.lookup(request, method):
-                if p.key is not None and not p.hit:
-                    self._compile(p.segment, p.key, method)
-                    written += 1
+            missing = {p.key: p.segment for p in self.lookup(request, method) if p.key is not None and not p.hit}
+            for key, segment in missing.items():  # a chunk the request holds twice is compiled once
+                self._compile(segment, key, method)
+            written += len(missing)
         self.store.flush()
         return written
 

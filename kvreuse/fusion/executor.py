@@ -401,8 +401,9 @@ def most_deviating(narrowing: Narrowing, approximate_rows: int, cache: KVCache, 
     layer = narrowing.layer
     stored_k, stored_v = cache.keys[layer][selected][narrowable], cache.values[layer][selected][narrowable]
     deviation = torch.zeros(selected.numel())
-    deviation[narrowable] = ((k[narrowable] - stored_k).square().sum((1, 2))
-                             + (v[narrowable] - stored_v).square().sum((1, 2))).float()
+    # in fp32: a bf16 sum loses the low bits that order rows near the selection's boundary
+    deviation[narrowable] = ((k[narrowable].float() - stored_k.float()).square().sum((1, 2))
+                             + (v[narrowable].float() - stored_v.float()).square().sum((1, 2)))
     row_energy = stored_k.float().square().sum((1, 2)) + stored_v.float().square().sum((1, 2))
     if weights is not None:
         deviation, row_energy = deviation * weights, row_energy * weights[narrowable]

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from kvreuse.fusion.executor import INLINE_LAYERS_PER_READ, LayerLoader
 from kvreuse.fusion.methods import parse_method
-from kvreuse.fusion.segments import Request, SegmentKind
+from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.store.memory import MemoryTier
 from kvreuse.store.spec import open_store
 from kvreuse.store.tiered import tier_label
@@ -204,6 +204,19 @@ def test_a_chunk_longer_than_the_window_is_not_compiled(tiny_engine, rag_request
     with pytest.raises(ValueError, match=r"chunks\[0\]: .* exceed the context window"):
         tiny_engine.compile(rag_request(chunks=(window + 1,)))
     assert list(tiny_engine.store.keys()) == []
+
+
+def test_a_chunk_the_request_holds_twice_is_compiled_once(tiny_engine, rag_request, monkeypatch):
+    request = rag_request(chunks=(10, 12))
+    prefix, first, second, fresh = request.segments
+    twice = Request([prefix, first, second, Segment(SegmentKind.CHUNK, first.token_ids), fresh])
+    compiled: list[str] = []
+    compile_one = tiny_engine._compile
+    monkeypatch.setattr(tiny_engine, "_compile", lambda segment, key, method: (compiled.append(key),
+                                                                               compile_one(segment, key, method)))
+    written = tiny_engine.compile(twice)
+    assert len(compiled) == len(set(compiled)) == 2
+    assert written == 3 and len(list(tiny_engine.store.keys())) == 3  # a prefix block and two chunks
 
 
 def test_a_closed_engine_refuses_work_instead_of_queueing_writes_nobody_runs(tiny_model, make_engine, rag_request):

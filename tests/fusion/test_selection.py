@@ -325,6 +325,19 @@ def check_with_weights(deviation: torch.Tensor, weights: torch.Tensor | None, ma
     return keep.tolist()
 
 
+def test_a_bf16_cache_s_deviation_is_summed_in_fp32():
+    """One row whose K deviates by 1 on 256 dims and V by 1 on one: 257, which bf16 cannot hold (it rounds to 256)."""
+    cache = KVCache(num_layers=2, num_kv_heads=1, head_dim=258, dtype=torch.bfloat16, capacity=1)
+    cache.allocate(torch.arange(1))
+    cache.keys[1][:1], cache.values[1][:1] = 0.0, 0.0
+    cache.keys[1][0, 0, 0] = 1.0  # the stored energy: 1
+    k, v = cache.keys[1][:1].clone(), cache.values[1][:1].clone()
+    k[0, 0, 1:257] += 1.0
+    v[0, 0, 0] = 1.0
+    _, check = most_deviating(Narrowing(1, 0.0), 1, cache, torch.arange(1), k, v, torch.ones(1, dtype=torch.bool))
+    assert check.mass == 257.0
+
+
 def test_a_query_aware_check_keeps_the_deviating_rows_the_question_attends_to():
     deviation = torch.tensor([4.0, 4.0, 1.0, 1.0, 1.0, 1.0, 4.0, 1.0])
     attention = torch.tensor([0.0, 0.01, 0.3, 0.01, 0.3, 0.01, 0.0, 0.37])
