@@ -270,6 +270,8 @@ def _options(name: str, arg: str, allowed: tuple[str, ...]) -> tuple[str, dict[s
         if not found or key not in allowed:
             known = ", ".join(f"{a}=N" for a in allowed)
             raise ValueError(f"method {name}: unknown option {option!r}; options: {known}")
+        if key in options:
+            raise ValueError(f"method {name}: option {key} given twice")
         options[key] = _count(name, value)
     return main, options
 

@@ -76,7 +76,8 @@ def test_the_recency_window_counts_from_the_last_chunk_even_when_it_missed():
 @pytest.mark.parametrize("spec, message", [("legolink:4:recent=x", "whole number"),
                                            ("legolink:4:sinks=2", "unknown option 'sinks=2'"),
                                            ("guarded:1e-3:recent", "unknown option 'recent'"),
-                                           ("guarded:1e-3:examples=-1", "whole number")])
+                                           ("guarded:1e-3:examples=-1", "whole number"),
+                                           ("guarded:1e-3:sinks=2:sinks=9", "option sinks given twice")])
 def test_bad_window_options_name_the_problem(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_method(spec)
