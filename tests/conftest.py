@@ -167,14 +167,20 @@ def rag_request():
 
 
 @pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory):
-    """A tiny random-weight Llama with the embedded model's real tokenizer, saved as a Hugging Face directory,
-    so commands that take `--model DIR` run end to end in seconds (plumbing only: its outputs mean nothing)."""
+def embedded_tokenizer():
+    """The embedded SmolLM2's real tokenizer (no weights loaded)."""
     from transformers import AutoTokenizer
 
     from kvreuse.model.loader import resolve_model_dir
 
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
+    return AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, embedded_tokenizer):
+    """A tiny random-weight Llama with the embedded model's real tokenizer, saved as a Hugging Face directory,
+    so commands that take `--model DIR` run end to end in seconds (plumbing only: its outputs mean nothing)."""
+    tokenizer = embedded_tokenizer
     config = AutoConfig.for_model(
         "llama",
         **{

@@ -3,13 +3,11 @@ from windows of a few tokens."""
 
 import random
 
-import pytest
 from tokenizers import Tokenizer, decoders, models
-from transformers import AutoTokenizer, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 from kvreuse.engine.generate import StopMatcher, TextStream
 from kvreuse.engine.sampling import SamplingParams
-from kvreuse.model.loader import resolve_model_dir
 
 EOS = 0
 
@@ -118,11 +116,6 @@ def _streamed(tokenizer, ids: list[int]) -> tuple[str, str]:
         s.add(token)
         deltas.append(s.new_text())
     return "".join(deltas), s.text
-
-
-@pytest.fixture(scope="module")
-def embedded_tokenizer():
-    return AutoTokenizer.from_pretrained(resolve_model_dir(None), local_files_only=True)
 
 
 def test_the_embedded_tokenizers_streamed_text_is_its_whole_decode(embedded_tokenizer):
