@@ -68,7 +68,7 @@ def predict(plan: FusionPlan, span_tiers: list[str], profile: MachineProfile) ->
         raise ValueError(f"span_tiers: no profile of tier {unknown[0]!r} (profiled: {', '.join(profile.tiers)})")
     compute = profile.compute
     bytes_per_row = profile.kv_bytes_per_token_layer
-    loading = [(profile.tiers[t], s.load.numel(), s.from_layer) for s, t in zip(plan.reused, span_tiers)
+    loading = [(profile.tiers[t], s.load.numel(), s.reads_from) for s, t in zip(plan.reused, span_tiers)
                if s.load.numel()]
 
     def read_and_place(layer: int) -> tuple[float, float]:

@@ -151,7 +151,7 @@ class LayerLoader:
         start = time.perf_counter()
         try:
             with metered() as meter:
-                kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.from_layer <= layer]
+                kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.reads_from <= layer]
             self.bytes_read += meter.bytes
             self._layers[layer] = ([k for k, _ in kv], [v for _, v in kv])
             del kv
@@ -166,7 +166,7 @@ class LayerLoader:
 
     def reads(self, layer: int) -> bool:
         """Whether any span is loaded on `layer`."""
-        return any(span.from_layer <= layer for span in self.spans)
+        return any(span.reads_from <= layer for span in self.spans)
 
     def _run(self) -> None:
         for layer in filter(self.reads, range(self.num_layers)):
@@ -240,7 +240,7 @@ class PlanRows:
 
     def loaded_at(self, layer: int) -> tuple[torch.Tensor | slice, Rotary]:
         """The rows whose stored KV `layer` loads, and their rotary tables."""
-        start = max((s.from_layer for s in self.plan.reused if s.from_layer <= layer), default=0)
+        start = max((s.reads_from for s in self.plan.reused if s.reads_from <= layer), default=0)
         if start not in self._loaded:
             rows = self.plan.loaded_rows_at(layer).to(self.model.device)
             self._loaded[start] = _as_slice(rows), self.rotary[rows]

@@ -76,7 +76,9 @@ class PrefixSplit:
 @dataclass
 class ReusedSpan:
     """Stored KV placed at `start`: rows `load` of the entry (indices into it) are read, for every layer from
-    `from_layer` on (the layers below compute those rows: a prefix restored layer-wise)."""
+    `from_layer` on (the layers below compute those rows: a prefix restored layer-wise), and not below
+    `first_read_layer` (layers that compute every row of the span anyway: CacheBlend's layer 0, whose stored KV
+    would be overwritten unread)."""
 
     key: str
     start: int
@@ -86,10 +88,16 @@ class ReusedSpan:
     from_layer: int = 0
     stored_tokens: int | None = None  # tokens the entry holds, when more than `length` (a clipped prefix block)
     read_whole: bool = False  # read every layer from `from_layer` on at once, not one layer per read
+    first_read_layer: int = 0
 
     @property
     def rows(self) -> torch.Tensor:
         return self.start + self.load
+
+    @property
+    def reads_from(self) -> int:
+        """The first layer whose stored KV is read."""
+        return max(self.from_layer, self.first_read_layer)
 
     @property
     def reads_whole_entry(self) -> bool:
@@ -147,7 +155,7 @@ class FusionPlan:
 
     def loaded_rows_at(self, layer: int) -> torch.Tensor:
         """Prompt rows whose stored KV is read for `layer`, in the loader's order (span by span)."""
-        rows = [s.rows for s in self.reused if s.load.numel() and s.from_layer <= layer]
+        rows = [s.rows for s in self.reused if s.load.numel() and s.reads_from <= layer]
         return torch.cat(rows) if rows else torch.empty(0, dtype=torch.long)
 
     def leaving_rows(self) -> dict[int, torch.Tensor]:
@@ -218,7 +226,10 @@ def plan_from_rows(
         if not load_recomputed:
             kept[chosen] = False
         approximate = p.segment.kind == SegmentKind.CHUNK
-        reused.append(ReusedSpan(p.key, p.segment.start, rows.numel(), rows[kept], approximate))
+        # Layer 0 computes every row of this span and no check compares them there: its stored rows go unread.
+        every_row_at_0 = load_recomputed and chosen.numel() == rows.numel() and all(n.layer for n in narrowing or [])
+        reused.append(ReusedSpan(p.key, p.segment.start, rows.numel(), rows[kept], approximate,
+                                 first_read_layer=int(every_row_at_0)))
         compute.append(p.segment.start + chosen)
     compute_rows = torch.cat(compute).sort().values if compute else torch.empty(0, dtype=torch.long)
     pinned_rows = [placed[i].segment.start + rows for i, rows in (pinned or {}).items()]

@@ -101,9 +101,10 @@ def test_reading_inline_or_on_a_slow_loader_thread_does_not_change_results(slow_
         assert torch.equal(inline.logits, threaded.logits), method
         assert (inline.stats.loads_overlapped, threaded.stats.loads_overlapped) == (False, True)
         # Beyond the request's own cache the executor holds one layer of stored KV reading ahead on its thread,
-        # and the layers of one read inline (several per read: each read pays a call's cost)
-        layers = engine.model.num_layers
-        assert inline.stats.peak_stored_layers_held == min(INLINE_LAYERS_PER_READ, layers) > 1
+        # and the layers of one read inline (several per read: each read pays a call's cost), from the first
+        # layer read (CacheBlend's chunks: layer 1)
+        layers_read = engine.model.num_layers - min(span.reads_from for span in plan.reused)
+        assert inline.stats.peak_stored_layers_held == min(INLINE_LAYERS_PER_READ, layers_read) > 1
         assert threaded.stats.peak_stored_layers_held == 1
 
 
@@ -388,6 +389,21 @@ def test_a_plan_counts_the_bytes_its_reads_fetched(tiny_model, make_engine, rag_
             fetched[method] = engine.store.stats()["tiers"][0]["bytes_read"] - before
             assert stats.bytes_loaded == fetched[method], method
         assert fetched["cachetune:0.5"] < fetched["naive"]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("method", ["cacheblend:0.15", "guarded:1e-3"])
+def test_a_method_recomputing_every_chunk_row_at_layer_0_does_not_read_their_stored_layer_0(
+        tiny_model, make_engine, rag_request, method):
+    """Its stored layer 0 would be overwritten unread: it reads the layers above, naive's bytes less one layer."""
+    engine = make_engine(tiny_model)
+    try:
+        request = rag_request(prefix=0)
+        engine.compile(request)
+        fetched = {m: engine.prefill(request, m).stats.fusion.bytes_loaded for m in ("naive", method)}
+        layers = tiny_model.num_layers
+        assert fetched[method] * layers == fetched["naive"] * (layers - 1)
     finally:
         engine.close()
 
