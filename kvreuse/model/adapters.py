@@ -39,7 +39,8 @@ class UnsupportedModelError(ValueError):
 
 
 class LlamaAdapter:
-    """Llama, SmolLM2, TinyLlama, Llama 3 (llama3 rope scaling lives in the rotary module), Mistral, Qwen2.
+    """Llama, SmolLM2, TinyLlama, Llama 3 (llama3 rope scaling lives in the rotary module), Qwen2; Mistral with its
+    window (`MistralAdapter`).
 
     Qwen2's qkv bias needs nothing here: it is part of its `nn.Linear` projections.
     """
@@ -169,11 +170,18 @@ class LlamaAdapter:
         return None
 
     def sliding_window(self, layer_idx: int) -> int | None:
-        """Tokens a query at layer `layer_idx` may look back over (None: the whole context)."""
-        attn = self.decoder.layers[layer_idx].self_attn
-        if hasattr(attn, "sliding_window"):  # Qwen2/Qwen3 decide per layer
-            return attn.sliding_window
-        return getattr(self.config, "sliding_window", None)  # Mistral: one window for all layers
+        """Tokens a query at layer `layer_idx` may look back over (None: the whole context): the window the family's
+        own attention applies. Qwen2, Qwen3 and Gemma 3 set it per layer on the attention module; Llama has none,
+        whatever a config.json holds (a stray `sliding_window` key stays an attribute its modelling code never
+        reads)."""
+        return getattr(self.decoder.layers[layer_idx].self_attn, "sliding_window", None)
+
+
+class MistralAdapter(LlamaAdapter):
+    """Mistral: Llama's layers, whose attention reads one window for every layer from the config."""
+
+    def sliding_window(self, layer_idx: int) -> int | None:
+        return getattr(self.config, "sliding_window", None)
 
 
 def _pass_rows(mlp: nn.Module, x: torch.Tensor) -> int:
@@ -210,6 +218,11 @@ class Gemma3Adapter(Qwen3Adapter):
         super().__init__(hf_model)
         if getattr(self.config, "attn_logit_softcapping", None) is not None:  # Gemma 2's; the fused kernel has none
             raise UnsupportedModelError("attention logit soft-capping is not supported by the layer-wise runtime")
+        # EmbeddingGemma's: a query also sees later tokens (within a window), which attention by position never lets
+        # it (causal by construction)
+        if getattr(self.config, "use_bidirectional_attention", False):
+            raise UnsupportedModelError("bidirectional attention (use_bidirectional_attention) is not supported by "
+                                        "the layer-wise runtime, which attends causally")
 
     def finish_layer(self, block: nn.Module, residual: torch.Tensor, attn_out: torch.Tensor, int8: bool = False
                      ) -> torch.Tensor:
@@ -230,7 +243,7 @@ class Gemma3Adapter(Qwen3Adapter):
 
 ADAPTERS: dict[str, type[LlamaAdapter]] = {
     "llama": LlamaAdapter,
-    "mistral": LlamaAdapter,
+    "mistral": MistralAdapter,
     "qwen2": LlamaAdapter,
     "qwen3": Qwen3Adapter,
     "gemma3_text": Gemma3Adapter,

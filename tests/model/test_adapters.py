@@ -1,8 +1,12 @@
-"""What the family adapters add to the layer step: the MLP in passes of bounded size."""
+"""What the family adapters add to the layer step: the MLP in passes of bounded size, each family's attention window,
+and the options of a family the runtime refuses."""
 
+import pytest
 import torch
 
 from kvreuse.model import adapters, native
+from kvreuse.model.adapters import UnsupportedModelError
+from kvreuse.model.runtime import LayerwiseModel
 
 
 @torch.inference_mode()
@@ -52,7 +56,6 @@ def test_a_llama_mlp_of_another_activation_runs_its_own_activation(make_tiny):
     """The layer's end in one native call applies SiLU: an MLP with another activation ends apart, as its module
     computes it."""
     from kvreuse.model.check import check_prefill_logits
-    from kvreuse.model.runtime import LayerwiseModel
 
     hf_model = make_tiny("llama")
     for block in hf_model.model.layers:
@@ -60,3 +63,29 @@ def test_a_llama_mlp_of_another_activation_runs_its_own_activation(make_tiny):
     prompt = torch.randint(3, 256, (40,), generator=torch.Generator().manual_seed(6)).tolist()
     result = check_prefill_logits(LayerwiseModel(hf_model), prompt)
     assert result.passed, result.detail
+
+
+@pytest.mark.parametrize(("family", "window"), [("llama", None), ("mistral-window", 24)])
+@torch.inference_mode()
+def test_a_config_s_sliding_window_applies_only_where_the_family_s_attention_reads_it(make_tiny, family, window):
+    """A config.json key stays an attribute of the config whether the modelling code reads it or not: Mistral's
+    attention reads `sliding_window`, Llama's never does, so a Llama with one attends over the whole context, as
+    transformers computes it."""
+    hf_model = make_tiny(family)
+    hf_model.config.sliding_window = 24
+    model = LayerwiseModel(hf_model)
+    assert model.windows == [window] * model.num_layers
+    prompt = torch.randint(3, 256, (60,), generator=torch.Generator().manual_seed(7))  # past the window
+    reference = hf_model(prompt[None]).logits[0, -1]
+    torch.testing.assert_close(model.prefill(prompt).logits, reference, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize(("option", "value", "refusal"), [
+    ("attn_logit_softcapping", 50.0, "soft-capping"),
+    ("use_bidirectional_attention", True, "bidirectional attention"),
+])
+def test_gemma3_options_attention_by_position_cannot_compute_are_refused(make_tiny, option, value, refusal):
+    hf_model = make_tiny("gemma3")
+    setattr(hf_model.config, option, value)
+    with pytest.raises(UnsupportedModelError, match=refusal):
+        LayerwiseModel(hf_model)
