@@ -177,8 +177,7 @@ class LayerwiseModel:
         # RoPE tables of positions [0, n), grown on demand: building them for a long prompt costs more than
         # loading its KV. Dynamic and longrope scaling make a position's angles depend on the whole call's
         # positions, so those rope types build tables per call.
-        rope_type = getattr(self.decoder.rotary_emb, "rope_type", "default")
-        self._rotary_cacheable = "dynamic" not in rope_type and rope_type != "longrope"
+        self._rotary_cacheable = _rotary_cacheable(self.decoder.rotary_emb)
         self._rotary_table: Rotary | None = None
         # The step under way, per thread: a batch restoration runs steps of different groups in several threads.
         self._step_under_way = threading.local()
@@ -504,6 +503,14 @@ class LayerwiseModel:
         self.run_layers(range(self.num_layers), driver)
         shape = self._step_under_way.shape
         return self.logits(driver.hidden, int8=shape.int8)
+
+
+def _rotary_cacheable(rotary_emb: nn.Module) -> bool:
+    """Whether a position's RoPE angles are the same in any call (no dynamic or longrope scaling), so that one table
+    serves every call. `rope_type` is one type, or (Gemma 3's) a dict of them by kind of layer."""
+    rope_type = getattr(rotary_emb, "rope_type", "default")
+    types = rope_type.values() if isinstance(rope_type, dict) else [rope_type]
+    return not any("dynamic" in kind or kind == "longrope" for kind in types)
 
 
 def _pool_decoding(groups: Sequence[RowGroup]) -> KVPool | None:

@@ -65,10 +65,15 @@ def test_the_rotary_table_is_built_once_and_doubled_as_positions_grow(tiny_model
     assert built == [1024, 2048]
 
 
-def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny):
-    """Dynamic scaling changes a position's angles with the longest position in the call: no shared table."""
-    hf_model = make_tiny("llama")
-    hf_model.model.rotary_emb.rope_type = "dynamic"
+@pytest.mark.parametrize(("family", "rope_type"), [
+    ("llama", "dynamic"),
+    ("gemma3", {"full_attention": "dynamic", "sliding_attention": "default"}),  # by kind of layer
+])
+def test_rotary_tables_of_dynamic_rope_are_built_per_call(make_tiny, family, rope_type):
+    """Dynamic scaling changes a position's angles with the longest position in the call: no shared table, whichever
+    kind of layer scales so."""
+    hf_model = make_tiny(family)
+    hf_model.model.rotary_emb.rope_type = rope_type
     model = LayerwiseModel(hf_model)
     model.rotary(torch.arange(10))
     assert model._rotary_table is None
