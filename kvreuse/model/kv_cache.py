@@ -66,15 +66,16 @@ class KVCache:
         if self.pool is not None:  # every slot of the pool grows, and the pool rebinds this cache's views
             self.pool.grow(capacity)
             return
+        # every tensor made before any is assigned: an allocation that fails leaves the cache as it was
+        keys = [self._grown(k, capacity) for k in self.keys]
+        values = [self._grown(v, capacity) for v in self.values]
+        positions = self._grown(self._positions, capacity)
+        self.keys, self.values, self._positions = keys, values, positions
 
-        def grown(old: torch.Tensor) -> torch.Tensor:
-            new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype, device=old.device)
-            new[: self.length] = old[: self.length]
-            return new
-
-        self.keys = [grown(k) for k in self.keys]
-        self.values = [grown(v) for v in self.values]
-        self._positions = grown(self._positions)
+    def _grown(self, old: torch.Tensor, capacity: int) -> torch.Tensor:
+        new = torch.empty((capacity, *old.shape[1:]), dtype=old.dtype, device=old.device)
+        new[: self.length] = old[: self.length]
+        return new
 
     def clone(self) -> KVCache:
         """An independent copy, outside any pool: two continuations of one prefill (a generation and a

@@ -164,11 +164,13 @@ class KVPool:
             capacity = max(capacity, 2 * self.capacity)
         heads, dim = self._head_shape
         shape = (self.slots, heads, capacity, dim)
-        self.keys = [self._grown(self.keys[i] if self.keys else None, shape) for i in range(self.num_layers)]
-        self.values = [self._grown(self.values[i] if self.values else None, shape) for i in range(self.num_layers)]
+        # Every tensor is made before any is assigned: an allocation that fails (memory exhausted) leaves the pool as
+        # it was, not grown keys beside old values, which the next pooled decoding step would read past.
+        keys = [self._grown(old, shape) for old in self.keys or [None] * self.num_layers]
+        values = [self._grown(old, shape) for old in self.values or [None] * self.num_layers]
         positions = torch.zeros((self.slots, capacity), dtype=torch.long, device=self.device)
         positions[:, : self.capacity] = self.positions
-        self.positions, self.capacity = positions, capacity
+        self.keys, self.values, self.positions, self.capacity = keys, values, positions, capacity
         for member in self.members:
             self._bind(member)
 

@@ -100,6 +100,35 @@ def test_a_member_outgrowing_the_pool_grows_every_slot_in_place(tiny_model):
     assert pool.capacity == 2 * CAPACITY_STEP and pooled[0].length == CAPACITY_STEP + 2
 
 
+def layouts(tensors: list[torch.Tensor]) -> list[tuple]:
+    return [(t.shape, t.stride(), t.dtype) for t in tensors]
+
+
+def test_a_growth_that_fails_part_way_leaves_the_pool_as_it_was(tiny_model, monkeypatch):
+    """Memory running out as the values are allocated, after the keys, must not leave grown keys beside old values:
+    the next pooled decoding step would read the values by the keys' layout, past their end."""
+    pool = pool_of(tiny_model, slots=2)
+    prompts = [random_ids(n, seed=n) for n in (12, 20)]
+    pooled = [pool.adopt(tiny_model.prefill(p).cache, capacity=32) for p in prompts]
+    before = layouts(pool.keys + pool.values + [pool.positions]), pool.capacity
+    allocated = []
+    grown = KVPool._grown
+
+    def out_of_memory_at_the_values(self, old, shape):
+        if len(allocated) == self.num_layers:
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+        allocated.append(shape)
+        return grown(self, old, shape)
+
+    monkeypatch.setattr(KVPool, "_grown", out_of_memory_at_the_values)
+    with pytest.raises(RuntimeError, match="not enough memory"):
+        pool.grow(4 * CAPACITY_STEP)
+    monkeypatch.undo()
+    assert (layouts(pool.keys + pool.values + [pool.positions]), pool.capacity) == before
+    alone = [tiny_model.prefill(p).cache for p in prompts]
+    assert_decodes_alike(tiny_model, alone, pooled, steps=2)
+
+
 def test_a_cache_the_pool_cannot_hold_is_refused(tiny_model):
     one_step = KVPool.for_model(tiny_model, 2, 1).bytes_for(CAPACITY_STEP)
     pool = pool_of(tiny_model, slots=2, max_bytes=one_step)

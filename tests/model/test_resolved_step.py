@@ -158,6 +158,20 @@ def test_several_requests_rows_and_a_pool_out_of_slot_order_take_the_general_ste
     assert ran == list(range(model.num_layers))
 
 
+def test_a_pool_whose_values_are_not_laid_out_as_its_keys_takes_the_general_step(monkeypatch):
+    """The pooled kernel call reads a layer's values by its keys' strides: a pool whose keys and values differ (as a
+    growth that failed part way left them) goes to the general step, whose kernel refuses it, never to that call."""
+    model = tiny("llama")
+    caches = prefilled(model, [12, 20], pooled=True)
+    pool = caches[0].pool
+    # the same rows, laid out with each row's heads side by side: as many bytes, other strides
+    pool.values[1] = pool.values[1].transpose(1, 2).contiguous().transpose(1, 2)
+    ran = layers_resolved(monkeypatch)
+    with pytest.raises(ValueError, match="decode_attention: keys and values must share a layout"):
+        model.decode_batch([5, 6], caches)
+    assert ran == []
+
+
 @pytest.mark.parametrize("change", ["in place", "replaced"])
 def test_a_weight_changed_between_steps_is_the_one_the_next_step_uses(change):
     """The layers' resolved weights are kept between steps only while every parameter is the tensor, at the
