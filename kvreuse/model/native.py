@@ -648,8 +648,10 @@ def place_parts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], co
                          f"the cache's heads, tables [n, dim] for their n rows")
     bf16 = _is_bf16("place_parts", *keys, *values, cos, sin, cache_keys, cache_values)
     if isinstance(rows, slice):
-        to, first = None, rows.start or 0
-        if len(range(*rows.indices(cache_keys.shape[0]))) != n or (rows.step or 1) != 1:
+        # the rows torch's indexing takes (a negative start counts from the end): the kernel writes from `first` on
+        first, stop, step = rows.indices(cache_keys.shape[0])
+        to = None
+        if len(range(first, stop, step)) != n or step != 1:
             raise ValueError(f"place_parts: {n} rows into cache rows {rows}")
     else:
         to, first = rows.to(torch.long).contiguous(), 0

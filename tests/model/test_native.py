@@ -824,6 +824,21 @@ def test_place_parts_writes_each_part_s_rows_rotated_where_rope_of_them_joined_w
 
 
 @needs_compiler
+@pytest.mark.parametrize("rows", [slice(7, 10), slice(-3, None), slice(-5, -2)])
+def test_place_parts_writes_the_rows_torch_s_indexing_takes_for_a_slice(rows):
+    """A slice counting from the cache's end ("the last 3 rows") places where torch's indexing puts it: the kernel
+    writes from the slice's start, so a start left negative wrote before the cache's memory."""
+    backing = torch.zeros(2, 20, 2, 16)  # each cache layer the last 10 rows of its own: memory before it is in sight
+    cache_keys, cache_values = backing[0, 10:], backing[1, 10:]
+    keys, values = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
+    no_turn = torch.ones(3, 16), torch.zeros(3, 16)  # cos and sin of angle 0: the keys placed as they are
+    native.place_parts([keys], [values], *no_turn, rows, cache_keys, cache_values)
+    expected = torch.zeros_like(backing)
+    expected[0, 10:][rows], expected[1, 10:][rows] = keys, values
+    assert torch.equal(backing, expected)
+
+
+@needs_compiler
 def test_place_parts_refuses_what_it_cannot_take():
     keys, cos = [torch.randn(4, 2, 16), torch.randn(3, 2, 16)], torch.randn(7, 16)
     cache = torch.zeros(10, 2, 16)
