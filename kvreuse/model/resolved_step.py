@@ -62,10 +62,11 @@ class _OneRequest:
                 dtype=torch.uint8)
 
     @staticmethod
-    def takes(group: RowGroup) -> bool:
-        """Whether the kernels read the group's cache as it is laid out."""
+    def takes(group: RowGroup, dtype: torch.dtype) -> bool:
+        """Whether the kernels read the group's cache as it is laid out, in the model's `dtype` (the prefill kernel
+        reads the cache as the queries' dtype: bf16 read as fp32 would be twice its bytes)."""
         keys, values = group.cache.keys[0], group.cache.values[0]
-        return (keys.stride() == values.stride() and keys.stride(-1) == 1
+        return (keys.dtype == values.dtype == dtype and keys.stride() == values.stride() and keys.stride(-1) == 1
                 and (len(group) == 1  # the prefill kernel reads rows of contiguous heads, of whole vectors
                      or (native.heads_in_rows(keys) and native.prefill_attention_takes(keys.shape[-1]))))
 
@@ -176,7 +177,8 @@ class ResolvedStep:
             return None
         # checked before the targets' buffers are allocated: a step the general step runs allocates nothing here
         pooled = shape.pooled
-        if not (_Pooled.takes(*pooled) if pooled is not None else len(groups) == 1 and _OneRequest.takes(groups[0])):
+        if not (_Pooled.takes(*pooled) if pooled is not None
+                else len(groups) == 1 and _OneRequest.takes(groups[0], model.dtype)):
             return None
         weights = model.adapter.native_layers(sum(len(g) for g in groups), model.dtype, shape.int8)
         if weights is None:

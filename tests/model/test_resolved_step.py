@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvreuse.model import native
+from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.kv_pool import KVPool
 from kvreuse.model.resolved_step import ResolvedStep
 from kvreuse.model.runtime import LayerwiseModel, RowGroup, Straight
@@ -169,6 +170,19 @@ def test_a_pool_whose_values_are_not_laid_out_as_its_keys_takes_the_general_step
     ran = layers_resolved(monkeypatch)
     with pytest.raises(ValueError, match="decode_attention: keys and values must share a layout"):
         model.decode_batch([5, 6], caches)
+    assert ran == []
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
+def test_a_cache_of_another_dtype_than_the_model_s_takes_the_general_step(cache_dtype, monkeypatch):
+    """The prefill kernel reads a cache as the model's dtype: an fp32 model's prompt over a bf16 cache would read its
+    2-byte rows as 4-byte ones, out of bounds and silently. The general step runs it, where torch refuses the mix."""
+    model = tiny("llama")
+    # twice the prompt's rows: what the kernel read of a 2-byte cache, unfixed, stayed within its memory
+    cache = KVCache(model.num_layers, model.num_kv_heads, model.head_dim, cache_dtype, capacity=80)
+    ran = layers_resolved(monkeypatch)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        model.prefill(random_ids(40, seed=1), cache=cache)
     assert ran == []
 
 
