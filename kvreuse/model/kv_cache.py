@@ -79,12 +79,13 @@ class KVCache:
 
     def clone(self) -> KVCache:
         """An independent copy, outside any pool: two continuations of one prefill (a generation and a
-        teacher-forced answer)."""
+        teacher-forced answer). Laid out as a cache of its own (rows of contiguous heads, as the native kernels read
+        them), whatever a pool's slot held."""
         copy = KVCache.__new__(KVCache)
         copy.num_layers, copy.length, copy._shape = self.num_layers, self.length, self._shape
         copy._dtype, copy._device = self._dtype, self._device
-        copy.keys = [k.clone() for k in self.keys]
-        copy.values = [v.clone() for v in self.values]
+        copy.keys = [k.clone(memory_format=torch.contiguous_format) for k in self.keys]
+        copy.values = [v.clone(memory_format=torch.contiguous_format) for v in self.values]
         copy._positions = self._positions.clone()
         return copy
 

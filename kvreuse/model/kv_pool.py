@@ -4,7 +4,9 @@ the new query of every sequence (`LayerwiseModel.step`) instead of one call per 
 Per layer the pool holds keys and values head-major, [slots, kv_heads, capacity, head_dim]: a slot's keys of one
 head are contiguous rows, and the slots stack into the batch dimension of one attention call. A cache adopted
 into a slot is a `KVCache` whose per-layer tensors are views of that slot ([capacity, kv_heads, head_dim], the
-layout every other path reads and writes), so prefill, fusion and write-back use it unchanged.
+layout every other path reads and writes), so prefill, fusion and write-back use it unchanged: their attention of
+several rows and their placing of stored KV run torch's kernels there, as the native ones read only rows of
+contiguous heads (a cache of its own, or its `clone`).
 
 Decoding one token reads every row of every cache once: at 16 sequences of 512 tokens, per-sequence calls over
 separate caches took 54 ms per step of SmolLM2's 30 layers against 22 ms for one call per layer over a pool

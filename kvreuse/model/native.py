@@ -512,8 +512,10 @@ def prefill_attention_takes(dim: int) -> bool:
 
 def prefill_attention_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
     """Whether `prefill_attention` takes these: one dtype of FP32_OR_BF16 for all three, on the CPU, heads it
-    runs, and the library built."""
-    return runs_fp32_or_bf16(q, keys, values) and prefill_attention_takes(q.shape[-1])
+    runs, keys and values laid out alike in rows of contiguous heads (a request's own cache; a cache in a pool's
+    slot holds each head's rows together), and the library built."""
+    return (runs_fp32_or_bf16(q, keys, values) and prefill_attention_takes(q.shape[-1]) and heads_in_rows(keys)
+            and keys.shape == values.shape and keys.stride() == values.stride())
 
 
 def prefill_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,

@@ -290,19 +290,22 @@ class LayerwiseModel:
         """The one KV placer: stored-form KV (keys before RoPE, any device and dtype) moved to the model's
         device and dtype, keys rotated to the rows' positions, written at `rows` of `cache`. Keys and values come
         whole or in parts (a loaded layer's spans), whose rows in turn are `rows`: parts in the model's dtype go
-        into the cache in one native pass (each part converted first if it must be), never joined into a copy."""
+        into the cache in one native pass (each part converted first if it must be), never joined into a copy; a
+        cache whose rows are not of contiguous heads (one in a pool's slot) takes torch's ops."""
         if isinstance(keys, torch.Tensor):
             keys, values = [keys], [values]
         keys, values = ([t.to(device=self.device, dtype=self.dtype) for t in parts] for parts in (keys, values))
         cos, sin = (table[:, 0] for table in self._rope_tables(layer, rotary))
-        if (native.runs_fp32_or_bf16(cos, *keys, *values, cache.keys[layer])
-                and all(t.is_contiguous() for t in (*keys, *values))):
-            native.place_parts(keys, values, cos, sin, rows, cache.keys[layer], cache.values[layer])
+        cache_keys, cache_values = cache.keys[layer], cache.values[layer]
+        if (native.runs_fp32_or_bf16(cos, *keys, *values, cache_keys)
+                and all(t.is_contiguous() for t in (*keys, *values))
+                and native.heads_in_rows(cache_keys) and cache_keys.stride() == cache_values.stride()):
+            native.place_parts(keys, values, cos, sin, rows, cache_keys, cache_values)
             return
         keys, values = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (keys, values))
         if isinstance(rows, slice):  # rotated straight into the cache's memory: no temporary to copy
-            self.rope(layer, keys, rotary, out=cache.keys[layer][rows])
-            cache.values[layer][rows] = values
+            self.rope(layer, keys, rotary, out=cache_keys[rows])
+            cache_values[rows] = values
         else:
             cache.write(layer, rows, self.rope(layer, keys, rotary), values)
 

@@ -100,6 +100,34 @@ def test_a_member_outgrowing_the_pool_grows_every_slot_in_place(tiny_model):
     assert pool.capacity == 2 * CAPACITY_STEP and pooled[0].length == CAPACITY_STEP + 2
 
 
+def test_a_pooled_cache_takes_a_prompt_and_placed_kv_as_a_cache_of_its_own_does(tiny_model):
+    """A cache in a pool's slot is a KVCache like any other: a next turn's prompt prefilled into it, and stored KV
+    placed into it, give what they give in a cache of its own (torch's kernels run them where the native ones, which
+    read rows of contiguous heads, do not take a slot's head-major rows)."""
+    prompt = random_ids(30, seed=8)
+    own = tiny_model.prefill(prompt[:12]).cache
+    pool = pool_of(tiny_model, slots=2)
+    pooled = pool.adopt(tiny_model.prefill(prompt[:12]).cache, capacity=40)
+    expected = tiny_model.prefill(prompt[12:], cache=own)
+    torch.testing.assert_close(tiny_model.prefill(prompt[12:], cache=pooled).logits, expected.logits, atol=1e-4, rtol=0)
+    stored = tiny_model.prefill(prompt[:12], capture_kv=True)
+    placed = pool.adopt(tiny_model.new_cache(12), capacity=12)
+    rows = placed.allocate(torch.arange(12))
+    for layer in range(tiny_model.num_layers):
+        tiny_model.place(placed, layer, rows, stored.keys[layer], stored.values[layer], tiny_model.rotary(range(12)))
+        for got, want in zip(placed.layer(layer), stored.cache.layer(layer)):
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+
+
+def test_a_clone_of_a_pooled_cache_is_laid_out_as_a_cache_of_its_own(tiny_model):
+    """Outside the pool, its rows of contiguous heads are what the native kernels read."""
+    pooled = pool_of(tiny_model, slots=2).adopt(tiny_model.prefill(random_ids(12, seed=9)).cache, capacity=16)
+    copy = pooled.clone()
+    assert copy.pool is None and all(t.is_contiguous() for t in copy.keys + copy.values)
+    for layer in range(tiny_model.num_layers):
+        assert all(torch.equal(a, b) for a, b in zip(copy.layer(layer), pooled.layer(layer)))
+
+
 def layouts(tensors: list[torch.Tensor]) -> list[tuple]:
     return [(t.shape, t.stride(), t.dtype) for t in tensors]
 
