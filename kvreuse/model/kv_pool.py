@@ -168,10 +168,13 @@ class KVPool:
         shape = (self.slots, heads, capacity, dim)
         # Every tensor is made before any is assigned: an allocation that fails (memory exhausted) leaves the pool as
         # it was, not grown keys beside old values, which the next pooled decoding step would read past.
-        keys = [self._grown(old, shape) for old in self.keys or [None] * self.num_layers]
-        values = [self._grown(old, shape) for old in self.values or [None] * self.num_layers]
-        positions = torch.zeros((self.slots, capacity), dtype=torch.long, device=self.device)
-        positions[:, : self.capacity] = self.positions
+        # Normal tensors, not inference tensors, even where a decoding step (under torch.inference_mode) grows the
+        # pool: it outlives the step, and adopt (or a member's write) outside inference mode updates them in place.
+        with torch.inference_mode(False):
+            keys = [self._grown(old, shape) for old in self.keys or [None] * self.num_layers]
+            values = [self._grown(old, shape) for old in self.values or [None] * self.num_layers]
+            positions = torch.zeros((self.slots, capacity), dtype=torch.long, device=self.device)
+            positions[:, : self.capacity] = self.positions
         self.keys, self.values, self.positions, self.capacity = keys, values, positions, capacity
         for member in self.members:
             self._bind(member)

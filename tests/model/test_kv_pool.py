@@ -157,6 +157,19 @@ def test_a_growth_that_fails_part_way_leaves_the_pool_as_it_was(tiny_model, monk
     assert_decodes_alike(tiny_model, alone, pooled, steps=2)
 
 
+def test_a_pool_grown_in_a_decoding_step_takes_caches_outside_inference_mode(tiny_model):
+    """decode_batch runs under torch.inference_mode: a pool it grows holds normal tensors all the same, which adopt
+    (and a member's writes) outside inference mode update in place."""
+    pool = pool_of(tiny_model, slots=2)
+    prompt = random_ids(CAPACITY_STEP - 1, seed=10)
+    first = pool.adopt(tiny_model.prefill(prompt).cache, capacity=len(prompt))
+    for token in (5, 6):  # the second outgrows the pool
+        tiny_model.decode(token, first)
+    assert pool.capacity == 2 * CAPACITY_STEP
+    assert not any(t.is_inference() for t in pool.keys + pool.values + [pool.positions])
+    assert pool.adopt(tiny_model.prefill(random_ids(20, seed=11)).cache, capacity=32) is not None
+
+
 def test_a_cache_the_pool_cannot_hold_is_refused(tiny_model):
     one_step = KVPool.for_model(tiny_model, 2, 1).bytes_for(CAPACITY_STEP)
     pool = pool_of(tiny_model, slots=2, max_bytes=one_step)
