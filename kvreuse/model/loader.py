@@ -77,10 +77,13 @@ def packaged_gguf(name: str) -> Path:
 
 
 def resolve_model_dir(model: str | None = None) -> Path:
-    """Map a model argument to a local Hugging Face directory, converting a GGUF file on first use."""
+    """Map a model argument to a local Hugging Face directory, converting a GGUF file on first use. The embedded and
+    packaged models' names name those models; a local directory of the same name is named by a path (./NAME)."""
     if model in (None, "", EMBEDDED_MODEL):
+        _point_out_a_directory_named(model)
         return convert_gguf(embedded_gguf())
     if model in PACKAGED_MODELS:
+        _point_out_a_directory_named(model)
         return convert_gguf(packaged_gguf(model))
     path = Path(model).expanduser()
     if path.is_file() and path.suffix == ".gguf":
@@ -94,6 +97,14 @@ def resolve_model_dir(model: str | None = None) -> Path:
         f"(kvreuse never downloads from a model hub; omit --model for the embedded {EMBEDDED_MODEL}, or name a "
         f"packaged one: {', '.join(PACKAGED_MODELS)})"
     )
+
+
+def _point_out_a_directory_named(model: str | None) -> None:
+    """Say which model loads when a model directory in the working directory has a shipped model's name: the
+    shipped one, which the user may not have meant."""
+    if model and (Path(model) / "config.json").is_file():
+        print(f"kvreuse: {model!r} names the model kvreuse ships, not the local directory of that name (name it by "
+              f"a path: ./{model})", file=sys.stderr)
 
 
 def convert_gguf(gguf: Path) -> Path:

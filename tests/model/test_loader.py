@@ -2,11 +2,13 @@
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvreuse.cli import main
+from kvreuse.model import loader
 from kvreuse.model.adapters import UnsupportedModelError
 from kvreuse.model.loader import ModelLoadError, load_model, resolve_model_dir
 from kvreuse.model.runtime import LayerwiseModel
@@ -56,8 +58,22 @@ def test_console_script_reports_bad_model(tmp_path):
 
 
 def test_a_packaged_model_whose_wheel_is_missing_names_the_package(monkeypatch):
-    from kvreuse.model import loader
-
     monkeypatch.setitem(loader.PACKAGED_MODELS, "tiny-packaged", ("no_such_module_kvreuse", "no-such-wheel"))
     with pytest.raises(ModelLoadError, match="pip install no-such-wheel"):
         resolve_model_dir("tiny-packaged")
+
+
+@pytest.mark.parametrize(("name", "finder"), [("gemma3-270m", "packaged_gguf"),
+                                              (loader.EMBEDDED_MODEL, "embedded_gguf")])
+def test_a_model_directory_named_like_a_shipped_model_is_pointed_out(tmp_path, monkeypatch, capsys, name, finder):
+    """A shipped model's name loads that model; a model directory of the same name in the working directory is named
+    by a path, and the note says so (the directory used to be passed over in silence)."""
+    (tmp_path / name).mkdir()
+    (tmp_path / name / "config.json").write_text("{}")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(loader, finder, lambda *args: tmp_path / "shipped.gguf")
+    monkeypatch.setattr(loader, "convert_gguf", lambda gguf: tmp_path / "converted")
+    assert resolve_model_dir(name) == tmp_path / "converted"
+    assert f"name it by a path: ./{name}" in capsys.readouterr().err
+    assert resolve_model_dir(f"./{name}") == Path(name)
+    assert capsys.readouterr().err == ""
