@@ -9,6 +9,7 @@ import hashlib
 import json
 import os
 from pathlib import Path
+from typing import Callable
 
 
 def cache_root() -> Path:
@@ -38,17 +39,30 @@ def tokenizer_identity(tokenizer: str | Path, revision: str | None = None) -> st
 
 
 def weights_identity(model_dir: Path) -> str:
-    """Digest of the weight files, cached beside them by (size, mtime) so it is computed once."""
+    """Digest of the weight files, cached by (size, mtime) so it is computed once."""
     files = sorted(model_dir.glob("*.safetensors")) or sorted(model_dir.glob("*.bin"))
     stamp = json.dumps([(f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files])
-    cache = cache_root() / "fingerprints" / f"{fingerprint(str(model_dir.resolve()))}.json"
+    return _cached_digest(str(model_dir.resolve()), stamp, lambda: fingerprint(*(file_digest(f) for f in files)))
+
+
+def cached_file_digest(path: Path) -> str:
+    """`file_digest` of one file, cached by (size, mtime) as `weights_identity` is: a GGUF file of several GB names
+    its conversion at every load (about 0.8 s a GB to hash)."""
+    stat = path.stat()
+    stamp = json.dumps([stat.st_size, stat.st_mtime_ns])
+    return _cached_digest(fingerprint("file", str(path.resolve())), stamp, lambda: file_digest(path))
+
+
+def _cached_digest(key: str, stamp: str, compute: Callable[[], str]) -> str:
+    """compute(), kept under the cache folder by `key` while the files' `stamp` is unchanged."""
+    cache = cache_root() / "fingerprints" / f"{fingerprint(key)}.json"
     try:
         saved = json.loads(cache.read_text())
         if saved["stamp"] == stamp:
             return str(saved["digest"])
     except (OSError, ValueError, TypeError, KeyError):  # none yet, or damaged: computed again and replaced
         pass
-    digest = fingerprint(*(file_digest(f) for f in files))
+    digest = compute()
     cache.parent.mkdir(parents=True, exist_ok=True)
     cache.write_text(json.dumps({"stamp": stamp, "digest": digest}))
     return digest

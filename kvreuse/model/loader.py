@@ -24,7 +24,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from kvreuse.model.identity import (  # noqa: E402
-    cache_root, file_digest, fingerprint, tokenizer_identity, weights_identity,
+    cached_file_digest, cache_root, fingerprint, tokenizer_identity, weights_identity,
 )
 from kvreuse.model.runtime import LayerwiseModel  # noqa: E402
 
@@ -109,7 +109,7 @@ def _point_out_a_directory_named(model: str | None) -> None:
 
 def convert_gguf(gguf: Path) -> Path:
     """Dequantise `gguf` into a safetensors directory under the cache folder, once per distinct file."""
-    target = cache_root() / "models" / f"{gguf.stem}-{file_digest(gguf)[:12]}"
+    target = cache_root() / "models" / f"{gguf.stem}-{cached_file_digest(gguf)[:12]}"
     if (target / "config.json").is_file():
         return target
     from transformers import AutoModelForCausalLM, AutoTokenizer

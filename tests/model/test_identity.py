@@ -1,6 +1,7 @@
 """What names a model's tokenizer and weights in the store's keys: their files' content, not where they lie."""
 
-from kvreuse.model.identity import tokenizer_identity, weights_identity
+from kvreuse.model import identity
+from kvreuse.model.identity import cached_file_digest, file_digest, tokenizer_identity, weights_identity
 
 
 def write_model(folder, tokenizer_text: str, weights: bytes):
@@ -34,3 +35,15 @@ def test_a_damaged_digest_cache_is_computed_again(tmp_path, monkeypatch):
     for damage in ("{half", "[]", '{"stamp": 1}', "\xff"):
         cached.write_text(damage, encoding="latin-1")
         assert weights_identity(model) == digest, damage
+
+
+def test_a_file_s_digest_is_kept_until_its_size_or_mtime_changes(tmp_path, monkeypatch):
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path / "cache"))
+    hashed = []
+    monkeypatch.setattr(identity, "file_digest", lambda path: hashed.append(path) or file_digest(path))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF one")
+    first = cached_file_digest(gguf)
+    assert cached_file_digest(gguf) == first == file_digest(gguf) and hashed == [gguf]
+    gguf.write_bytes(b"GGUF, another")
+    assert cached_file_digest(gguf) == file_digest(gguf) != first and hashed == [gguf, gguf]

@@ -10,7 +10,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from kvreuse.cli import main
 from kvreuse.model import loader
 from kvreuse.model.adapters import UnsupportedModelError
-from kvreuse.model.loader import ModelLoadError, load_model, resolve_model_dir
+from kvreuse.model.identity import file_digest
+from kvreuse.model.loader import ModelLoadError, convert_gguf, load_model, resolve_model_dir
 from kvreuse.model.runtime import LayerwiseModel
 
 
@@ -77,3 +78,18 @@ def test_a_model_directory_named_like_a_shipped_model_is_pointed_out(tmp_path, m
     assert f"name it by a path: ./{name}" in capsys.readouterr().err
     assert resolve_model_dir(f"./{name}") == Path(name)
     assert capsys.readouterr().err == ""
+
+
+def test_a_converted_gguf_file_is_not_read_again_at_each_load(tmp_path, monkeypatch):
+    """Its digest names its conversion; hashing a file of several GB at every start took about 0.8 s a GB."""
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF weights")
+    converted = tmp_path / "cache" / "models" / f"model-{file_digest(gguf)[:12]}"
+    converted.mkdir(parents=True)
+    (converted / "config.json").write_text("{}")
+    reads, open_path = [], Path.open
+    monkeypatch.setattr(Path, "open", lambda path, *args, **kwargs: (reads.append(path) if path == gguf else None)
+                        or open_path(path, *args, **kwargs))
+    assert [convert_gguf(gguf) for _ in range(3)] == [converted] * 3
+    assert reads == [gguf]
