@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from itertools import cycle, islice
 
 from kvreuse.eval.datasets import QA_INSTRUCTION, fixed_chunks, load_dataset
-from kvreuse.fusion.segments import Request, SegmentKind, build_request, separator_ids
+from kvreuse.fusion.segments import Request, SegmentKind, build_request
 
 SYNTHETIC_WORDS = (
     "the a of to and in is was for on that with as by at from his her it an were are which this be has had "
@@ -86,7 +86,7 @@ def build_workload(tokenizer, source: TextSource, shape: Shape, index: int, wind
     target = min(shape.tokens, window - WINDOW_MARGIN)
     question = source.question(index)
     overhead = len(build_request(tokenizer, [], question))
-    per_chunk = (target - overhead) // shape.chunks - len(separator_ids(tokenizer, "\n\n"))  # after each chunk
+    per_chunk = (target - overhead) // shape.chunks - 1  # the engine appends a one-token separator to each chunk
     if per_chunk < 1:
         raise ValueError(f"lengths: {shape.tokens} tokens leave no room for {shape.chunks} chunks after the "
                          f"{overhead}-token template and question")

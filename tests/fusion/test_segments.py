@@ -3,7 +3,7 @@ prompt."""
 
 from __future__ import annotations
 
-from kvreuse.fusion.segments import SENTINEL, SegmentKind, build_request, chat_request, separator_ids
+from kvreuse.fusion.segments import SENTINEL, SegmentKind, build_request, chat_request, chunk_ids
 
 
 class BaseModelTokenizer:
@@ -57,23 +57,9 @@ def test_an_earlier_turn_quoting_the_template_sentinel_stays_in_the_prefix():
     assert request.segments[-1].token_ids == tokenizer.encode("the question<end>assistant:")
 
 
-def test_chunks_joined_by_their_separator_are_the_tokens_of_the_joined_text(embedded_tokenizer):
-    """Tokenized alone, '\n\n' is one token that SmolLM2's byte-level BPE never gives before a word (the joined
-    text has '\n', '\n'): every chunk boundary would be a pair the model never saw."""
-    chunks = ["Paris is the capital of France.", "東京は日本の首都です。", "Numbers 123", "456 and more."]
-    request = build_request(embedded_tokenizer, chunks, "Which capital?")
-    prompt = embedded_tokenizer.decode(request.token_ids.tolist())
-    assert embedded_tokenizer.encode(prompt, add_special_tokens=False) == request.token_ids.tolist()
-    newline = embedded_tokenizer.encode("\n", add_special_tokens=False)
-    assert separator_ids(embedded_tokenizer, "\n\n") == tuple(newline * 2)
-
-
-def test_a_separator_that_merges_with_the_words_around_it_is_tokenized_alone():
-    tokenizer = BaseModelTokenizer()  # one id per byte: nothing merges, so the probe splits cleanly
-    assert separator_ids(tokenizer, "\n\n") == tuple(tokenizer.encode("\n\n"))
-
-    class MergingTokenizer(BaseModelTokenizer):
-        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-            return [0] if " " in text else super().encode(text)  # the words around the separator merge
-
-    assert separator_ids(MergingTokenizer(), "\n\n") == tuple(BaseModelTokenizer().encode("\n\n"))
+def test_a_chunk_ends_with_the_separator_tokenized_with_it(embedded_tokenizer):
+    """'\n\n' tokenized with the chunk (one token on SmolLM2), not as the joined text has it before a word ('\n',
+    '\n'): the two-token form made every reuse method stray further from full prefill (chunk_ids)."""
+    assert chunk_ids(embedded_tokenizer, "Paris.") == embedded_tokenizer.encode("Paris.\n\n", add_special_tokens=False)
+    assert build_request(embedded_tokenizer, ["Paris.", "Berlin."], "Which?").segments[1].token_ids[-1:] == \
+        embedded_tokenizer.encode("\n\n", add_special_tokens=False)
