@@ -153,6 +153,15 @@ def random_ids(n: int, seed: int) -> list[int]:
     return torch.randint(3, 256, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def greedy_tokens(model: LayerwiseModel, prompt_ids: list[int], n: int) -> list[int]:
+    """n greedy tokens of our runtime after `prompt_ids`, through EOS and past it."""
+    result = model.prefill(prompt_ids, cache=model.new_cache(len(prompt_ids) + n))
+    tokens = [int(result.logits.argmax())]
+    while len(tokens) < n:
+        tokens.append(int(model.decode(tokens[-1], result.cache).argmax()))
+    return tokens
+
+
 def _rag_request(prefix: int = 6, chunks: tuple[int, ...] = (30, 23, 17), fresh: int = 9) -> Request:
     segments = [Segment(SegmentKind.PREFIX, random_ids(prefix, 0))] if prefix else []
     segments += [Segment(SegmentKind.CHUNK, random_ids(n, i + 1)) for i, n in enumerate(chunks)]

@@ -17,12 +17,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
 
 
 def cmd_check_model(args: argparse.Namespace) -> int:
+    from kvreuse.engine.generate import eos_token_ids
     from kvreuse.model.check import gate_prompt_ids, int8_decoding_drift, run_gate
     from kvreuse.model.loader import load_model
 
     loaded = load_model(args.model, "float32")
     prompt_ids = gate_prompt_ids(loaded.runtime, lambda text: loaded.tokenizer(text).input_ids, GATE_PROMPT)
-    results = run_gate(loaded.runtime, prompt_ids)
+    results = run_gate(loaded.runtime, prompt_ids, eos_token_ids(loaded))
     for result in results:
         print(f"{'PASS' if result.passed else 'FAIL'}  {result.name}: {result.detail}")
     print(f"INFO  {int8_decoding_drift(loaded.runtime, prompt_ids)}")

@@ -1,7 +1,7 @@
 """The correctness gate a model must pass before reuse methods may drive it.
 
 (a) our full prefill's last-token logits match the `transformers` forward;
-(b) greedy decoding with our KV cache reproduces `transformers`' `generate`;
+(b) greedy decoding with our KV cache reproduces greedy decoding over the `transformers` forward;
 (c) chunks prefilled alone at offset 0, their stored keys rotated to the chunks' real offsets, give exactly the
     keys of a full prefill wherever a full prefill's keys do not depend on other chunks (every layer of the
     first chunk; layer 0 of every chunk).
@@ -44,37 +44,46 @@ def check_prefill_logits(model: LayerwiseModel, prompt_ids: list[int]) -> CheckR
 
 
 @torch.inference_mode()
-def check_greedy_generation(model: LayerwiseModel, prompt_ids: list[int], new_tokens: int = 32) -> CheckResult:
-    """Both sides stop at EOS or after `new_tokens`; the EOS token, if reached, is part of what is compared."""
-    ids = torch.tensor(prompt_ids)
-    reference = model.hf_model.generate(
-        ids[None],
-        attention_mask=torch.ones_like(ids)[None],
-        do_sample=False,
-        max_new_tokens=new_tokens,
-        pad_token_id=model.config.pad_token_id or 0,
-    )[0, len(prompt_ids) :].tolist()
-    eos = model.config.eos_token_id
-    eos_ids = set(eos if isinstance(eos, list) else [eos])
-    ours = _greedy(model, ids, new_tokens, eos_ids)
+def check_greedy_generation(model: LayerwiseModel, prompt_ids: list[int], eos_ids: set[int],
+                            new_tokens: int = 32) -> CheckResult:
+    """Both sides stop at a token of `eos_ids` or after `new_tokens`; the EOS token, if reached, is part of what is
+    compared. The reference is a plain argmax loop over the `transformers` forward and its own KV cache, not
+    `generate`: that applies the model's generation_config (repetition_penalty, no_repeat_ngram_size, its own EOS
+    list), which instruct models ship and which a runtime computing the model exactly does not apply."""
+    ids = torch.tensor(prompt_ids, device=model.device)
+    reference = _greedy(*_transformers_decoding(model, ids), new_tokens, eos_ids)
+    prefilled = model.prefill(ids, cache=model.new_cache(len(ids) + new_tokens))
+    ours = _greedy(prefilled.logits, lambda token: model.decode(token, prefilled.cache), new_tokens, eos_ids)
     agree = next((i for i, (a, b) in enumerate(zip(ours, reference)) if a != b), min(len(ours), len(reference)))
     return CheckResult(
-        f"greedy decoding (up to {new_tokens} tokens) vs transformers generate",
+        f"greedy decoding (up to {new_tokens} tokens) vs transformers forward",
         ours == reference,
         f"identical for {agree} tokens (ours {len(ours)}, transformers {len(reference)})",
     )
 
 
-def _greedy(model: LayerwiseModel, ids: torch.Tensor, new_tokens: int, eos_ids: set[int]) -> list[int]:
-    """Greedy decoding on our runtime alone (the engine's sampler sits above the model layer); the EOS token, if
-    reached, is the last one."""
-    result = model.prefill(ids, cache=model.new_cache(len(ids) + new_tokens))
-    tokens, logits = [], result.logits
-    while len(tokens) < new_tokens:
-        tokens.append(int(logits.argmax()))
-        if tokens[-1] in eos_ids:
-            break
-        logits = model.decode(tokens[-1], result.cache)
+def _transformers_decoding(model: LayerwiseModel,
+                           ids: torch.Tensor) -> tuple[torch.Tensor, Callable[[int], torch.Tensor]]:
+    """The `transformers` forward's last-token logits over `ids`, and a function decoding one more token after
+    those it has seen (over the forward's own KV cache) that returns the next logits."""
+    out = model.hf_model(ids[None], use_cache=True, logits_to_keep=1)
+
+    def next_logits(token: int) -> torch.Tensor:
+        nonlocal out
+        out = model.hf_model(torch.tensor([[token]], device=ids.device), past_key_values=out.past_key_values,
+                             use_cache=True)
+        return out.logits[0, -1]
+
+    return out.logits[0, -1], next_logits
+
+
+def _greedy(logits: torch.Tensor, next_logits: Callable[[int], torch.Tensor], new_tokens: int,
+            eos_ids: set[int]) -> list[int]:
+    """Greedy tokens from the prompt's last logits (the engine's sampler sits above the model layer); the EOS token,
+    if reached, is the last one."""
+    tokens = [int(logits.argmax())]
+    while len(tokens) < new_tokens and tokens[-1] not in eos_ids:
+        tokens.append(int(next_logits(tokens[-1]).argmax()))
     return tokens
 
 
@@ -140,11 +149,13 @@ def int8_decoding_drift(model: LayerwiseModel, prompt_ids: list[int], new_tokens
             f"{len(fp32_logits)} steps fed fp32's tokens; largest logit difference {largest:.3f}")
 
 
-def run_gate(model: LayerwiseModel, prompt_ids: list[int], new_tokens: int = 32) -> list[CheckResult]:
+def run_gate(model: LayerwiseModel, prompt_ids: list[int], eos_ids: set[int],
+             new_tokens: int = 32) -> list[CheckResult]:
+    """eos_ids: the tokens greedy decoding stops at on both sides (the engine's: `engine.generate.eos_token_ids`)."""
     if model.dtype != torch.float32:
         raise ValueError(f"the correctness gate runs in float32; this model is loaded as {model.dtype}")
     return [
         check_prefill_logits(model, prompt_ids),
-        check_greedy_generation(model, prompt_ids, new_tokens),
+        check_greedy_generation(model, prompt_ids, eos_ids, new_tokens),
         check_chunk_rerotation(model, prompt_ids),
     ]

@@ -20,7 +20,7 @@ def prompt_ids():
 
 
 def test_correctness_gate(tiny_model, prompt_ids):
-    for result in run_gate(tiny_model, prompt_ids):
+    for result in run_gate(tiny_model, prompt_ids, eos_ids={tiny_model.config.eos_token_id}):
         assert result.passed, f"{result.name}: {result.detail}"
 
 
@@ -212,7 +212,7 @@ def test_gate_catches_a_wrong_attention_mask(make_tiny, tiny_family, prompt_ids)
     model = LayerwiseModel(make_tiny(tiny_family))
     model.windows = [2] * model.num_layers
     assert not check_prefill_logits(model, prompt_ids).passed
-    assert not check_greedy_generation(model, prompt_ids).passed
+    assert not check_greedy_generation(model, prompt_ids, eos_ids={model.config.eos_token_id}).passed
 
 
 @torch.inference_mode()
