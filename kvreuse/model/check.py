@@ -1,8 +1,13 @@
 """The correctness gate a model must pass before reuse methods may drive it.
 
+On the gate's prompt (`gate_prompt_ids`: long enough for the paths real prompts take, see `gate_length`):
 (a) our full prefill's last-token logits match the `transformers` forward;
-(b) greedy decoding with our KV cache reproduces greedy decoding over the `transformers` forward;
-(c) chunks prefilled alone at offset 0, their stored keys rotated to the chunks' real offsets, give exactly the
+(b) so do they when the prompt is prefilled in two calls on one cache (a conversation's next turn; a restored
+    prefix, then the rest);
+(c) greedy decoding with our KV cache reproduces greedy decoding over the `transformers` forward;
+(d) sequences of different lengths decoding together in one KV pool (as the server decodes its running sequences)
+    give, at every step, the logits of the `transformers` forward over each sequence;
+(e) chunks prefilled alone at offset 0, their stored keys rotated to the chunks' real offsets, give exactly the
     keys of a full prefill wherever a full prefill's keys do not depend on other chunks (every layer of the
     first chunk; layer 0 of every chunk).
 
@@ -12,14 +17,20 @@ never exact) moves from fp32's decoding on the gate's prompt (`int8_decoding_dri
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+from kvreuse.model import native
+from kvreuse.model.kv_pool import KVPool
 from kvreuse.model.runtime import LayerwiseModel
 
 LOGITS_TOLERANCE = 1e-4
+# Keys a tile of the prefill attention kernel takes (native.c KEY_TILE): a later tile rescales what earlier ones
+# summed, which a prompt of one tile never checks.
+KEY_TILE = 64
 KEYS_TOLERANCE = 1e-5  # relative to the keys' scale: see check_chunk_rerotation
 
 
@@ -31,16 +42,63 @@ class CheckResult:
 
 
 @torch.inference_mode()
-def check_prefill_logits(model: LayerwiseModel, prompt_ids: list[int]) -> CheckResult:
-    ids = torch.tensor(prompt_ids)
-    reference = model.hf_model(ids[None]).logits[0, -1].float()
-    ours = model.prefill(ids).logits.float()
-    error = float((reference - ours).abs().max())
+def check_prefill_logits(model: LayerwiseModel, prompt_ids: list[int],
+                         reference: torch.Tensor | None = None) -> CheckResult:
+    """reference: the `transformers` forward's last logits over the prompt, if the caller has them."""
+    reference = _reference_logits(model, prompt_ids)[-1] if reference is None else reference
+    error = float((reference - model.prefill(prompt_ids).logits.float()).abs().max())
     return CheckResult(
         "prefill logits vs transformers forward",
         error <= LOGITS_TOLERANCE,
         f"max abs error {error:.2e} (tolerance {LOGITS_TOLERANCE:.0e}, {len(prompt_ids)} tokens)",
     )
+
+
+@torch.inference_mode()
+def check_continued_prefill(model: LayerwiseModel, prompt_ids: list[int],
+                            reference: torch.Tensor | None = None) -> CheckResult:
+    """The prompt's first part prefilled, then the rest on the same cache (grown past the first part's size, as a
+    next turn grows it): the rest's rows must attend the cached ones. The split falls inside a key tile, whose keys
+    are then partly cached and partly the rest's own. reference: as check_prefill_logits's."""
+    split = min(len(prompt_ids) // 2 // KEY_TILE * KEY_TILE + KEY_TILE // 2, len(prompt_ids) - 1)
+    reference = _reference_logits(model, prompt_ids)[-1] if reference is None else reference
+    first = model.prefill(prompt_ids[:split])
+    error = float((reference - model.prefill(prompt_ids[split:], cache=first.cache).logits.float()).abs().max())
+    return CheckResult(
+        "prefill continuing a cache vs transformers forward",
+        error <= LOGITS_TOLERANCE,
+        f"max abs error {error:.2e} (tolerance {LOGITS_TOLERANCE:.0e}, {split} tokens cached, then "
+        f"{len(prompt_ids) - split})",
+    )
+
+
+@torch.inference_mode()
+def check_pooled_decoding(model: LayerwiseModel, prompt_ids: list[int], steps: int = 4) -> CheckResult:
+    """Three sequences of different lengths and of different tokens at each position (the prompt, every 2nd and
+    every 3rd of its tokens: a slot's rows read in another's place change the result), decoding together in one
+    `KVPool` (the server's running sequences: one attention call per layer over the pool's slots). Each decodes its
+    own last `steps` tokens, fed as they are rather than sampled, so that one `transformers` forward per sequence
+    gives every step's reference."""
+    sequences = [prompt_ids, prompt_ids[1::2], prompt_ids[::3]]
+    pool = KVPool.for_model(model, len(sequences), max_bytes=sys.maxsize)  # a bound on growth, not an allocation
+    caches = [pool.adopt(model.prefill(sequence[:-steps]).cache, len(sequence)) for sequence in sequences]
+    ours = torch.stack([model.decode_batch([sequence[step - steps] for sequence in sequences], caches)
+                        for step in range(steps)], dim=1)  # [sequence, step, vocab]
+    error = max(float((_reference_logits(model, sequence, steps) - logits.float()).abs().max())
+                for sequence, logits in zip(sequences, ours))
+    return CheckResult(
+        f"pooled decoding of {len(sequences)} sequences vs transformers forward",
+        error <= LOGITS_TOLERANCE,
+        f"max abs error {error:.2e} (tolerance {LOGITS_TOLERANCE:.0e}, {steps} steps after "
+        f"{', '.join(str(len(sequence) - steps) for sequence in sequences)} tokens)",
+    )
+
+
+@torch.inference_mode()
+def _reference_logits(model: LayerwiseModel, token_ids: list[int], last: int = 1) -> torch.Tensor:
+    """The `transformers` forward's fp32 logits at the last `last` positions of `token_ids`: [last, vocab]."""
+    ids = torch.tensor(token_ids, device=model.device)
+    return model.hf_model(ids[None], logits_to_keep=last).logits[0].float()
 
 
 @torch.inference_mode()
@@ -110,11 +168,19 @@ def check_chunk_rerotation(model: LayerwiseModel, prompt_ids: list[int], num_chu
     )
 
 
+def gate_length() -> int:
+    """The fewest tokens the gate's prompt has: several of the prefill attention kernel's key tiles, and more rows
+    than products take through native's panels (`native.most_panel_rows`: 1024 with AVX-512, 2048 with AVX2;
+    oneDNN takes more), so that both kinds of product are checked."""
+    return max(8 * KEY_TILE, native.most_panel_rows()) + 16
+
+
 def gate_prompt_ids(model: LayerwiseModel, encode: Callable[[str], list[int]], text: str) -> list[int]:
-    """`text` repeated until it runs past every layer's attention window, so that the checks cover windowed
-    attention too (Gemma 3's sliding layers see 512 tokens)."""
+    """`text` repeated until it runs past `gate_length()` tokens and every layer's attention window, so that the
+    checks cover the paths real prompts take: later key tiles, products of many rows, windowed attention (Gemma 3's
+    sliding layers see 512 tokens)."""
     windows = [w for w in model.windows if w is not None]
-    needed = max(windows) + 16 if windows else 0
+    needed = max([gate_length(), *(window + 16 for window in windows)])
     repeated = text
     while len(ids := encode(repeated)) <= needed:
         repeated += " " + text
@@ -154,8 +220,11 @@ def run_gate(model: LayerwiseModel, prompt_ids: list[int], eos_ids: set[int],
     """eos_ids: the tokens greedy decoding stops at on both sides (the engine's: `engine.generate.eos_token_ids`)."""
     if model.dtype != torch.float32:
         raise ValueError(f"the correctness gate runs in float32; this model is loaded as {model.dtype}")
+    reference = _reference_logits(model, prompt_ids)[-1]  # one forward over the prompt for both prefill checks
     return [
-        check_prefill_logits(model, prompt_ids),
+        check_prefill_logits(model, prompt_ids, reference),
+        check_continued_prefill(model, prompt_ids, reference),
         check_greedy_generation(model, prompt_ids, eos_ids, new_tokens),
+        check_pooled_decoding(model, prompt_ids),
         check_chunk_rerotation(model, prompt_ids),
     ]

@@ -11,7 +11,7 @@ pytestmark = pytest.mark.real_model
 def test_check_model_command_passes_the_gate_on_the_embedded_model(embedded_model, capsys):
     assert main(["check-model"]) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS") == 3 and "FAIL" not in out
+    assert out.count("PASS") == 5 and "FAIL" not in out
     assert "INFO  decoding over int8 weights" in out and "of 31 steps fed fp32's tokens" in out
 
 
@@ -31,6 +31,6 @@ def test_check_model_passes_on_gemma3_past_its_sliding_window(capsys):
     """Gemma 3 270M (a base model with 512-token sliding layers): the gate's prompt runs past the window."""
     assert main(["check-model", "gemma3-270m"]) == 0
     out = capsys.readouterr().out
-    assert out.count("PASS") == 3 and "FAIL" not in out
+    assert out.count("PASS") == 5 and "FAIL" not in out
     assert "INFO  not available: int8 decoding runs layers of the Llama family" in out  # Gemma 3 normalises q, k
     assert int(out.split(" tokens)")[0].rsplit(", ", 1)[1]) > 512
