@@ -131,6 +131,8 @@ def convert_gguf(gguf: Path) -> Path:
         if (target / "config.json").is_file():  # another process converted it first
             return target
         raise
+    except Exception as e:  # transformers' GGUF reader on a truncated or malformed file: struct.error, ValueError...
+        raise ModelLoadError(f"cannot convert {str(gguf)!r} from GGUF: {type(e).__name__}: {e}") from e
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
@@ -154,7 +156,7 @@ def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
     try:
         hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=DTYPES[dtype], local_files_only=True)
         tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    except (OSError, ValueError, KeyError) as e:
+    except Exception as e:  # any failure reading the files (a truncated safetensors file: SafetensorError)
         raise ModelLoadError(f"cannot load model from {str(model_dir)!r}: {e}") from e
     runtime = LayerwiseModel(hf_model)
     config = {k: v for k, v in hf_model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
