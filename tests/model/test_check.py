@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
+import torch
 
 from kvreuse.model import native
 from kvreuse.model.check import (
@@ -115,3 +116,19 @@ def test_gate_s_prompt_catches_attention_wrong_past_the_first_key_tile(make_tiny
                         prefill_attention(q, q_pos, keys[:KEY_TILE], values[:KEY_TILE], k_pos[:KEY_TILE], window,
                                           scale))
     assert not check_prefill_logits(model, prompt).passed
+
+
+def test_logits_tolerance_is_relative_to_the_logits_scale(make_tiny, prompt_ids, monkeypatch):
+    """fp32's differences in summation order grow with the logits (and the model's width, which tiny models lack):
+    logits in the thousands differ from transformers' by more than 1e-4 with a correct runtime. A fault moving them
+    by 1e-3 of their scale still fails."""
+    hf_model = make_tiny("llama")
+    with torch.no_grad():
+        hf_model.lm_head.weight.mul_(1000.0)
+    model = LayerwiseModel(hf_model)
+    result = check_prefill_logits(model, prompt_ids)
+    assert result.passed, result.detail
+    logits = LayerwiseModel.logits
+    monkeypatch.setattr(LayerwiseModel, "logits", lambda self, hidden, int8=False: logits(self, hidden, int8) * 1.001)
+    assert not check_prefill_logits(model, prompt_ids).passed
+
