@@ -47,7 +47,7 @@ def cmd_check_model(args: argparse.Namespace) -> int:
 
 def _check_model(model: str | None) -> int:
     from kvreuse.engine.generate import eos_token_ids
-    from kvreuse.model.check import gate_prompt_ids, int8_decoding_drift, run_gate
+    from kvreuse.model.check import core_length, gate_prompt_ids, int8_decoding_drift, run_gate
     from kvreuse.model.loader import load_model
 
     loaded = load_model(model, "float32")
@@ -55,7 +55,7 @@ def _check_model(model: str | None) -> int:
     results = run_gate(loaded.runtime, prompt_ids, eos_token_ids(loaded))
     for result in results:
         print(f"{'PASS' if result.passed else 'FAIL'}  {result.name}: {result.detail}")
-    print(f"INFO  {int8_decoding_drift(loaded.runtime, prompt_ids)}")
+    print(f"INFO  {int8_decoding_drift(loaded.runtime, prompt_ids[:core_length(loaded.runtime)])}")
     passed = all(r.passed for r in results)
     print(f"{loaded.name}: {'passes' if passed else 'FAILS'} the correctness gate")
     return PASSED if passed else FAILED

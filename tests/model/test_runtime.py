@@ -4,9 +4,11 @@ import pytest
 import torch
 
 from kvreuse.model.check import (
+    KEY_TILE,
     check_chunk_rerotation,
     check_greedy_generation,
     check_prefill_logits,
+    core_length,
     gate_length,
     gate_prompt_ids,
     run_gate,
@@ -266,7 +268,7 @@ def test_gate_prompt_runs_past_every_attention_window(tiny_model):
 
     ids = gate_prompt_ids(tiny_model, encode, "five words of gate text")
     windows = [w for w in tiny_model.windows if w is not None]
-    assert len(ids) > max([gate_length(), *windows])
+    assert len(ids) > gate_length(tiny_model) >= core_length(tiny_model) > max([4 * KEY_TILE, *windows])
 
 
 def test_a_step_s_shape_is_kept_per_thread(tiny_model):
