@@ -50,7 +50,8 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     bench.add_argument("--entries", type=positive_int, default=24)
     bench.add_argument("--emulate", type=_devices, default="ssd,hdd,net10g",
                        help=f"devices to emulate over memory, from {','.join(DEVICES)} ('' for none)")
-    bench.add_argument("--json", type=output_file, help="also write the results to this file (for the restoration controllers)")
+    bench.add_argument("--json", type=output_file,
+                       help="also write the results to this file (for the restoration controllers)")
     for field in dataclasses.fields(EntryShape):
         checked = {"dtype": {"choices": ENTRY_DTYPES}}.get(field.name, {"type": positive_int})
         bench.add_argument(f"--{field.name.replace('_', '-')}", default=field.default, **checked)
