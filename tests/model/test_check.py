@@ -94,7 +94,8 @@ def test_gate_catches_a_continued_prefill_that_ignores_the_cached_rows(make_tiny
 
     monkeypatch.setattr(LayerwiseModel, "attend", own_rows_only)
     takes = _OneRequest.takes  # a step resolved once attends in C: prompts of many rows take the path above
-    monkeypatch.setattr(_OneRequest, "takes", staticmethod(lambda group: len(group) == 1 and takes(group)))
+    monkeypatch.setattr(_OneRequest, "takes",
+                        staticmethod(lambda group, dtype: len(group) == 1 and takes(group, dtype)))
     assert failing(run_gate(model, prompt_ids, {EOS})) == ["prefill continuing a cache vs transformers forward"]
 
 
