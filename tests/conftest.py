@@ -3,6 +3,8 @@ private redis-server on a free loopback port."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -160,6 +162,20 @@ def greedy_tokens(model: LayerwiseModel, prompt_ids: list[int], n: int) -> list[
     while len(tokens) < n:
         tokens.append(int(model.decode(tokens[-1], result.cache).argmax()))
     return tokens
+
+
+def out_of_memory_after(allocate, calls: Callable[[object], int]):
+    """`allocate` (a method making one tensor) that raises as memory running out would once `calls(self)` tensors
+    were made: a growth failing part way."""
+    made = []
+
+    def failing(self, *args):
+        if len(made) == calls(self):
+            raise RuntimeError("DefaultCPUAllocator: not enough memory")
+        made.append(args)
+        return allocate(self, *args)
+
+    return failing
 
 
 def _rag_request(prefix: int = 6, chunks: tuple[int, ...] = (30, 23, 17), fresh: int = 9) -> Request:

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from kvreuse.model.kv_cache import KVCache
+from tests.conftest import out_of_memory_after
 
 
 def test_a_growth_that_fails_part_way_leaves_the_cache_as_it_was(monkeypatch):
@@ -14,15 +15,7 @@ def test_a_growth_that_fails_part_way_leaves_the_cache_as_it_was(monkeypatch):
     cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=4, dtype=torch.float32, capacity=4)
     cache.allocate(torch.arange(4))
     tensors = cache.keys + cache.values + [cache.positions]
-    grown, made = KVCache._grown, []
-
-    def out_of_memory_at_the_values(self, old, capacity):
-        if len(made) == self.num_layers:
-            raise RuntimeError("DefaultCPUAllocator: not enough memory")
-        made.append(capacity)
-        return grown(self, old, capacity)
-
-    monkeypatch.setattr(KVCache, "_grown", out_of_memory_at_the_values)
+    monkeypatch.setattr(KVCache, "_grown", out_of_memory_after(KVCache._grown, lambda cache: cache.num_layers))
     with pytest.raises(RuntimeError, match="not enough memory"):
         cache.allocate(torch.arange(4, 6))
     assert cache.length == 4 and cache.capacity == 4

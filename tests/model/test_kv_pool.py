@@ -8,7 +8,7 @@ import torch
 
 from kvreuse.model.attention import attend_one_each, attention_mask, one_each_mask
 from kvreuse.model.kv_pool import CAPACITY_STEP, KVPool
-from tests.conftest import random_ids
+from tests.conftest import out_of_memory_after, random_ids
 
 GIB = 1 << 30
 
@@ -139,16 +139,7 @@ def test_a_growth_that_fails_part_way_leaves_the_pool_as_it_was(tiny_model, monk
     prompts = [random_ids(n, seed=n) for n in (12, 20)]
     pooled = [pool.adopt(tiny_model.prefill(p).cache, capacity=32) for p in prompts]
     before = layouts(pool.keys + pool.values + [pool.positions]), pool.capacity
-    allocated = []
-    grown = KVPool._grown
-
-    def out_of_memory_at_the_values(self, old, shape):
-        if len(allocated) == self.num_layers:
-            raise RuntimeError("DefaultCPUAllocator: not enough memory")
-        allocated.append(shape)
-        return grown(self, old, shape)
-
-    monkeypatch.setattr(KVPool, "_grown", out_of_memory_at_the_values)
+    monkeypatch.setattr(KVPool, "_grown", out_of_memory_after(KVPool._grown, lambda pool: pool.num_layers))
     with pytest.raises(RuntimeError, match="not enough memory"):
         pool.grow(4 * CAPACITY_STEP)
     monkeypatch.undo()
