@@ -3,6 +3,7 @@ private redis-server on a free loopback port."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -10,6 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
+from kvreuse.model import native
 from kvreuse.model.resolved_step import ResolvedStep
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.store.redis_server import LocalRedis, RedisServerError
@@ -176,6 +178,13 @@ def out_of_memory_after(allocate, calls: Callable[[object], int]):
         return allocate(self, *args)
 
     return failing
+
+
+def routed_as_if_amx_bf16(monkeypatch, amx: bool) -> None:
+    """The runtime's choice of kernels as on a CPU with AMX-BF16 (or without), whatever this one has: there bf16
+    takes the native panels for a few rows only, and torch's fused attention for more than one query."""
+    built = native._built(native.library())
+    monkeypatch.setattr(native, "_built", lambda lib: dataclasses.replace(built, amx_bf16=amx))
 
 
 def _rag_request(prefix: int = 6, chunks: tuple[int, ...] = (30, 23, 17), fresh: int = 9) -> Request:

@@ -86,7 +86,7 @@ def routes(rows: torch.Tensor, group: Sequence[nn.Linear]) -> dict[str, Product]
     ours = linear_route(rows, *group)
     if ours != "torch":
         found[ours] = lambda x, layers: linear(x, *layers)
-    passes = native.most_panel_rows()
+    passes = native.most_panel_rows(rows.dtype)
     if 0 < passes < rows.shape[0] and linear_route(rows[:passes], *group) == "panels":
         found[f"panels, {passes}-row passes"] = lambda x, layers: [linear(x[start : start + passes], *layers)
                                                                    for start in range(0, x.shape[0], passes)]

@@ -132,7 +132,7 @@ class LlamaAdapter:
         if versions != known_versions or len(tensors) != len(known) or any(a is not b for a, b in zip(tensors, known)):
             self._native_layers.clear()
             self._native_layers_of = tensors, versions
-        key = (rows, dtype, int8, native.most_panel_rows(), MLP_PASS_BYTES)
+        key = (rows, dtype, int8, native.most_panel_rows(dtype), MLP_PASS_BYTES)
         # one look-up, not a test and a read: steps in other threads (a batch restoration's) may clear the set
         kept = self._native_layers.get(key, UNRESOLVED)
         if kept is UNRESOLVED:

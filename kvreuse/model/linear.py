@@ -7,14 +7,15 @@ at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill`
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
-Up to native.most_panel_rows() rows (1024 with AVX-512, 2048 with AVX2: a decoding step, a prefill's logits, the
-rows a reuse method recomputes) run in kvreuse.model.native's `panel_rows`, over another copy of each weight laid out
+Up to native.most_panel_rows(dtype) rows (1024 with AVX-512, 2048 with AVX2: a decoding step, a prefill's logits,
+the rows a reuse method recomputes) run in kvreuse.model.native's `panel_rows`, over another copy of each weight laid out
 in panels of outputs: every weight is read from memory once per step, in order, while the products run close to the
 FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32
 projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot
 products over the plain weights; bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in
 bf16). bf16 takes it where the CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`,
-over the plain weights.
+over the plain weights. Where the CPU has AMX-BF16, oneDNN multiplies bf16 in its tiles, 2-9x the panels' rate
+from 16 rows on: there bf16 takes panels up to 4 rows only (`native.AMX_BF16_PANEL_ROWS`).
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form
@@ -118,7 +119,7 @@ def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = N
 
 def route(rows: torch.Tensor, *layers: nn.Linear) -> str:
     """Which product `linear` runs these rows through these layers on: native's "panels" (up to
-    native.most_panel_rows() rows of the weight's dtype), native's "few-rows" (1-3 bf16 rows over the plain
+    native.most_panel_rows(dtype) rows of the weight's dtype), native's "few-rows" (1-3 bf16 rows over the plain
     weights), oneDNN on the packed weight ("onednn-packed", or "onednn-widened": a bf16 weight packed in fp32
     where oneDNN has no bf16 path), or torch's own product ("torch")."""
     weight = layers[0].weight
@@ -144,8 +145,8 @@ def in_panels(rows: torch.Tensor, *layers: nn.Linear) -> native.Panels | None:
 
 def _rows_for_panels(rows: torch.Tensor, dtype: torch.dtype) -> bool:
     """Whether `panel_rows` takes these rows through a weight of `dtype` in panels: its own dtype, up to
-    native.most_panel_rows() of them."""
-    return 0 < rows.shape[0] <= native.most_panel_rows() and rows.dtype == dtype
+    native.most_panel_rows(dtype) of them."""
+    return 0 < rows.shape[0] <= native.most_panel_rows(dtype) and rows.dtype == dtype
 
 
 def _plus(product: torch.Tensor, plus: torch.Tensor | None) -> torch.Tensor:

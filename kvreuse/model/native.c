@@ -91,6 +91,15 @@ void few_rows(const float *x, int64_t rows, int64_t in, const void *w, int64_t o
 /* Whether the kernels that multiply bf16 in vdpbf16ps are built (AVX512-BF16). */
 int has_bf16_dot(void) { return BF16_DOT; }
 
+/* Whether the CPU has AMX-BF16 (-march=native defines __AMX_BF16__ where it does): there oneDNN's bf16 products
+   and torch's fused bf16 attention run in its tiles, faster than this file's bf16 kernels past a few rows
+   (kvreuse.model.native.bf16_in_amx says where the runtime takes them instead). */
+#if defined(__AMX_BF16__)
+int has_amx_bf16(void) { return 1; }
+#else
+int has_amx_bf16(void) { return 0; }
+#endif
+
 /* The calling thread's idle OpenMP workers released (0 on success; see kvreuse.model.native.release_idle_threads) */
 int release_idle_threads(void) { return omp_pause_resource_all(omp_pause_soft); }
 

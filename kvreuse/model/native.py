@@ -49,6 +49,7 @@ _POINTER, _INT64, _INT = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
 _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
     "has_bf16_dot": [],
+    "has_amx_bf16": [],
     "release_idle_threads": [],
     "panel_width": [],
     "panel_rows_most": [],
@@ -73,9 +74,9 @@ _SIGNATURES = {
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
-_RESULTS = {"has_bf16_dot": _INT, "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT,
-            "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT, "decode_attention_parts": _INT64,
-            "decode_attention_scratch": _INT64}
+_RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "release_idle_threads": _INT, "panel_width": _INT,
+            "panel_rows_most": _INT, "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
+            "decode_attention_parts": _INT64, "decode_attention_scratch": _INT64}
 
 
 class NativeBuildError(RuntimeError):
@@ -199,12 +200,32 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
                        pointer(bias), out.data_ptr(), out.stride(0), torch.get_num_threads())
 
 
-def most_panel_rows() -> int:
-    """The most rows `linear` sends through `panel_rows` rather than oneDNN, for the library as built: 1024 with
-    AVX-512, 2048 with AVX2 (its tile in assembly; native.c's `panel_rows_most` gives the measurements); 0 without
-    the library. The reuse methods' products of a few hundred rows gain most: naive's question rows, CacheBlend's and
-    CacheTune's recomputed ones (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
-    return _built(library()).most_rows if available() else 0
+# Where the CPU multiplies bf16 in AMX tiles (`bf16_in_amx`), the most bf16 rows `linear` sends through
+# `panel_rows`: SmolLM2's projections of a layer on a 2-core Xeon with AMX-BF16 ran at 128 GFLOP/s in panels and
+# 117 in oneDNN at 4 rows, level at 6, then 180 against 222 at 8, 205 against 431 at 16 and 227 against 2065 at
+# 1024 (the panels' vdpbf16ps tops out at about 230 there).
+AMX_BF16_PANEL_ROWS = 4
+
+
+def most_panel_rows(dtype: torch.dtype) -> int:
+    """The most rows of `dtype` `linear` sends through `panel_rows` rather than oneDNN, for the library as built:
+    1024 with AVX-512, 2048 with AVX2 (its tile in assembly; native.c's `panel_rows_most` gives the measurements),
+    bf16 AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles; 0 without the library. The reuse methods'
+    products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's recomputed ones
+    (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
+    if not available():
+        return 0
+    built = _built(library())
+    if dtype == torch.bfloat16 and built.amx_bf16:
+        return min(built.most_rows, AMX_BF16_PANEL_ROWS)
+    return built.most_rows
+
+
+def bf16_in_amx() -> bool:
+    """Whether this CPU multiplies bf16 in AMX tiles (AMX-BF16, as the library was built): there oneDNN's bf16
+    products and torch's fused bf16 attention run several times faster than this library's bf16 kernels, except
+    at a few rows (`most_panel_rows`; the attention of one query reads memory and keeps the decoding kernel)."""
+    return available() and _built(library()).amx_bf16
 
 
 def panels_take(dtype: torch.dtype) -> bool:
@@ -219,12 +240,13 @@ class _Built:
 
     panel_width: int
     bf16_dot: bool
+    amx_bf16: bool
     most_rows: int
 
 
 @functools.cache
 def _built(lib: ctypes.CDLL) -> _Built:
-    return _Built(lib.panel_width(), bool(lib.has_bf16_dot()), lib.panel_rows_most())
+    return _Built(lib.panel_width(), bool(lib.has_bf16_dot()), bool(lib.has_amx_bf16()), lib.panel_rows_most())
 
 
 def panels(weight: torch.Tensor) -> torch.Tensor:

@@ -57,7 +57,7 @@ def test_the_route_named_is_the_one_linear_takes(monkeypatch):
         pytest.skip("no native kernels: no panels")
     kernel, calls = native.panel_rows, []
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
-    monkeypatch.setattr(native, "most_panel_rows", lambda: 16)
+    monkeypatch.setattr(native, "most_panel_rows", lambda dtype: 16)
     layer = torch.nn.Linear(24, 40)
     for rows, route in ((16, "panels"), (17, "onednn-packed" if linear_module.onednn_available() else "torch")):
         calls.clear()
@@ -74,7 +74,7 @@ def test_rows_past_the_panels_limit_are_also_timed_in_passes_through_the_panels(
     kernel, row_counts = native.panel_rows, []
     monkeypatch.setattr(native, "panel_rows",
                         lambda rows, *args: row_counts.append(rows.shape[0]) or kernel(rows, *args))
-    monkeypatch.setattr(native, "most_panel_rows", lambda: 16)
+    monkeypatch.setattr(native, "most_panel_rows", lambda dtype: 16)
     measured = measure(model, rows=40, repeats=1)
     assert set(row_counts) == {16, 8}  # passes of 16, 16 and 8 rows
     assert measured.route in ("torch", "onednn-packed", "panels, 16-row passes")

@@ -15,8 +15,10 @@ from kvreuse.model.attention import (
     attention_calls,
     attention_mask,
     blocked_attention,
+    fused_attention,
 )
 from kvreuse.model import native
+from tests.conftest import routed_as_if_amx_bf16
 
 Q_HEADS, KV_HEADS, HEAD_DIM, SCALE = 4, 2, 16, 0.25
 
@@ -76,7 +78,7 @@ def test_kernels_equal_dense_attention_in_fp32(kernel, layout, window):
 def test_bf16_attends_within_bf16_rounding(layout):
     """One bf16 query (decoding) attends in the native decoding kernel where it is built, which sums the same bf16
     inputs in fp32 and rounds once. Several attend in the native prefill kernel where it is built, else in blocked
-    products."""
+    products; where the CPU has AMX-BF16, in torch's fused calls."""
     q_pos, k_pos = _layout(layout)
     q, keys, values = _inputs(q_pos, k_pos, torch.bfloat16)
     out = attend(q, q_pos, keys, values, k_pos, 24, SCALE)
@@ -84,6 +86,8 @@ def test_bf16_attends_within_bf16_rounding(layout):
     if len(q_pos) == 1 and native.available():
         fp32 = attend(q.float(), q_pos, keys.float(), values.float(), k_pos, 24, SCALE)
         assert torch.equal(out, fp32.bfloat16())
+    elif native.bf16_in_amx():
+        assert torch.equal(out, fused_attention(q, q_pos, keys, values, k_pos, 24, SCALE))
     elif native.available():
         # Its scores are exact and at most its weights are rounded before the values: about the output's own
         # rounding (mean 8e-4 here, blocked products 2.5e-3).
@@ -92,6 +96,28 @@ def test_bf16_attends_within_bf16_rounding(layout):
         assert torch.equal(out, blocked_attention(q, q_pos, keys, values, k_pos, 24, SCALE))
     # Blocked, the scores come out of the bf16 product rounded to bf16 (relative 2^-9; these scores reach about
     # 20), so single outputs move by a few hundredths; a key masked wrongly moves them by tenths.
+    assert error.max() < 0.06 and error.mean() < 5e-3, (error.max(), error.mean())
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_queries_attend_in_torch_s_fused_kernel_where_the_cpu_has_amx(monkeypatch, layout):
+    """Where the CPU multiplies bf16 in AMX tiles, torch's fused kernel outruns the native prefill kernel: more than
+    one bf16 query attends in its calls, within bf16's rounding; one query keeps the native decoding kernel."""
+    if not native.available():
+        pytest.skip("no native kernels: bf16 attends in blocked products")
+    routed_as_if_amx_bf16(monkeypatch, True)
+    kernel, calls = native.prefill_attention, []
+    monkeypatch.setattr(native, "prefill_attention", lambda *args: calls.append(args) or kernel(*args))
+    q_pos, k_pos = _layout(layout)
+    q, keys, values = _inputs(q_pos, k_pos, torch.bfloat16)
+    out = attend(q, q_pos, keys, values, k_pos, 24, SCALE)
+    assert not calls
+    if len(q_pos) == 1:
+        fp32 = attend(q.float(), q_pos, keys.float(), values.float(), k_pos, 24, SCALE)
+        assert torch.equal(out, fp32.bfloat16())
+    else:
+        assert torch.equal(out, fused_attention(q, q_pos, keys, values, k_pos, 24, SCALE))
+    error = (out.double() - reference(q, q_pos, keys, values, k_pos, 24)).abs()
     assert error.max() < 0.06 and error.mean() < 5e-3, (error.max(), error.mean())
 
 

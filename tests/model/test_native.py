@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+from pathlib import Path
 import resource
 import shutil
 import threading
@@ -17,7 +18,8 @@ from kvreuse.model import native
 from kvreuse.model.adapters import MLP_PASS_BYTES
 from kvreuse.model.allocator import keep_freed_memory
 from kvreuse.model.attention import attention_mask
-from kvreuse.model.linear import linear
+from kvreuse.model.linear import linear, route
+from tests.conftest import routed_as_if_amx_bf16
 
 needs_compiler = pytest.mark.skipif(shutil.which(os.environ.get("CC", "cc")) is None, reason="no C compiler")
 needs_bf16_dot = pytest.mark.skipif(not native.panels_take(torch.bfloat16),
@@ -286,7 +288,7 @@ def test_up_to_panel_rows_through_stacked_projections_run_one_panel_product(monk
     kernel = native.panel_rows
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
     most = 40  # the library's own limit (1024 or 256) is pinned by the fewer-instructions test; this one by linear
-    monkeypatch.setattr(native, "most_panel_rows", lambda: most)
+    monkeypatch.setattr(native, "most_panel_rows", lambda dtype: most)
     for count, rows in enumerate((1, 16, most), start=1):
         x = torch.randn(rows, 24, dtype=dtype)
         got = linear(x, *layers)
@@ -294,6 +296,32 @@ def test_up_to_panel_rows_through_stacked_projections_run_one_panel_product(monk
         _assert_matches(got, torch.cat([layer(x) for layer in layers], -1))
     linear(torch.randn(most + 1, 24, dtype=dtype), *layers)  # more rows: oneDNN's product
     assert len(calls) == 3
+
+
+@needs_compiler
+def test_the_library_says_whether_the_cpu_has_amx_bf16():
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        pytest.skip("no /proc/cpuinfo to read the CPU's flags from")
+    flags = {flag for line in cpuinfo.read_text().splitlines() if line.startswith("flags")
+             for flag in line.split(":", 1)[1].split()}
+    assert bool(native.library().has_amx_bf16()) == ("amx_bf16" in flags)
+    assert native.bf16_in_amx() == ("amx_bf16" in flags)
+
+
+@needs_compiler
+def test_where_the_cpu_has_amx_bf16_takes_panels_up_to_a_few_rows_only(monkeypatch):
+    """oneDNN's bf16 product in AMX tiles outruns the panels from a few rows on; fp32 keeps the library's limit."""
+    built = native._built(native.library())
+    routed_as_if_amx_bf16(monkeypatch, True)
+    assert native.most_panel_rows(torch.bfloat16) == native.AMX_BF16_PANEL_ROWS
+    assert native.most_panel_rows(torch.float32) == built.most_rows
+    if native.panels_take(torch.bfloat16):
+        layer = nn.Linear(24, 40, dtype=torch.bfloat16)
+        assert route(torch.randn(native.AMX_BF16_PANEL_ROWS, 24, dtype=torch.bfloat16), layer) == "panels"
+        assert route(torch.randn(native.AMX_BF16_PANEL_ROWS + 1, 24, dtype=torch.bfloat16), layer) == "onednn-packed"
+    routed_as_if_amx_bf16(monkeypatch, False)
+    assert native.most_panel_rows(torch.bfloat16) == built.most_rows
 
 
 def _reference_attention(q, keys, values, positions, lengths, q_pos, window, scale):
@@ -448,6 +476,8 @@ def test_one_query_attends_in_the_decoding_kernel_and_several_in_the_prefill_ker
     from kvreuse.model.attention import attend
 
     calls = _count_calls(monkeypatch, "decode_attention", "prefill_attention")
+    # as on CPUs without AMX-BF16 (with it, bf16 queries take torch's fused calls: tests/model/test_attention.py)
+    routed_as_if_amx_bf16(monkeypatch, False)
     keys, values = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
     positions = torch.arange(10)
     attend(torch.randn(1, 4, 16), positions[-1:], keys, values, positions, None, 0.25)
@@ -888,13 +918,18 @@ def test_a_llama_layer_runs_the_pointwise_kernels_and_gemmas_norms_stay_its_own(
     assert calls == in_parts
     calls.update(dict.fromkeys(calls, 0))
     with monkeypatch.context() as patched:
-        patched.setattr(native, "most_panel_rows", lambda: 0)
+        patched.setattr(native, "most_panel_rows", lambda dtype: 0)
         llama.prefill(torch.arange(5, 25))
     assert calls == apart
     calls.update(dict.fromkeys(calls, 0))
-    LayerwiseModel(make_tiny("llama").bfloat16()).prefill(torch.arange(5, 25))
-    assert calls == (in_parts if native.panels_take(torch.bfloat16) else apart)  # bf16 too
-    calls.update(dict.fromkeys(calls, 0))
+    # bf16 too; where the CPU has AMX-BF16 only a few rows take the panels: of 20, the last layer's end (its last row)
+    in_amx = {"rms_norm": 2 * layers, "silu_mul": layers - 1, "rope": layers, "normed_panel_rows": 0, "layer_end": 1}
+    for amx, expected in ((False, in_parts), (True, in_amx)):
+        with monkeypatch.context() as patched:
+            routed_as_if_amx_bf16(patched, amx)
+            LayerwiseModel(make_tiny("llama").bfloat16()).prefill(torch.arange(5, 25))
+        assert calls == (expected if native.panels_take(torch.bfloat16) else apart), amx
+        calls.update(dict.fromkeys(calls, 0))
     LayerwiseModel(make_tiny("gemma3")).prefill(torch.arange(5, 25))
     # Gemma's norms are its own (1 + weight) and it normalises q and k apart (new tensors): two rotations a layer
     assert calls == {"rms_norm": 0, "silu_mul": 0, "rope": 2 * layers, "normed_panel_rows": 0, "layer_end": 0}
