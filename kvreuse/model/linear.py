@@ -8,8 +8,8 @@ to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is 
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
 Up to native.most_panel_rows(dtype) rows (1024 with AVX-512, 2048 with AVX2: a decoding step, a prefill's logits,
-the rows a reuse method recomputes) run in kvreuse.model.native's `panel_rows`, over another copy of each weight laid out
-in panels of outputs: every weight is read from memory once per step, in order, while the products run close to the
+the rows a reuse method recomputes) run in kvreuse.model.native's `panel_rows`, over another copy of each weight laid
+out in panels of outputs: every weight is read from memory once per step, in order, while the products run close to the
 FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32
 projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot
 products over the plain weights; bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in
