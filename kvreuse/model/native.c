@@ -119,6 +119,24 @@ static inline vec load(const float *p) { return *(const vec *)p; }
 static inline void store(float *p, vec v) { *(vec *)p = v; }
 static inline vec splat(float x) { return (vec){} + x; }
 
+/* VW bf16 as fp32 (`stored`'s shift, lane by lane), fp32 rounded to bf16's precision (`rounded_to`), and VW such
+   values written as bf16 */
+typedef uint16_t vech __attribute__((vector_size(VW * 2), aligned(2)));
+typedef uint32_t vecu __attribute__((vector_size(VW * 4), aligned(4)));
+static inline vec load_bf16(const uint16_t *p) {
+    union { vecu bits; vec value; } x = {.bits = __builtin_convertvector(*(const vech *)p, vecu) << 16};
+    return x.value;
+}
+static inline vec rounded_to_bf16(vec v) {
+    union { vec value; vecu bits; } x = {.value = v};
+    x.bits = (x.bits + 0x7fffu + ((x.bits >> 16) & 1u)) & 0xffff0000u;
+    return x.value;
+}
+static inline void store_bf16(uint16_t *p, vec rounded) {
+    union { vec value; vecu bits; } x = {.value = rounded};
+    *(vech *)p = __builtin_convertvector(x.bits >> 16, vech);
+}
+
 /* a where the comparison m holds (lanes of all ones), b elsewhere */
 static inline vec pick(veci m, vec a, vec b) {
     union { vec f; veci i; } x = {.f = a}, y = {.f = b}, r;
@@ -740,14 +758,21 @@ void rms_norm(const void *x, int64_t x_stride, int64_t n, int64_t width, const v
    the product, as torch's two ops do. fp32 takes whole vectors through the inline e^x: the vector maths library's
    expf, a call every VW values (every half tile in gated_panel_rows), held ~2.5% of a 1K-token prefill on a 2-core
    Zen 4 EPYC; inline, silu_mul of 1024 x 1536 took 0.67x the time and a 1K-token prefill 0.94-0.98x (2K and 4K:
-   level). bf16 rows through it in vectors, widened and rounded as `stored` and `keep` do: level, so not kept. */
+   level). bf16 too, widened and rounded as `stored` and `keep` do: level on the Zen 4; on a 2-core Xeon with AMX,
+   where bf16's products run 9x faster than fp32's, silu_mul of 2048 x 1536 bf16 took 1.25 ms before, 0.71 in fp32. */
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gate, const void *up, int64_t row,
         int64_t width, void *out, int64_t to, const int bf16) {
-    int64_t vectors = bf16 ? 0 : width - width % VW;
+    int64_t vectors = width - width % VW;
     for (int64_t j = 0; j < vectors; j += VW) {
-        vec g = load((const float *)gate + row + j);
-        vec e = exp_of_score(-larger(g, splat(-88.f)));
-        store((float *)out + to + j, g / (1.f + e) * load((const float *)up + row + j));
+        if (bf16) {
+            vec g = load_bf16((const uint16_t *)gate + row + j);
+            vec silu = rounded_to_bf16(g / (1.f + exp_of_score(-larger(g, splat(-88.f)))));
+            store_bf16((uint16_t *)out + to + j, rounded_to_bf16(silu * load_bf16((const uint16_t *)up + row + j)));
+        } else {
+            vec g = load((const float *)gate + row + j);
+            vec e = exp_of_score(-larger(g, splat(-88.f)));
+            store((float *)out + to + j, g / (1.f + e) * load((const float *)up + row + j));
+        }
     }
     #pragma omp simd
     for (int64_t j = vectors; j < width; j++) {  /* e^-g below 88: no infinity where -ffast-math assumes none */
