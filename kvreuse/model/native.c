@@ -1403,3 +1403,221 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
         }
     }
 }
+
+/* ---- causal bf16 attention in AMX tiles --------------------------------------------------------------------
+   Where the CPU has AMX-BF16, a prompt's (or a continuation's) bf16 queries over the keys before them in order: the
+   last n of m key rows, row j at position j, heads of 64. On a 2-core Xeon with AMX, SmolLM2's heads: 1.9x as fast
+   as torch's fused kernel (which multiplies in the tiles too) on 512 causal rows, 1.85x on 1024, 1.5x on 2048 and
+   4096 (0.45 -> 0.98-1.05 TFLOP/s of attention's products at 2-4K).
+
+   Per task, 16 query rows of one query head, in two passes over the key blocks of 32 they see: the first takes
+   their scores (Q K^T in tiles 0 and 1, kept for the second) and each row's top score; the second the weights
+   e^(score - top) in fp32, rounded to bf16, and their products with the values summed in tiles 2-5, which need no
+   rescaling (the top is known), then divided by the weights' sum. Both products run in the tiles (bf16 pairs
+   multiplied exactly, summed in fp32): Q K^T from each head's keys laid out once per call as the instruction takes
+   its second operand (each key's dims in pairs, 16 keys side by side), P V from the values likewise (pairs of keys,
+   16 dims side by side). Tried: the scores computed again in the second pass, not kept (1.08-1.46x torch's: the
+   products twice); the tasks' query heads interleaved across KV heads (0.93-1.36x: three heads' keys and values
+   outgrow L2 at 4K). Without the exponentials the kernel took 0.8x its time at 2-4K, without the first pass 0.8x. */
+
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && VW == 16
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16
+#define AMX_KEYS 32
+#define AMX_DIM 64  /* four tiles of sums: the tiles left beside the scores' two and the operands' two */
+/* GCC's tile loads are asm statements that do not say they read memory: before one reads what C code wrote, this
+   tells the compiler to have written it (else it may keep the stores for later, or drop them as never read). */
+#define MEMORY_READ_BY_TILES() __asm__ volatile("" ::: "memory")
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, or 16 x 16 fp32 sums. */
+static void configure_tiles(void) {
+    TileConfig config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = AMX_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
+
+/* Linux hands a process the tiles' state only once asked (0 when granted) */
+int amx_permitted(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
+
+/* Head h's keys [k0, k0 + 32) laid out for Q K^T: per 32 dims, a 16 x 16 block of dim pairs for each 16 keys
+   (row = pair, column = key); keys past m are zeros. */
+static void lay_out_amx_keys(const uint16_t *keys, int64_t row_stride, int64_t m, int64_t h, int64_t dim, int64_t k0,
+                             uint32_t *to) {
+    for (int64_t half = 0; half < 2; half++)
+        for (int64_t c = 0; c < dim / 32; c++) {
+            uint32_t *block = to + (half * (dim / 32) + c) * 256;
+            for (int64_t j = 0; j < 16; j++) {
+                int64_t key = k0 + half * 16 + j;
+                const uint32_t *pairs = (const uint32_t *)(keys + key * row_stride + h * dim + c * 32);
+                for (int64_t p = 0; p < 16; p++) block[p * 16 + j] = key < m ? pairs[p] : 0;
+            }
+        }
+}
+
+/* Head h's values of keys [k0, k0 + 32) laid out for P V: per 16 dims, a block of 16 rows (key pairs) of the
+   16 dims' pairs; keys past m are zeros. */
+static void lay_out_amx_values(const uint16_t *values, int64_t row_stride, int64_t m, int64_t h, int64_t dim,
+                               int64_t k0, uint16_t *to) {
+    for (int64_t c = 0; c < dim / 16; c++) {
+        uint16_t *block = to + c * 512;
+        for (int64_t p = 0; p < 16; p++)
+            for (int64_t t = 0; t < 2; t++) {
+                int64_t key = k0 + 2 * p + t;
+                const uint16_t *row = values + key * row_stride + h * dim + c * 16;
+                for (int64_t d = 0; d < 16; d++) block[p * 32 + 2 * d + t] = key < m ? row[d] : 0;
+            }
+    }
+}
+
+/* scores [16][32] of 16 query rows (tile 6 holds their dims [32c, 32c + 32) in turn) over one key block: tiles
+   0 and 1, then stored */
+static inline void amx_scores(const uint16_t *q, int64_t q_bytes, const uint32_t *keys, float *scores) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < AMX_DIM / 32; c++) {
+        _tile_loadd(6, q + c * 32, q_bytes);
+        _tile_loadd(7, keys + c * 256, 64);
+        _tile_dpbf16ps(0, 6, 7);
+        _tile_loadd(7, keys + (AMX_DIM / 32 + c) * 256, 64);
+        _tile_dpbf16ps(1, 6, 7);
+    }
+    _tile_stored(0, scores, 128);
+    _tile_stored(1, scores + 16, 128);
+}
+
+int amx_causal_attention(const void *q, int64_t q_stride, int64_t n, const void *keys, const void *values,
+                         int64_t row_stride, int64_t m, int64_t heads, int64_t groups, float scale, void *out,
+                         int threads) {
+    const int64_t dim = AMX_DIM;
+    int64_t blocks = (m + AMX_KEYS - 1) / AMX_KEYS, q_blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
+    int64_t block_elements = AMX_KEYS * dim;  /* bf16 elements of one laid-out key (or value) block */
+    uint16_t *laid_out = aligned_alloc(64, 2 * heads * blocks * block_elements * sizeof(uint16_t));
+    /* each thread's scores of its query block over every key block, from the first pass for the second */
+    float *all_scores = aligned_alloc(64, threads * blocks * AMX_ROWS * AMX_KEYS * sizeof(float));
+    if (!laid_out || !all_scores) {
+        free(laid_out);
+        free(all_scores);
+        return -1;
+    }
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t task = 0; task < heads * blocks; task++) {
+            int64_t h = task / blocks, b = task % blocks;
+            uint16_t *to = laid_out + 2 * task * block_elements;
+            lay_out_amx_keys(keys, row_stride, m, h, dim, b * AMX_KEYS, (uint32_t *)to);
+            lay_out_amx_values(values, row_stride, m, h, dim, b * AMX_KEYS, to + block_elements);
+        }
+        configure_tiles();
+        float *thread_scores = all_scores + omp_get_thread_num() * blocks * AMX_ROWS * AMX_KEYS;
+        float sums[AMX_ROWS * AMX_DIM] __attribute__((aligned(64)));
+        uint16_t weights[AMX_ROWS * AMX_KEYS] __attribute__((aligned(64)));
+        uint16_t partial[AMX_ROWS * AMX_DIM] __attribute__((aligned(64)));  /* a last block's rows, zeros past n */
+        float top[AMX_ROWS];
+        vec tops[AMX_ROWS], totals[AMX_ROWS];
+        const vec lanes = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+        #pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < heads * groups * q_blocks; task++) {
+            /* a KV head at a time (its laid-out keys and values stay in the caches), the last query blocks first:
+               they see the most keys */
+            int64_t h = task / (q_blocks * groups), qb = q_blocks - 1 - task % (q_blocks * groups) / groups;
+            int64_t qh = h * groups + task % groups;
+            int64_t r0 = qb * AMX_ROWS, rows = n - r0 < AMX_ROWS ? n - r0 : AMX_ROWS, p0 = m - n + r0;
+            const uint16_t *qrows = (const uint16_t *)q + r0 * q_stride + qh * dim;
+            int64_t q_bytes = q_stride * 2;
+            if (rows < AMX_ROWS) {
+                memset(partial, 0, sizeof(partial));
+                for (int64_t i = 0; i < rows; i++) memcpy(partial + i * dim, qrows + i * q_stride, dim * 2);
+                qrows = partial;
+                q_bytes = dim * 2;
+                MEMORY_READ_BY_TILES();
+            }
+            int64_t seen = (p0 + rows + AMX_KEYS - 1) / AMX_KEYS;  /* key blocks up to the last row's position */
+            const uint16_t *head_blocks = laid_out + 2 * h * blocks * block_elements;
+            for (int64_t i = 0; i < AMX_ROWS; i++) tops[i] = splat(HIDDEN), totals[i] = splat(0.f);
+            for (int64_t b = 0; b < seen; b++) {  /* each row's top score over the keys it sees, by lanes */
+                float *scores = thread_scores + b * AMX_ROWS * AMX_KEYS;
+                amx_scores(qrows, q_bytes, (const uint32_t *)(head_blocks + 2 * b * block_elements), scores);
+                int every_key = b * AMX_KEYS + AMX_KEYS - 1 <= p0;  /* every row sees the whole block */
+                for (int64_t i = 0; i < rows; i++) {
+                    vec s0 = load(scores + i * AMX_KEYS), s1 = load(scores + i * AMX_KEYS + 16);
+                    if (!every_key) {
+                        float visible = (float)(p0 + i - b * AMX_KEYS + 1);
+                        s0 = pick(lanes < visible, s0, splat(HIDDEN));
+                        s1 = pick(lanes + 16.f < visible, s1, splat(HIDDEN));
+                    }
+                    tops[i] = larger(tops[i], larger(s0, s1));
+                }
+            }
+            for (int64_t i = 0; i < rows; i++) top[i] = _mm512_reduce_max_ps((__m512)tops[i]);
+            _tile_zero(2);
+            _tile_zero(3);
+            _tile_zero(4);
+            _tile_zero(5);
+            for (int64_t b = 0; b < seen; b++) {
+                const uint16_t *block = head_blocks + 2 * b * block_elements;
+                const float *scores = thread_scores + b * AMX_ROWS * AMX_KEYS;
+                int every_key = b * AMX_KEYS + AMX_KEYS - 1 <= p0 && rows == AMX_ROWS;
+                for (int64_t i = 0; i < AMX_ROWS; i++) {
+                    float visible = i < rows ? (float)(p0 + i - b * AMX_KEYS + 1) : 0.f;
+                    for (int64_t half = 0; half < 2; half++) {
+                        vec x = (load(scores + i * AMX_KEYS + half * 16) - top[i]) * scale;
+                        vec w;
+                        if (every_key) {
+                            w = rounded_to_bf16(exp_of_score(x));
+                        } else {  /* a masked score may be above the top */
+                            w = rounded_to_bf16(exp_of_score(-larger(-x, splat(0.f))));
+                            w = pick(lanes + (float)(half * 16) < visible, w, splat(0.f));
+                        }
+                        totals[i] += w;
+                        store_bf16(weights + i * AMX_KEYS + half * 16, w);
+                    }
+                }
+                MEMORY_READ_BY_TILES();
+                _tile_loadd(6, weights, 64);
+                _tile_loadd(7, block + block_elements, 64);
+                _tile_dpbf16ps(2, 6, 7);
+                _tile_loadd(7, block + block_elements + 512, 64);
+                _tile_dpbf16ps(3, 6, 7);
+                _tile_loadd(7, block + block_elements + 1024, 64);
+                _tile_dpbf16ps(4, 6, 7);
+                _tile_loadd(7, block + block_elements + 1536, 64);
+                _tile_dpbf16ps(5, 6, 7);
+            }
+            _tile_stored(2, sums, AMX_DIM * 4);
+            _tile_stored(3, sums + 16, AMX_DIM * 4);
+            _tile_stored(4, sums + 32, AMX_DIM * 4);
+            _tile_stored(5, sums + 48, AMX_DIM * 4);
+            for (int64_t i = 0; i < rows; i++) {
+                float total = _mm512_reduce_add_ps((__m512)totals[i]);
+                uint16_t *to = (uint16_t *)out + (r0 + i) * heads * groups * dim + qh * dim;
+                for (int64_t d = 0; d < dim; d += 16)
+                    store_bf16(to + d, rounded_to_bf16(load(sums + i * dim + d) / total));
+            }
+        }
+        _tile_release();
+    }
+    free(laid_out);
+    free(all_scores);
+    return 0;
+}
+#else
+int amx_permitted(void) { return -1; }
+int amx_causal_attention(const void *q, int64_t q_stride, int64_t n, const void *keys, const void *values,
+                         int64_t row_stride, int64_t m, int64_t heads, int64_t groups, float scale, void *out,
+                         int threads) { return -1; }
+#endif

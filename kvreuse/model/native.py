@@ -1,7 +1,8 @@
 """Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly: at decoding's sizes, the product
 of a few rows (`panel_rows`, through a weight laid out in panels; `few_rows`, through a plain bf16 one) and the
 attention of one query per sequence (`decode_attention`, over fp32 or bf16 KV); the attention of many queries at
-any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones); a layer's pointwise
+any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones), and on CPUs with AMX-BF16
+a bf16 prompt's in the AMX tiles (`amx_causal_attention`); a layer's pointwise
 steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16), where torch runs several ops; and, where a
 layer's products run in panels, its input norm with the q/k/v product (`normed_panel_rows`) and its end (`layer_end`:
 o-projection, residual, norm, gated MLP) as one call each, those kernels one after another with no return to Python
@@ -50,6 +51,9 @@ _SIGNATURES = {
     "few_rows": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT],
     "has_bf16_dot": [],
     "has_amx_bf16": [],
+    "amx_permitted": [],
+    "amx_causal_attention": [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64,
+                             ctypes.c_float, _POINTER, _INT],
     "release_idle_threads": [],
     "panel_width": [],
     "panel_rows_most": [],
@@ -74,8 +78,9 @@ _SIGNATURES = {
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
-_RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "release_idle_threads": _INT, "panel_width": _INT,
-            "panel_rows_most": _INT, "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
+_RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "amx_permitted": _INT, "amx_causal_attention": _INT,
+            "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT,
+            "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
             "decode_attention_parts": _INT64, "decode_attention_scratch": _INT64}
 
 
@@ -525,6 +530,46 @@ def heads_in_rows(t: torch.Tensor) -> bool:
     """Rows [n, heads, dim] whose heads lie side by side (any row stride): how the kernels read q, k and v (views of
     one product) and a request's cache."""
     return t.stride(-1) == 1 and t.stride(1) == t.shape[-1]
+
+
+# The heads `amx_causal_attention` takes: their sums fill the four tiles left beside the scores' and operands'.
+AMX_ATTENTION_DIM = 64
+
+
+def amx_causal_attention_runs(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> bool:
+    """Whether `amx_causal_attention` takes these (the caller checks the positions): bf16 in AMX tiles (the CPU has
+    AMX-BF16 and Linux lets the process use them), heads of AMX_ATTENTION_DIM side by side in rows, keys and values
+    laid out alike."""
+    return (bf16_in_amx() and _amx_permitted() and q.dtype == keys.dtype == values.dtype == torch.bfloat16
+            and q.device.type == "cpu" and q.shape[-1] == AMX_ATTENTION_DIM and keys.shape[-1] == q.shape[-1]
+            and heads_in_rows(q) and heads_in_rows(keys) and keys.shape == values.shape
+            and keys.stride() == values.stride() and q.shape[1] % keys.shape[1] == 0 and q.shape[0] <= keys.shape[0])
+
+
+@functools.cache
+def _amx_permitted() -> bool:
+    """Linux hands a process the AMX tiles' state once it asks (oneDNN asks too); asked once."""
+    return library().amx_permitted() == 0
+
+
+def amx_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
+    """bf16 queries q [n, Hq, 64] that are the last n of the keys and values [m, Hkv, 64] (rows of contiguous heads at
+    any row stride: a request's cache), key row j at position j: causal attention in AMX tiles (native.c), [n, Hq *
+    64] in bf16. The products are exact and summed in fp32; the softmax's weights are rounded to bf16 before the
+    values multiply them, and the output once."""
+    if not amx_causal_attention_runs(q, keys, values):
+        raise ValueError(f"amx_causal_attention: queries {tuple(q.shape)} {q.dtype} over keys {tuple(keys.shape)} "
+                         f"{keys.dtype} and values {tuple(values.shape)}: takes bf16 heads of {AMX_ATTENTION_DIM} "
+                         f"side by side, keys and values laid out alike, at most as many queries as keys, on a CPU "
+                         f"with AMX-BF16")
+    n, q_heads, dim = q.shape
+    m, heads = keys.shape[:2]
+    out = q.new_empty((n, q_heads * dim))
+    if n and library().amx_causal_attention(q.data_ptr(), q.stride(0), n, keys.data_ptr(), values.data_ptr(),
+                                            keys.stride(0), m, heads, q_heads // heads, scale, out.data_ptr(),
+                                            torch.get_num_threads()):
+        raise MemoryError(f"amx_causal_attention: no memory to lay out {m} keys and values of {heads} heads")
+    return out
 
 
 def prefill_attention_takes(dim: int) -> bool:

@@ -121,6 +121,26 @@ def test_bf16_queries_attend_in_torch_s_fused_kernel_where_the_cpu_has_amx(monke
     assert error.max() < 0.06 and error.mean() < 5e-3, (error.max(), error.mean())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_bf16_queries_that_end_the_keys_attend_in_amx_tiles_where_the_cpu_has_them(monkeypatch, layout):
+    """A bf16 prompt or continuation (queries that are the last rows of keys in position order) with no window
+    attends in the AMX kernel; other layouts and windows take torch's fused calls; one query the decoding kernel."""
+    if not (native.available() and native.bf16_in_amx()):
+        pytest.skip("no AMX-BF16 on this CPU")
+    kernel, calls = native.amx_causal_attention, []
+    monkeypatch.setattr(native, "amx_causal_attention", lambda *args: calls.append(args) or kernel(*args))
+    q_pos, k_pos = _layout(layout)
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(len(q_pos), Q_HEADS, 64, generator=g).bfloat16()
+    keys, values = (torch.randn(len(k_pos), KV_HEADS, 64, generator=g).bfloat16() for _ in range(2))
+    for window in (None, 24):
+        calls.clear()
+        out = attend(q, q_pos, keys, values, k_pos, window, SCALE)
+        assert bool(calls) == (layout in ("prompt", "continuation") and window is None), window
+        error = (out.double() - reference(q, q_pos, keys, values, k_pos, window)).abs()
+        assert error.max() < 0.06 and error.mean() < 5e-3, (window, error.max(), error.mean())
+
+
 def test_blocks_of_a_prompt_score_only_the_keys_up_to_their_last_query():
     """Causality halves the work: each block of a prompt in order scores the keys up to its own last row, and
     masks only its diagonal square. Under a window the keys before every query's window are skipped too, and

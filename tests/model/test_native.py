@@ -532,6 +532,41 @@ def test_prefill_attention_equals_masked_softmax_attention(threads, heads, group
             assert got[0].eq(0).all()
 
 
+needs_amx = pytest.mark.skipif(not (native.available() and native.bf16_in_amx() and native._amx_permitted()),
+                               reason="bf16 attention in AMX tiles needs a CPU with AMX-BF16")
+
+
+@needs_amx
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("heads, groups", [(3, 3), (2, 1), (1, 4)])
+@pytest.mark.parametrize("n, m", [(203, 203), (16, 64), (70, 300), (1, 33), (33, 33)])
+def test_bf16_attention_in_amx_tiles_rounds_only_its_weights_and_its_output(threads, heads, groups, n, m):
+    """A prompt's (or a continuation's) bf16 queries over the keys before them, in AMX tiles: as the native prefill
+    kernel, exact products summed in fp32, weights rounded for the values' product, the output once. Query blocks of
+    16 and key blocks of 32 cut anywhere; keys read in place at a cache's row stride."""
+    generator = torch.Generator().manual_seed(n * m + heads)
+    cache = torch.randn(m, 2, heads + 1, 64, generator=generator).bfloat16()
+    keys, values = cache[:, 0, :heads], cache[:, 1, :heads]
+    q = torch.randn(n, heads * groups, 64, generator=generator).bfloat16() * 2
+    positions = torch.arange(m)
+    with _threads(threads):
+        got = native.amx_causal_attention(q, keys, values, 0.125)
+    assert got.dtype == torch.bfloat16
+    error = (got.double() - _reference_prefill(q, positions[m - n:], keys, values, positions, None, 0.125)).abs()
+    assert error.max() < 2e-2 and error.mean() < 2e-3, (error.max(), error.mean())
+
+
+@needs_amx
+def test_attention_in_amx_tiles_refuses_what_it_cannot_take():
+    keys = torch.randn(40, 3, 64).bfloat16()
+    with pytest.raises(ValueError, match="amx_causal_attention"):
+        native.amx_causal_attention(torch.randn(8, 9, 64).bfloat16(), keys.float(), keys.float(), 0.125)
+    with pytest.raises(ValueError, match="amx_causal_attention"):
+        native.amx_causal_attention(torch.randn(8, 9, 32).bfloat16(), keys[..., :32], keys[..., :32], 0.125)
+    with pytest.raises(ValueError, match="amx_causal_attention"):
+        native.amx_causal_attention(torch.randn(41, 9, 64).bfloat16(), keys, keys, 0.125)
+
+
 @needs_compiler
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads, groups, dim", [(3, 3, 64), (2, 1, 16), (1, 4, 256), (2, 8, 128)])
