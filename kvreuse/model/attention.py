@@ -15,9 +15,9 @@ products per block of queries: torch's fused kernel computes bf16 at fp32's spee
 Where the CPU has AMX-BF16 it does not: it multiplies bf16 in AMX tiles, and there more than one bf16 query runs it
 (`fused_attention`). SmolLM2's heads on a 2-core Xeon with AMX, time of the native kernel over the fused calls':
 2.5x on 1024 causal rows, 2.9x on 1600, 3.4x on 4096; on the rows a reuse method recomputes (2%, 15% or 35% of 1024,
-1600 or 4096 keys, the last 32 too) 0.96x (15% of 1024) to 1.9x, 1.28x at the median. A prompt or a
-continuation there (queries that are the last rows of keys in position order, heads of 64, no window shorter than
-the keys) runs native's `amx_causal_attention`, 1.5-1.9x the fused kernel's speed on 512-4096 causal rows.
+1600 or 4096 keys, the last 32 too) 0.96x (15% of 1024) to 1.9x, 1.28x at the median. Queries over keys in
+position order (a prompt, a continuation, a plan's recomputed rows; heads of 64, no window shorter than the keys)
+run native's `amx_causal_attention` there instead, 1.5-1.9x the fused kernel's speed on 512-4096 causal rows.
 """
 
 from __future__ import annotations
@@ -53,13 +53,6 @@ def attention_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None)
 def _is_plain_causal(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
     # Same rows on both sides in increasing order: the mask is the lower triangle, which SDPA builds itself.
     return q_pos.shape == k_pos.shape and bool(torch.equal(q_pos, k_pos)) and bool((q_pos.diff() > 0).all())
-
-
-def _queries_end_the_keys(q_pos: torch.Tensor, k_pos: torch.Tensor) -> bool:
-    """Key row i holds position i and the queries are the last rows' positions in order (a prompt, a continuation)."""
-    n, m = q_pos.numel(), k_pos.numel()
-    return (0 < n <= m and int(q_pos[0]) == m - n and int(q_pos[-1]) == m - 1 and bool((q_pos.diff() == 1).all())
-            and _keys_are_positions(k_pos))
 
 
 def _keys_are_positions(k_pos: torch.Tensor) -> bool:
@@ -169,8 +162,8 @@ def attend(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: tor
         return _one_query(q, q_pos, keys, values, k_pos, window, scale)
     in_amx = q.dtype == torch.bfloat16 and native.bf16_in_amx()
     if (in_amx and (window is None or window >= keys.shape[0]) and native.amx_causal_attention_runs(q, keys, values)
-            and _queries_end_the_keys(q_pos, k_pos)):
-        return native.amx_causal_attention(q, keys, values, scale)
+            and _keys_are_positions(k_pos)):
+        return native.amx_causal_attention(q, q_pos, keys, values, scale)
     if native.prefill_attention_runs(q, keys, values) and not in_amx:
         return native.prefill_attention(q, q_pos, keys, values, k_pos, window, scale)
     if q.dtype in BLOCKED_DTYPES and not in_amx:

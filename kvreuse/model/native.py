@@ -52,7 +52,7 @@ _SIGNATURES = {
     "has_bf16_dot": [],
     "has_amx_bf16": [],
     "amx_permitted": [],
-    "amx_causal_attention": [_POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64,
+    "amx_causal_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64,
                              ctypes.c_float, _POINTER, _INT],
     "release_idle_threads": [],
     "panel_width": [],
@@ -543,7 +543,7 @@ def amx_causal_attention_runs(q: torch.Tensor, keys: torch.Tensor, values: torch
     return (bf16_in_amx() and _amx_permitted() and q.dtype == keys.dtype == values.dtype == torch.bfloat16
             and q.device.type == "cpu" and q.shape[-1] == AMX_ATTENTION_DIM and keys.shape[-1] == q.shape[-1]
             and heads_in_rows(q) and heads_in_rows(keys) and keys.shape == values.shape
-            and keys.stride() == values.stride() and q.shape[1] % keys.shape[1] == 0 and q.shape[0] <= keys.shape[0])
+            and keys.stride() == values.stride() and q.shape[1] % keys.shape[1] == 0)
 
 
 @functools.cache
@@ -552,22 +552,27 @@ def _amx_permitted() -> bool:
     return library().amx_permitted() == 0
 
 
-def amx_causal_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float) -> torch.Tensor:
-    """bf16 queries q [n, Hq, 64] that are the last n of the keys and values [m, Hkv, 64] (rows of contiguous heads at
-    any row stride: a request's cache), key row j at position j: causal attention in AMX tiles (native.c), [n, Hq *
-    64] in bf16. The products are exact and summed in fp32; the softmax's weights are rounded to bf16 before the
-    values multiply them, and the output once."""
+def amx_causal_attention(q: torch.Tensor, q_pos: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                         scale: float) -> torch.Tensor:
+    """bf16 queries q [n, Hq, 64] at positions q_pos (any of the keys', in any order: a prompt's, a continuation's,
+    a fusion plan's recomputed rows) over keys and values [m, Hkv, 64] (rows of contiguous heads at any row stride: a
+    request's cache), key row j at position j: causal attention in AMX tiles (native.c), [n, Hq * 64] in bf16. The
+    products are exact and summed in fp32; the softmax's weights are rounded to bf16 before the values multiply
+    them, and the output once."""
     if not amx_causal_attention_runs(q, keys, values):
         raise ValueError(f"amx_causal_attention: queries {tuple(q.shape)} {q.dtype} over keys {tuple(keys.shape)} "
                          f"{keys.dtype} and values {tuple(values.shape)}: takes bf16 heads of {AMX_ATTENTION_DIM} "
-                         f"side by side, keys and values laid out alike, at most as many queries as keys, on a CPU "
-                         f"with AMX-BF16")
+                         f"side by side, keys and values laid out alike, on a CPU with AMX-BF16")
     n, q_heads, dim = q.shape
     m, heads = keys.shape[:2]
+    if q_pos.shape != (n,) or q_pos.dtype != torch.long or (n and not 0 <= int(q_pos.min()) <= int(q_pos.max()) < m):
+        raise ValueError(f"amx_causal_attention: {n} queries need as many int64 positions of the {m} keys, got "
+                         f"{tuple(q_pos.shape)} {q_pos.dtype}")
+    q_pos = q_pos.contiguous()
     out = q.new_empty((n, q_heads * dim))
-    if n and library().amx_causal_attention(q.data_ptr(), q.stride(0), n, keys.data_ptr(), values.data_ptr(),
-                                            keys.stride(0), m, heads, q_heads // heads, scale, out.data_ptr(),
-                                            torch.get_num_threads()):
+    if n and library().amx_causal_attention(q.data_ptr(), q.stride(0), q_pos.data_ptr(), n, keys.data_ptr(),
+                                            values.data_ptr(), keys.stride(0), m, heads, q_heads // heads, scale,
+                                            out.data_ptr(), torch.get_num_threads()):
         raise MemoryError(f"amx_causal_attention: no memory to lay out {m} keys and values of {heads} heads")
     return out
 

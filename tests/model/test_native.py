@@ -536,35 +536,46 @@ needs_amx = pytest.mark.skipif(not (native.available() and native.bf16_in_amx() 
                                reason="bf16 attention in AMX tiles needs a CPU with AMX-BF16")
 
 
+def _amx_layouts(generator: torch.Generator) -> dict[str, tuple[torch.Tensor, int]]:
+    """(query positions, keys): prompts and continuations cut anywhere by query blocks of 16 and key blocks of 32;
+    a plan's rows scattered with a final run; rows out of order; the first row alone."""
+    scattered = torch.cat([torch.randperm(150, generator=generator)[:23].sort().values, torch.arange(180, 203)])
+    return {"prompt": (torch.arange(203), 203), "continuation": (torch.arange(48, 64), 64),
+            "long-continuation": (torch.arange(230, 300), 300), "last": (torch.tensor([32]), 33),
+            "one-block": (torch.arange(33), 33), "scattered": (scattered, 203),
+            "shuffled": (torch.randperm(203, generator=generator)[:90], 203), "first": (torch.tensor([0]), 40)}
+
+
 @needs_amx
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("heads, groups", [(3, 3), (2, 1), (1, 4)])
-@pytest.mark.parametrize("n, m", [(203, 203), (16, 64), (70, 300), (1, 33), (33, 33)])
-def test_bf16_attention_in_amx_tiles_rounds_only_its_weights_and_its_output(threads, heads, groups, n, m):
-    """A prompt's (or a continuation's) bf16 queries over the keys before them, in AMX tiles: as the native prefill
-    kernel, exact products summed in fp32, weights rounded for the values' product, the output once. Query blocks of
-    16 and key blocks of 32 cut anywhere; keys read in place at a cache's row stride."""
-    generator = torch.Generator().manual_seed(n * m + heads)
-    cache = torch.randn(m, 2, heads + 1, 64, generator=generator).bfloat16()
-    keys, values = cache[:, 0, :heads], cache[:, 1, :heads]
-    q = torch.randn(n, heads * groups, 64, generator=generator).bfloat16() * 2
-    positions = torch.arange(m)
-    with _threads(threads):
-        got = native.amx_causal_attention(q, keys, values, 0.125)
-    assert got.dtype == torch.bfloat16
-    error = (got.double() - _reference_prefill(q, positions[m - n:], keys, values, positions, None, 0.125)).abs()
-    assert error.max() < 2e-2 and error.mean() < 2e-3, (error.max(), error.mean())
+def test_bf16_attention_in_amx_tiles_rounds_only_its_weights_and_its_output(threads, heads, groups):
+    """bf16 queries at any of the keys' positions over the keys at or before them, in AMX tiles: as the native
+    prefill kernel, exact products summed in fp32, weights rounded for the values' product, the output once; keys
+    read in place at a cache's row stride."""
+    generator = torch.Generator().manual_seed(heads * groups)
+    for layout, (q_pos, m) in _amx_layouts(generator).items():
+        cache = torch.randn(m, 2, heads + 1, 64, generator=generator).bfloat16()
+        keys, values = cache[:, 0, :heads], cache[:, 1, :heads]
+        q = torch.randn(q_pos.numel(), heads * groups, 64, generator=generator).bfloat16() * 2
+        positions = torch.arange(m)
+        with _threads(threads):
+            got = native.amx_causal_attention(q, q_pos, keys, values, 0.125)
+        assert got.dtype == torch.bfloat16
+        error = (got.double() - _reference_prefill(q, q_pos, keys, values, positions, None, 0.125)).abs()
+        assert error.max() < 2e-2 and error.mean() < 2e-3, (layout, error.max(), error.mean())
 
 
 @needs_amx
 def test_attention_in_amx_tiles_refuses_what_it_cannot_take():
-    keys = torch.randn(40, 3, 64).bfloat16()
+    keys, q, q_pos = torch.randn(40, 3, 64).bfloat16(), torch.randn(8, 9, 64).bfloat16(), torch.arange(32, 40)
     with pytest.raises(ValueError, match="amx_causal_attention"):
-        native.amx_causal_attention(torch.randn(8, 9, 64).bfloat16(), keys.float(), keys.float(), 0.125)
+        native.amx_causal_attention(q, q_pos, keys.float(), keys.float(), 0.125)
     with pytest.raises(ValueError, match="amx_causal_attention"):
-        native.amx_causal_attention(torch.randn(8, 9, 32).bfloat16(), keys[..., :32], keys[..., :32], 0.125)
-    with pytest.raises(ValueError, match="amx_causal_attention"):
-        native.amx_causal_attention(torch.randn(41, 9, 64).bfloat16(), keys, keys, 0.125)
+        native.amx_causal_attention(q[..., :32], q_pos, keys[..., :32], keys[..., :32], 0.125)
+    for positions in (q_pos + 1, q_pos - 33, q_pos[:7], q_pos.int()):  # past the keys, before them, too few, int32
+        with pytest.raises(ValueError, match="int64 positions"):
+            native.amx_causal_attention(q, positions, keys, keys, 0.125)
 
 
 @needs_compiler
