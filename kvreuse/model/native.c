@@ -1411,15 +1411,16 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
    causal rows, 1.5x on 2048 and 4096 (0.65-0.73 -> 1.0-1.07 TFLOP/s of attention's products); 2.2-4x on rows
    scattered over 1-4K keys (2%, 15% or 35% of them and the last 32), where torch's calls take a mask.
 
-   Per task, 16 query rows of one query head, in two passes over the key blocks of 32 up to the rows' last position: the first takes
-   their scores (Q K^T in tiles 0 and 1, kept for the second) and each row's top score; the second the weights
-   e^(score - top) in fp32, rounded to bf16, and their products with the values summed in tiles 2-5, which need no
-   rescaling (the top is known), then divided by the weights' sum. Both products run in the tiles (bf16 pairs
-   multiplied exactly, summed in fp32): Q K^T from each head's keys laid out once per call as the instruction takes
-   its second operand (each key's dims in pairs, 16 keys side by side), P V from the values likewise (pairs of keys,
-   16 dims side by side). Tried: the scores computed again in the second pass, not kept (1.08-1.46x torch's: the
-   products twice); the tasks' query heads interleaved across KV heads (0.93-1.36x: three heads' keys and values
-   outgrow L2 at 4K). Without the exponentials the kernel took 0.8x its time at 2-4K, without the first pass 0.8x. */
+   Per task, 16 query rows of one query head, in two passes over the key blocks of 32 up to their last position:
+   the first takes their scores (Q K^T in tiles 0 and 1, kept for the second) and each row's top score; the second
+   the weights e^(score - top) in fp32, rounded to bf16, and their products with the values summed in tiles 2-5,
+   which need no rescaling (the top is known), then divided by the weights' sum. Both products run in the tiles
+   (bf16 pairs multiplied exactly, summed in fp32): Q K^T from each head's keys laid out once per call as the
+   instruction takes its second operand (each key's dims in pairs, 16 keys side by side), P V from the values
+   likewise (pairs of keys, 16 dims side by side). Tried: the scores computed again in the second pass, not kept
+   (1.08-1.46x torch's: the products twice); the tasks' query heads interleaved across KV heads (0.93-1.36x: three
+   heads' keys and values outgrow L2 at 4K). Without the exponentials the kernel took 0.8x its time at 2-4K,
+   without the first pass 0.8x. */
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && VW == 16
 #include <sys/syscall.h>
