@@ -1246,7 +1246,10 @@ static inline __attribute__((always_inline)) void load_query_block(const Attenti
     const float scale = c->scale;
     float *const q = b->q, *const top = b->top, *const total = b->total;
     int64_t *const pos = b->pos;
-    const int64_t h = task % c->heads, first = task / c->heads * c->block_queries;
+    /* a KV head's blocks one after another (its laid-out keys stay in the caches; a 4K-token prompt's fp32 attention
+       took 0.87-0.9x the time of heads taken in turn on a 2-core Xeon), the last first: they see the most keys */
+    const int64_t blocks = (c->n + c->block_queries - 1) / c->block_queries;
+    const int64_t h = task / blocks, first = (blocks - 1 - task % blocks) * c->block_queries;
     const int64_t count = c->n - first < c->block_queries ? c->n - first : c->block_queries;
     int64_t lowest = INT64_MAX, highest = INT64_MIN;
     for (int64_t r = 0; r < rows; r++) {
