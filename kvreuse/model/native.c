@@ -759,7 +759,8 @@ void rms_norm(const void *x, int64_t x_stride, int64_t n, int64_t width, const v
    expf, a call every VW values (every half tile in gated_panel_rows), held ~2.5% of a 1K-token prefill on a 2-core
    Zen 4 EPYC; inline, silu_mul of 1024 x 1536 took 0.67x the time and a 1K-token prefill 0.94-0.98x (2K and 4K:
    level). bf16 too, widened and rounded as `stored` and `keep` do: level on the Zen 4; on a 2-core Xeon with AMX,
-   where bf16's products run 9x faster than fp32's, silu_mul of 2048 x 1536 bf16 took 1.25 ms before, 0.71 in fp32. */
+   where bf16's products run 9x faster than fp32's, silu_mul of 2048 x 1536 bf16 rows took 1.25 ms element by
+   element and 0.91 in vectors (fp32's 0.71). */
 static inline __attribute__((always_inline)) void silu_mul_row(const void *gate, const void *up, int64_t row,
         int64_t width, void *out, int64_t to, const int bf16) {
     int64_t vectors = width - width % VW;
@@ -1421,9 +1422,9 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
    (bf16 pairs multiplied exactly, summed in fp32): Q K^T from each head's keys laid out once per call as the
    instruction takes its second operand (each key's dims in pairs, 16 keys side by side), P V from the values
    likewise (pairs of keys, 16 dims side by side). Tried: the scores computed again in the second pass, not kept
-   (1.08-1.46x torch's: the products twice); the tasks' query heads interleaved across KV heads (0.93-1.36x: three
-   heads' keys and values outgrow L2 at 4K). Without the exponentials the kernel took 0.8x its time at 2-4K,
-   without the first pass 0.8x. */
+   (1.20-1.77x torch's speed at 512-4096 rows, against 1.50-1.91x kept); before that, the tasks' query heads taken
+   in turn across KV heads (1.08-1.71x, 1.08 at 4K: three heads' keys and values outgrow L2). Without the
+   exponentials the kernel took 0.8x its time at 2-4K, without the first pass 0.8x. */
 
 #if defined(__AMX_BF16__) && defined(__AMX_TILE__) && VW == 16
 #include <sys/syscall.h>
@@ -1505,9 +1506,8 @@ static inline void amx_scores(const uint16_t *q, int64_t q_bytes, const uint32_t
 }
 
 int amx_causal_attention(const void *q, int64_t q_stride, const int64_t *qpos, int64_t n, const void *keys,
-                         const void *values,
-                         int64_t row_stride, int64_t m, int64_t heads, int64_t groups, float scale, void *out,
-                         int threads) {
+                         const void *values, int64_t row_stride, int64_t m, int64_t heads, int64_t groups,
+                         float scale, void *out, int threads) {
     const int64_t dim = AMX_DIM;
     int64_t blocks = (m + AMX_KEYS - 1) / AMX_KEYS, q_blocks = (n + AMX_ROWS - 1) / AMX_ROWS;
     int64_t block_elements = AMX_KEYS * dim;  /* bf16 elements of one laid-out key (or value) block */
@@ -1575,7 +1575,8 @@ int amx_causal_attention(const void *q, int64_t q_stride, const int64_t *qpos, i
                     tops[i] = larger(tops[i], larger(s0, s1));
                 }
             }
-            for (int64_t i = 0; i < rows; i++) top[i] = _mm512_reduce_max_ps((__m512)tops[i]);
+            for (int64_t i = 0; i < AMX_ROWS; i++)  /* rows past n: weights of 0, from any finite top */
+                top[i] = i < rows ? _mm512_reduce_max_ps((__m512)tops[i]) : 0.f;
             _tile_zero(2);
             _tile_zero(3);
             _tile_zero(4);
@@ -1630,7 +1631,6 @@ int amx_causal_attention(const void *q, int64_t q_stride, const int64_t *qpos, i
 #else
 int amx_permitted(void) { return -1; }
 int amx_causal_attention(const void *q, int64_t q_stride, const int64_t *qpos, int64_t n, const void *keys,
-                         const void *values,
-                         int64_t row_stride, int64_t m, int64_t heads, int64_t groups, float scale, void *out,
-                         int threads) { return -1; }
+                         const void *values, int64_t row_stride, int64_t m, int64_t heads, int64_t groups,
+                         float scale, void *out, int threads) { return -1; }
 #endif

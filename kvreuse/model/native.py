@@ -2,7 +2,7 @@
 of a few rows (`panel_rows`, through a weight laid out in panels; `few_rows`, through a plain bf16 one) and the
 attention of one query per sequence (`decode_attention`, over fp32 or bf16 KV); the attention of many queries at
 any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones), and on CPUs with AMX-BF16
-a bf16 prompt's in the AMX tiles (`amx_causal_attention`); a layer's pointwise
+bf16 queries over keys in position order in the AMX tiles (`amx_causal_attention`); a layer's pointwise
 steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16), where torch runs several ops; and, where a
 layer's products run in panels, its input norm with the q/k/v product (`normed_panel_rows`) and its end (`layer_end`:
 o-projection, residual, norm, gated MLP) as one call each, those kernels one after another with no return to Python
