@@ -542,6 +542,19 @@ static inline vec exp_of_score(vec x) {
 
 #define HIDDEN (-3.0e38f)  /* a masked score; finite, as -ffast-math assumes no infinities */
 
+/* Rows a decoding task asks the memory for ahead of its reads: the scores' pass asks for the keys and the values
+   PREFETCH_ROWS rows ahead, so that the values' pass finds them in the cache. Decoding 16 sequences of 544 rows
+   (SmolLM2, 30 layers in turn, out of the caches) went from 0.69 to 0.40 ms a layer in bf16 and from 0.86 to 0.65
+   in fp32 on a 2-core Xeon with AMX: the hardware prefetchers alone left the loads to wait behind each row's
+   dot products (8, 16, 32 and 64 rows ahead measured; 32 kept). */
+#define PREFETCH_ROWS 32
+
+static inline __attribute__((always_inline)) void prefetch_head(const void *base, int64_t element, const int D,
+                                                                 const int bf16) {
+    const char *at = (const char *)base + element * (bf16 ? 2 : 4);
+    for (int64_t b = 0; b < D * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(at + b);
+}
+
 /* The G query heads of each of H KV heads, q [H, G, D], over those heads' keys and values (fp32 or bf16; row j's
    element i of head h at offset + h * head_stride + j * row_stride + i), rows j < len whose position pos[j] is
    visible (lo_pos < pos[j] <= hi_pos), unnormalised: into head h's part (parts + h * part_stride), [G, D] sums of
@@ -561,6 +574,12 @@ static inline __attribute__((always_inline)) void attend_heads(
     for (int t = 0; t < H * G; t++) top[t] = HIDDEN;
     for (int64_t j = 0; j < len; j++) {
         int visible = pos[j] <= hi_pos && pos[j] > lo_pos;
+        if (j + PREFETCH_ROWS < len)
+            for (int h = 0; h < H; h++) {
+                int64_t ahead = offset + h * head_stride + (j + PREFETCH_ROWS) * row_stride;
+                prefetch_head(keys, ahead, D, bf16);
+                prefetch_head(values, ahead, D, bf16);
+            }
         for (int h = 0; h < H; h++) {
             int64_t key = offset + h * head_stride + j * row_stride;
             for (int g = 0; g < G; g++) {
