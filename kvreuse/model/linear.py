@@ -14,8 +14,9 @@ FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core 
 projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot
 products over the plain weights; bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in
 bf16). bf16 takes it where the CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`,
-over the plain weights. Where the CPU has AMX-BF16, oneDNN multiplies bf16 in its tiles, 2-9x the panels' rate
-from 16 rows on: there bf16 takes panels up to 4 rows only (`native.AMX_BF16_PANEL_ROWS`).
+over the plain weights. Where the CPU has AMX-BF16, the panels multiply bf16 in AMX tiles, and oneDNN too, 2-9x
+vdpbf16ps's rate from 16 rows on: there bf16 takes the panels (in the tiles) up to 32 rows, what a decoding step's
+products read from memory (`native.AMX_BF16_PANEL_ROWS`), and oneDNN past that.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form

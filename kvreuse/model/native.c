@@ -92,8 +92,8 @@ void few_rows(const float *x, int64_t rows, int64_t in, const void *w, int64_t o
 int has_bf16_dot(void) { return BF16_DOT; }
 
 /* Whether the CPU has AMX-BF16 (-march=native defines __AMX_BF16__ where it does): there oneDNN's bf16 products
-   and torch's fused bf16 attention run in its tiles, faster than this file's bf16 kernels past a few rows
-   (kvreuse.model.native.bf16_in_amx says where the runtime takes them instead). */
+   and torch's fused bf16 attention run in its tiles, and this file's bf16 panels and causal attention too
+   (kvreuse.model.native.bf16_in_amx and most_panel_rows say which the runtime takes). */
 #if defined(__AMX_BF16__)
 int has_amx_bf16(void) { return 1; }
 #else
@@ -300,6 +300,53 @@ static inline __attribute__((always_inline)) void panel_tile_avx2(const float *x
 }
 #endif
 
+/* The weights' formats in panels: the rows' dtype, and int8 weights for fp32 rows (`format` in the kernels below) */
+enum { WEIGHTS_FP32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_INT8 = 2 };
+
+/* ---- AMX tiles ------------------------------------------------------------------------------------------
+   Where the CPU has AMX-BF16: eight tiles of up to 16 rows of 64 bytes, whose product instruction multiplies bf16
+   pairs exactly and sums them in fp32. Linux hands a process their state only once asked (`amx_permitted`); the
+   kernels take the tiles only after it has. */
+#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && VW == 16
+#define AMX_TILES 1
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_ROWS 16
+/* GCC's tile loads are asm statements that do not say they read memory: before one reads what C code wrote, this
+   tells the compiler to have written it (else it may keep the stores for later, or drop them as never read). */
+#define MEMORY_READ_BY_TILES() __asm__ volatile("" ::: "memory")
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct __attribute__((packed)) {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t bytes_per_row[16];
+    uint8_t rows[16];
+} TileConfig;
+
+static int amx_granted, amx_panels_allowed = 1;
+
+/* Linux hands a process the tiles' state only once asked (0 when granted) */
+int amx_permitted(void) {
+    int refused = (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA);
+    amx_granted = !refused;
+    return refused;
+}
+#else
+#define AMX_TILES 0
+static int amx_panels_allowed = 1;
+int amx_permitted(void) { return -1; }
+#endif
+
+/* Whether bf16 `panel_rows` may take the tiles once granted (the default; kvreuse.model.native's
+   `bf16_panels_in_vectors` lets the tests run the vector kernel beside them); returns the setting it replaces. */
+int allow_amx_panels(int allowed) {
+    int before = amx_panels_allowed;
+    amx_panels_allowed = allowed;
+    return before;
+}
+
 #if BF16_DOT
 /* bf16 rows through a bf16 weight in panels of pairs, [out / PANEL_WIDTH][in / 2][PANEL_WIDTH][2] (inputs 2k and
    2k + 1 of an output side by side; an odd `in` has a zero column added, as the rows do): a pair of each row
@@ -333,6 +380,96 @@ static inline __attribute__((always_inline)) void panel_tile_bf16(const uint16_t
     }
 }
 #endif
+
+/* bf16 rows, one tile of them (`tile_rows`, at most AMX_ROWS, readable from x), through one bf16 panel
+   (`panel_tile_bf16`'s layout: 128 bytes a pair of inputs, the panel's 32 outputs side by side) in AMX tiles: per
+   16 pairs of inputs, the rows' 32 inputs in tile 2 times the panel's 16 pairs of outputs 0-15 (tile 3) and 16-31
+   (tile 4), rows 128 bytes apart, summed into tiles 0 and 1, which start from the bias. The first `rows` rows'
+   outputs are rounded to bf16 once, `plus` added after, as `panel_tile_bf16` does. A decoding step's products read
+   every weight once, and here 16 pairs of inputs of a panel take five instructions where vdpbf16ps takes a
+   broadcast and two products per pair and row: SmolLM2's 30 layers in turn read their weights at 20-22 GB/s at 1-16
+   rows, against 9-21 in vdpbf16ps (native.AMX_BF16_PANEL_ROWS has the figures). */
+#if AMX_TILES
+static inline void amx_panel_tile(const uint16_t *x, int64_t x_stride, int64_t pairs, const char *panel,
+                                  const float *bias, const uint16_t *plus, uint16_t *y, int64_t y_stride,
+                                  int64_t columns, int64_t rows, int64_t tile_rows) {
+    float sums[AMX_ROWS * PANEL_WIDTH] __attribute__((aligned(64)));
+    for (int64_t r = 0; r < tile_rows; r++) memcpy(sums + r * PANEL_WIDTH, bias, PANEL_WIDTH * sizeof(float));
+    MEMORY_READ_BY_TILES();
+    _tile_loadd(0, sums, PANEL_WIDTH * sizeof(float));
+    _tile_loadd(1, sums + 16, PANEL_WIDTH * sizeof(float));
+    for (int64_t k = 0; k < pairs; k += 16) {
+        _tile_loadd(2, x + 2 * k, x_stride * 2);
+        _tile_loadd(3, panel + k * 128, 128);
+        _tile_loadd(4, panel + k * 128 + 64, 128);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_dpbf16ps(1, 2, 4);
+    }
+    _tile_stored(0, sums, PANEL_WIDTH * sizeof(float));
+    _tile_stored(1, sums + 16, PANEL_WIDTH * sizeof(float));
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < columns; j++) {
+            int64_t at = r * y_stride + j;
+            float sum = sums[r * PANEL_WIDTH + j];
+            keep(y, at, plus ? rounded_to(sum, 1) + stored(plus, at, 1) : sum, 1);
+        }
+}
+
+/* A product's rows as the tiles take them, AMX_ROWS at a time: x's own rows, and a last block of fewer rows after
+   whole ones copied into `tail` with zero rows after them (the tiles of a call are all one height, and a tile
+   reads all of its rows). Fewer rows than a tile are one tile of their height. */
+typedef struct {
+    const uint16_t *x, *tail;
+    int64_t x_stride, rows, tile_rows, blocks;
+} AmxRows;
+
+static int amx_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t pairs, AmxRows *a) {
+    *a = (AmxRows){x, 0, x_stride, rows, rows < AMX_ROWS ? rows : AMX_ROWS, (rows + AMX_ROWS - 1) / AMX_ROWS};
+    int64_t whole = rows / AMX_ROWS * AMX_ROWS;
+    if (rows > AMX_ROWS && whole < rows) {
+        uint16_t *tail = calloc(AMX_ROWS * 2 * pairs, sizeof(uint16_t));
+        if (!tail) return -1;
+        for (int64_t r = whole; r < rows; r++)
+            memcpy(tail + (r - whole) * 2 * pairs, x + r * x_stride, 2 * pairs * sizeof(uint16_t));
+        a->tail = tail;
+    }
+    return 0;
+}
+
+/* Block b's first row, its row stride into *stride and its rows into *count */
+static inline const uint16_t *amx_block(const AmxRows *a, int64_t b, int64_t pairs, int64_t *stride, int64_t *count) {
+    int64_t first = b * AMX_ROWS;
+    *count = a->rows - first < AMX_ROWS ? a->rows - first : AMX_ROWS;
+    if (*count < a->tile_rows) {
+        *stride = 2 * pairs;
+        return a->tail;
+    }
+    *stride = a->x_stride;
+    return a->x + first * a->x_stride;
+}
+
+/* Tiles 0-1 (sums) and 2 (rows) of `rows` rows, 3-4 (a panel's pairs) of 16, all 64 bytes wide */
+static void configure_panel_tiles(int64_t rows) {
+    TileConfig config = {0};
+    config.palette = 1;
+    for (int t = 0; t < 5; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = t < 3 ? (uint8_t)rows : 16;
+    }
+    _tile_loadconfig(&config);
+}
+#endif
+
+/* Whether a product of `rows` bf16 rows over panels `pairs` deep runs in AMX tiles: granted, whole tiles of pairs.
+   (The runtime sends bf16 products of up to native.AMX_BF16_PANEL_ROWS rows to panels there.) */
+static inline int amx_panels_take(int64_t rows, int64_t pairs, int format) {
+#if AMX_TILES
+    return amx_granted && amx_panels_allowed && format == WEIGHTS_BF16 && rows > 0 && pairs % 16 == 0;
+#else
+    (void)rows, (void)pairs, (void)format;
+    return 0;
+#endif
+}
 
 /* fp32 rows through int8 weights in panels, [out / PANEL_WIDTH][in][PANEL_WIDTH] int8 followed by the panel's
    PANEL_WIDTH fp32 scales (one an output: the largest |weight| of the output's row over 127): a decoding step's
@@ -420,8 +557,6 @@ static inline __attribute__((always_inline)) void panel_tile_avx2_at(const float
    the assembly tile over its rows and zero rows (copied once per call), so that it fetches the next panel as the
    full tiles do. Zen 3 EPYC, SmolLM2's projections, 30 layers, alternated in one process: 0.83-0.94x the time at
    2-16 rows; one row, and 17 rows on, level. */
-/* The weights' formats in panels: the rows' dtype, and int8 weights for fp32 rows (`format` in the kernels below) */
-enum { WEIGHTS_FP32 = 0, WEIGHTS_BF16 = 1, WEIGHTS_INT8 = 2 };
 
 /* Panel p of weights in panels of `depth` rows (inputs, or pairs of them in bf16) */
 static inline const char *panel_at(const void *panels, int64_t p, int64_t depth, int format) {
@@ -504,8 +639,44 @@ static inline __attribute__((always_inline)) void row_tile(const char *xm, int64
     }
 }
 
+/* `panel_rows` of bf16 rows in AMX tiles (amx_panels_take): each thread's panels in turn, each panel through
+   every block of rows while it is in the caches. -1, having done nothing, if its memory could not be had. */
+static int amx_panel_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t pairs, const void *panels,
+                           int64_t out, const void *b, const uint16_t *plus, uint16_t *y, int64_t y_stride,
+                           int threads) {
+#if AMX_TILES
+    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH;
+    AmxRows a;
+    if (amx_rows(x, x_stride, rows, pairs, &a)) return -1;
+    #pragma omp parallel num_threads(threads)
+    {
+        configure_panel_tiles(a.tile_rows);
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < count; p++) {
+            float bias[PANEL_WIDTH];
+            int64_t columns = panel_bias(b, p, out, bias, 1), first = p * PANEL_WIDTH;
+            const char *panel = panel_at(panels, p, pairs, WEIGHTS_BF16);
+            for (int64_t block = 0; block < a.blocks; block++) {
+                int64_t stride, block_rows, at = block * AMX_ROWS * y_stride + first;
+                const uint16_t *xb = amx_block(&a, block, pairs, &stride, &block_rows);
+                amx_panel_tile(xb, stride, pairs, panel, bias, plus ? plus + at : 0, y + at, y_stride, columns,
+                               block_rows, a.tile_rows);
+            }
+        }
+        _tile_release();
+    }
+    free((void *)a.tail);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
 void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels, int64_t out,
                 const void *b, const void *plus, void *y, int64_t y_stride, int threads, int format) {
+    if (amx_panels_take(rows, depth, format)
+            && !amx_panel_rows(x, x_stride, rows, depth, panels, out, b, plus, y, y_stride, threads))
+        return;
     const int bf16 = format == WEIGHTS_BF16;
     int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH, size = bf16 ? 2 : 4;
     const int streaming = PANEL_TILE_AVX2 && format == WEIGHTS_FP32 && rows <= STREAMING_ROWS;
@@ -812,6 +983,45 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
     }
 }
 
+/* `gated_panel_rows` of bf16 rows in AMX tiles (amx_panels_take), as amx_panel_rows takes its panels (and fails) */
+static int amx_gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t pairs, const void *panels,
+                                 int64_t intermediate, const void *b, void *activation, int threads) {
+#if AMX_TILES
+    int64_t half = intermediate / PANEL_WIDTH;
+    AmxRows a;
+    if (amx_rows(x, x_stride, rows, pairs, &a)) return -1;
+    #pragma omp parallel num_threads(threads)
+    {
+        configure_panel_tiles(a.tile_rows);
+        uint16_t gate[AMX_ROWS * PANEL_WIDTH], up[AMX_ROWS * PANEL_WIDTH];
+        #pragma omp for schedule(static)
+        for (int64_t p = 0; p < half; p++) {
+            float gate_bias[PANEL_WIDTH], up_bias[PANEL_WIDTH];
+            panel_bias(b, p, 2 * intermediate, gate_bias, 1);
+            panel_bias(b, half + p, 2 * intermediate, up_bias, 1);
+            const char *gate_panel = panel_at(panels, p, pairs, WEIGHTS_BF16);
+            const char *up_panel = panel_at(panels, half + p, pairs, WEIGHTS_BF16);
+            for (int64_t block = 0; block < a.blocks; block++) {
+                int64_t stride, block_rows;
+                const uint16_t *xb = amx_block(&a, block, pairs, &stride, &block_rows);
+                amx_panel_tile(xb, stride, pairs, gate_panel, gate_bias, 0, gate, PANEL_WIDTH, PANEL_WIDTH,
+                               block_rows, a.tile_rows);
+                amx_panel_tile(xb, stride, pairs, up_panel, up_bias, 0, up, PANEL_WIDTH, PANEL_WIDTH, block_rows,
+                               a.tile_rows);
+                for (int64_t r = 0; r < block_rows; r++)
+                    silu_mul_row(gate, up, r * PANEL_WIDTH, PANEL_WIDTH, activation,
+                                 (block * AMX_ROWS + r) * intermediate + p * PANEL_WIDTH, 1);
+            }
+        }
+        _tile_release();
+    }
+    free((void *)a.tail);
+    return 0;
+#else
+    return -1;
+#endif
+}
+
 /* The gated MLP's activation [rows, intermediate] = silu(gate) * up, gate and up the two halves of x's product
    with a weight [2 * intermediate, in] in panels (+ bias), for an intermediate width of whole panels: each row tile
    of a gate panel and of the up panel of the same outputs goes through silu_mul_row as the tiles come, so that the
@@ -819,6 +1029,9 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
    SmolLM2, and `silu_mul` reads them back). The same sums and rounding as the two kernels one after the other. */
 static void gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels,
                              int64_t intermediate, const void *b, void *activation, int threads, int format) {
+    if (amx_panels_take(rows, depth, format)
+            && !amx_gated_panel_rows(x, x_stride, rows, depth, panels, intermediate, b, activation, threads))
+        return;
     const int bf16 = format == WEIGHTS_BF16;
     int64_t half = intermediate / PANEL_WIDTH, size = bf16 ? 2 : 4;
     const int streaming = PANEL_TILE_AVX2 && format == WEIGHTS_FP32 && rows <= STREAMING_ROWS;
@@ -1445,24 +1658,9 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
    in turn across KV heads (1.08-1.71x, 1.08 at 4K: three heads' keys and values outgrow L2). Without the
    exponentials the kernel took 0.8x its time at 2-4K, without the first pass 0.8x. */
 
-#if defined(__AMX_BF16__) && defined(__AMX_TILE__) && VW == 16
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#define AMX_ROWS 16
+#if AMX_TILES
 #define AMX_KEYS 32
 #define AMX_DIM 64  /* four tiles of sums: the tiles left beside the scores' two and the operands' two */
-/* GCC's tile loads are asm statements that do not say they read memory: before one reads what C code wrote, this
-   tells the compiler to have written it (else it may keep the stores for later, or drop them as never read). */
-#define MEMORY_READ_BY_TILES() __asm__ volatile("" ::: "memory")
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct __attribute__((packed)) {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t bytes_per_row[16];
-    uint8_t rows[16];
-} TileConfig;
 
 /* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, or 16 x 16 fp32 sums. */
 static void configure_tiles(void) {
@@ -1474,9 +1672,6 @@ static void configure_tiles(void) {
     }
     _tile_loadconfig(&config);
 }
-
-/* Linux hands a process the tiles' state only once asked (0 when granted) */
-int amx_permitted(void) { return (int)syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); }
 
 /* Head h's keys [k0, k0 + 32) laid out for Q K^T: per 32 dims, a 16 x 16 block of dim pairs for each 16 keys
    (row = pair, column = key); keys past m are zeros. */
@@ -1648,7 +1843,6 @@ int amx_causal_attention(const void *q, int64_t q_stride, const int64_t *qpos, i
     return 0;
 }
 #else
-int amx_permitted(void) { return -1; }
 int amx_causal_attention(const void *q, int64_t q_stride, const int64_t *qpos, int64_t n, const void *keys,
                          const void *values, int64_t row_stride, int64_t m, int64_t heads, int64_t groups,
                          float scale, void *out, int threads) { return -1; }

@@ -1,6 +1,7 @@
 """Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly: at decoding's sizes, the product
-of a few rows (`panel_rows`, through a weight laid out in panels; `few_rows`, through a plain bf16 one) and the
-attention of one query per sequence (`decode_attention`, over fp32 or bf16 KV); the attention of many queries at
+of a few rows (`panel_rows`, through a weight laid out in panels, bf16 in AMX tiles where the CPU has them;
+`few_rows`, through a plain bf16 one) and the attention of one query per sequence (`decode_attention`, over fp32
+or bf16 KV); the attention of many queries at
 any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones), and on CPUs with AMX-BF16
 bf16 queries over keys in position order in the AMX tiles (`amx_causal_attention`); a layer's pointwise
 steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16), where torch runs several ops; and, where a
@@ -52,6 +53,7 @@ _SIGNATURES = {
     "has_bf16_dot": [],
     "has_amx_bf16": [],
     "amx_permitted": [],
+    "allow_amx_panels": [_INT],
     "amx_causal_attention": [_POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT64, _INT64, _INT64,
                              ctypes.c_float, _POINTER, _INT],
     "release_idle_threads": [],
@@ -78,8 +80,8 @@ _SIGNATURES = {
     "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
                     _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
-_RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "amx_permitted": _INT, "amx_causal_attention": _INT,
-            "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT,
+_RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "amx_permitted": _INT, "allow_amx_panels": _INT,
+            "amx_causal_attention": _INT, "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT,
             "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
             "decode_attention_parts": _INT64, "decode_attention_scratch": _INT64}
 
@@ -104,6 +106,18 @@ def disabled() -> Iterator[None]:
         yield
     finally:
         _switched_off = before
+
+
+@contextlib.contextmanager
+def bf16_panels_in_vectors() -> Iterator[None]:
+    """bf16 `panel_rows` in vdpbf16ps inside, even where AMX tiles would take them (`AMX_BF16_PANEL_ROWS`): the
+    two kernels checked side by side."""
+    lib = library()
+    before = lib.allow_amx_panels(0)
+    try:
+        yield
+    finally:
+        lib.allow_amx_panels(before)
 
 
 @functools.cache
@@ -206,23 +220,26 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 
 
 # Where the CPU multiplies bf16 in AMX tiles (`bf16_in_amx`), the most bf16 rows `linear` sends through
-# `panel_rows`: SmolLM2's projections of a layer on a 2-core Xeon with AMX-BF16 ran at 128 GFLOP/s in panels and
-# 117 in oneDNN at 4 rows, level at 6, then 180 against 222 at 8, 205 against 431 at 16 and 227 against 2065 at
-# 1024 (the panels' vdpbf16ps tops out at about 230 there).
-AMX_BF16_PANEL_ROWS = 4
+# `panel_rows`, which multiplies them in the tiles too once Linux has granted them: SmolLM2's projections of 30
+# layers in turn, on a 2-core Xeon with AMX-BF16, took 9.7 / 11.3 / 13.4 ms at 1 / 16 / 32 rows against oneDNN's
+# 12.5 / 12.8 / 14.9, level at 64, 32.6 against 25.4 at 128. Without the grant, 4: vdpbf16ps's panels ran at 128
+# GFLOP/s and oneDNN at 117 at 4 rows, level at 6, then 180 against 222 at 8 and 205 against 431 at 16.
+AMX_BF16_PANEL_ROWS = 32
+VECTOR_BF16_PANEL_ROWS = 4
 
 
 def most_panel_rows(dtype: torch.dtype) -> int:
     """The most rows of `dtype` `linear` sends through `panel_rows` rather than oneDNN, for the library as built:
     1024 with AVX-512, 2048 with AVX2 (its tile in assembly; native.c's `panel_rows_most` gives the measurements),
-    bf16 AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles; 0 without the library. The reuse methods'
+    bf16 AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles (VECTOR_BF16_PANEL_ROWS if Linux refuses
+    the process the tiles); 0 without the library. The reuse methods'
     products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's recomputed ones
     (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
     if not available():
         return 0
     built = _built(library())
     if dtype == torch.bfloat16 and built.amx_bf16:
-        return min(built.most_rows, AMX_BF16_PANEL_ROWS)
+        return min(built.most_rows, AMX_BF16_PANEL_ROWS if _amx_permitted() else VECTOR_BF16_PANEL_ROWS)
     return built.most_rows
 
 

@@ -188,19 +188,47 @@ def test_bf16_panels_hold_each_outputs_inputs_in_pairs():
     assert not laid[0, 1, :, 1].any() and not laid[0, :, 5:].any()  # the odd input's pair and the outputs past 5
 
 
+def _bf16_panels_in(tiles: str) -> contextlib.AbstractContextManager:
+    """bf16 panels multiplied in `tiles`: "amx" (where the CPU has them; else the test is skipped) or "vectors"."""
+    if tiles == "vectors":
+        return native.bf16_panels_in_vectors()
+    if not (native.bf16_in_amx() and native._amx_permitted()):
+        pytest.skip("bf16 panels in AMX tiles need a CPU with AMX-BF16")
+    return contextlib.nullcontext()
+
+
 @needs_bf16_dot
-@pytest.mark.parametrize("rows", [1, 3, 9, 1024])
-@pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1000, 576), (64, 1537)])
+@pytest.mark.parametrize("tiles", ["vectors", "amx"])
+@pytest.mark.parametrize("rows", [1, 3, 9, 16, 17, 40, 1024])  # AMX: one tile, then tiles with a last one padded
+@pytest.mark.parametrize("shape", [(40, 24), (7, 3), (1000, 576), (40, 64), (64, 1537)])  # AMX: 576 and 64 inputs
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("plus", [False, True])
-def test_bf16_panel_rows_round_the_product_once_and_add_the_residual_after(rows, shape, bias, plus):
+def test_bf16_panel_rows_round_the_product_once_and_add_the_residual_after(tiles, rows, shape, bias, plus):
     out_features, in_features = shape
     generator = torch.Generator().manual_seed(rows * 10_000 + out_features)
     weight, x = (torch.randn(size, generator=generator).bfloat16() for size in (shape, (rows, in_features)))
     b = torch.randn(out_features, generator=generator).bfloat16() if bias else None
     residual = torch.randn(rows, out_features, generator=generator).bfloat16() if plus else None
-    _assert_bf16_product(native.panel_rows(x, native.panels(weight), out_features, b, residual), x, weight, b,
-                         residual)
+    with _bf16_panels_in(tiles):
+        got = native.panel_rows(x, native.panels(weight), out_features, b, residual)
+    _assert_bf16_product(got, x, weight, b, residual)
+
+
+@needs_bf16_dot
+@pytest.mark.parametrize("tiles", ["vectors", "amx"])
+@pytest.mark.parametrize("rows", [13, 20])
+def test_bf16_panel_rows_give_a_row_the_same_sums_among_others_as_alone(tiles, rows):
+    """A decoding step gives a sequence the same logits in any batch: in AMX tiles a row's sums are its own, in a
+    tile of its height alone, in one of 16 rows, or in a last tile padded with zero rows."""
+    generator = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(40, 576, generator=generator).bfloat16(), torch.randn(rows, 576, generator=generator)
+    x, b, residual = x.bfloat16(), torch.randn(40).bfloat16(), torch.randn(rows, 40).bfloat16()
+    laid = native.panels(weight)
+    with _bf16_panels_in(tiles):
+        together = native.panel_rows(x, laid, 40, b, residual)
+        for row in range(rows):
+            alone = native.panel_rows(x[row : row + 1], laid, 40, b, residual[row : row + 1])[0]
+            assert torch.equal(together[row], alone)
 
 
 @needs_compiler
@@ -310,16 +338,20 @@ def test_the_library_says_whether_the_cpu_has_amx_bf16():
 
 
 @needs_compiler
-def test_where_the_cpu_has_amx_bf16_takes_panels_up_to_a_few_rows_only(monkeypatch):
-    """oneDNN's bf16 product in AMX tiles outruns the panels from a few rows on; fp32 keeps the library's limit."""
+@pytest.mark.parametrize("granted", [True, False])
+def test_where_the_cpu_has_amx_bf16_takes_panels_up_to_a_few_rows_only(monkeypatch, granted):
+    """oneDNN's bf16 product in AMX tiles outruns the panels past a few rows: the panels' own tiles where Linux
+    grants them, fewer in vdpbf16ps where it does not; fp32 keeps the library's limit."""
     built = native._built(native.library())
     routed_as_if_amx_bf16(monkeypatch, True)
-    assert native.most_panel_rows(torch.bfloat16) == native.AMX_BF16_PANEL_ROWS
+    monkeypatch.setattr(native, "_amx_permitted", lambda: granted)
+    most = native.AMX_BF16_PANEL_ROWS if granted else native.VECTOR_BF16_PANEL_ROWS
+    assert native.most_panel_rows(torch.bfloat16) == most
     assert native.most_panel_rows(torch.float32) == built.most_rows
     if native.panels_take(torch.bfloat16):
         layer = nn.Linear(24, 40, dtype=torch.bfloat16)
-        assert route(torch.randn(native.AMX_BF16_PANEL_ROWS, 24, dtype=torch.bfloat16), layer) == "panels"
-        assert route(torch.randn(native.AMX_BF16_PANEL_ROWS + 1, 24, dtype=torch.bfloat16), layer) == "onednn-packed"
+        assert route(torch.randn(most, 24, dtype=torch.bfloat16), layer) == "panels"
+        assert route(torch.randn(most + 1, 24, dtype=torch.bfloat16), layer) == "onednn-packed"
     routed_as_if_amx_bf16(monkeypatch, False)
     assert native.most_panel_rows(torch.bfloat16) == built.most_rows
 
@@ -968,12 +1000,13 @@ def test_a_llama_layer_runs_the_pointwise_kernels_and_gemmas_norms_stay_its_own(
         llama.prefill(torch.arange(5, 25))
     assert calls == apart
     calls.update(dict.fromkeys(calls, 0))
-    # bf16 too; where the CPU has AMX-BF16 only a few rows take the panels: of 20, the last layer's end (its last row)
+    # bf16 too; where the CPU has AMX-BF16 only a few rows take the panels: of 40, the last layer's end (its last row)
     in_amx = {"rms_norm": 2 * layers, "silu_mul": layers - 1, "rope": layers, "normed_panel_rows": 0, "layer_end": 1}
+    assert native.AMX_BF16_PANEL_ROWS < 40
     for amx, expected in ((False, in_parts), (True, in_amx)):
         with monkeypatch.context() as patched:
             routed_as_if_amx_bf16(patched, amx)
-            LayerwiseModel(make_tiny("llama").bfloat16()).prefill(torch.arange(5, 25))
+            LayerwiseModel(make_tiny("llama").bfloat16()).prefill(torch.arange(5, 45))
         assert calls == (expected if native.panels_take(torch.bfloat16) else apart), amx
         calls.update(dict.fromkeys(calls, 0))
     LayerwiseModel(make_tiny("gemma3")).prefill(torch.arange(5, 25))
