@@ -215,6 +215,22 @@ def test_bf16_panel_rows_round_the_product_once_and_add_the_residual_after(tiles
 
 
 @needs_bf16_dot
+def test_bf16_panels_run_in_amx_tiles_where_linux_grants_them_over_whole_tiles_of_inputs():
+    """The tiles' sums round apart from vdpbf16ps's on some outputs (they add each pair's products in another
+    order): the product is the tiles' over 576 inputs, and vdpbf16ps's over 1537, no whole number of tiles."""
+    with _bf16_panels_in("amx"):
+        generator = torch.Generator().manual_seed(0)
+        for in_features, in_tiles in ((576, True), (1537, False)):
+            weight = torch.randn(1000, in_features, generator=generator).bfloat16()
+            x = torch.randn(64, in_features, generator=generator).bfloat16()
+            laid = native.panels(weight)
+            product = native.panel_rows(x, laid, 1000)
+            with native.bf16_panels_in_vectors():
+                in_vectors = native.panel_rows(x, laid, 1000)
+            assert torch.equal(product, in_vectors) != in_tiles, in_features
+
+
+@needs_bf16_dot
 @pytest.mark.parametrize("tiles", ["vectors", "amx"])
 @pytest.mark.parametrize("rows", [13, 20])
 def test_bf16_panel_rows_give_a_row_the_same_sums_among_others_as_alone(tiles, rows):
