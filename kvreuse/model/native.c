@@ -466,7 +466,6 @@ static inline int amx_panels_take(int64_t rows, int64_t pairs, int format) {
 #if AMX_TILES
     return amx_granted && amx_panels_allowed && format == WEIGHTS_BF16 && rows > 0 && pairs % 16 == 0;
 #else
-    (void)rows, (void)pairs, (void)format;
     return 0;
 #endif
 }
@@ -639,43 +638,15 @@ static inline __attribute__((always_inline)) void row_tile(const char *xm, int64
     }
 }
 
-/* `panel_rows` of bf16 rows in AMX tiles (amx_panels_take): each thread's panels in turn, each panel through
-   every block of rows while it is in the caches. -1, having done nothing, if its memory could not be had. */
+/* `panel_rows` and `gated_panel_rows` of bf16 rows in AMX tiles (below, beside the activation it applies) */
 static int amx_panel_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t pairs, const void *panels,
-                           int64_t out, const void *b, const uint16_t *plus, uint16_t *y, int64_t y_stride,
-                           int threads) {
-#if AMX_TILES
-    int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH;
-    AmxRows a;
-    if (amx_rows(x, x_stride, rows, pairs, &a)) return -1;
-    #pragma omp parallel num_threads(threads)
-    {
-        configure_panel_tiles(a.tile_rows);
-        #pragma omp for schedule(static)
-        for (int64_t p = 0; p < count; p++) {
-            float bias[PANEL_WIDTH];
-            int64_t columns = panel_bias(b, p, out, bias, 1), first = p * PANEL_WIDTH;
-            const char *panel = panel_at(panels, p, pairs, WEIGHTS_BF16);
-            for (int64_t block = 0; block < a.blocks; block++) {
-                int64_t stride, block_rows, at = block * AMX_ROWS * y_stride + first;
-                const uint16_t *xb = amx_block(&a, block, pairs, &stride, &block_rows);
-                amx_panel_tile(xb, stride, pairs, panel, bias, plus ? plus + at : 0, y + at, y_stride, columns,
-                               block_rows, a.tile_rows);
-            }
-        }
-        _tile_release();
-    }
-    free((void *)a.tail);
-    return 0;
-#else
-    return -1;
-#endif
-}
+                          int64_t out, const void *b, const uint16_t *plus, uint16_t *y, int64_t y_stride,
+                          int64_t intermediate, int threads);
 
 void panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels, int64_t out,
                 const void *b, const void *plus, void *y, int64_t y_stride, int threads, int format) {
     if (amx_panels_take(rows, depth, format)
-            && !amx_panel_rows(x, x_stride, rows, depth, panels, out, b, plus, y, y_stride, threads))
+            && !amx_panel_rows(x, x_stride, rows, depth, panels, out, b, plus, y, y_stride, 0, threads))
         return;
     const int bf16 = format == WEIGHTS_BF16;
     int64_t count = (out + PANEL_WIDTH - 1) / PANEL_WIDTH, size = bf16 ? 2 : 4;
@@ -983,11 +954,16 @@ void silu_mul(const void *gate, const void *up, int64_t stride, int64_t n, int64
     }
 }
 
-/* `gated_panel_rows` of bf16 rows in AMX tiles (amx_panels_take), as amx_panel_rows takes its panels (and fails) */
-static int amx_gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t pairs, const void *panels,
-                                 int64_t intermediate, const void *b, void *activation, int threads) {
+/* `panel_rows` of bf16 rows in AMX tiles (amx_panels_take), or with `intermediate` outputs of a gated MLP (its
+   weight's `2 * intermediate` outputs gate then up, `out`) `gated_panel_rows`: silu(gate) * up into y (row stride
+   `y_stride`, = intermediate) as each gate panel and its up panel come. Each thread takes its panels in turn, each
+   panel through every block of rows while it is in the caches. -1, having done nothing, if its memory could not
+   be had. */
+static int amx_panel_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int64_t pairs, const void *panels,
+                          int64_t out, const void *b, const uint16_t *plus, uint16_t *y, int64_t y_stride,
+                          int64_t intermediate, int threads) {
 #if AMX_TILES
-    int64_t half = intermediate / PANEL_WIDTH;
+    int64_t count = intermediate ? intermediate / PANEL_WIDTH : (out + PANEL_WIDTH - 1) / PANEL_WIDTH;
     AmxRows a;
     if (amx_rows(x, x_stride, rows, pairs, &a)) return -1;
     #pragma omp parallel num_threads(threads)
@@ -995,22 +971,26 @@ static int amx_gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, i
         configure_panel_tiles(a.tile_rows);
         uint16_t gate[AMX_ROWS * PANEL_WIDTH], up[AMX_ROWS * PANEL_WIDTH];
         #pragma omp for schedule(static)
-        for (int64_t p = 0; p < half; p++) {
-            float gate_bias[PANEL_WIDTH], up_bias[PANEL_WIDTH];
-            panel_bias(b, p, 2 * intermediate, gate_bias, 1);
-            panel_bias(b, half + p, 2 * intermediate, up_bias, 1);
-            const char *gate_panel = panel_at(panels, p, pairs, WEIGHTS_BF16);
-            const char *up_panel = panel_at(panels, half + p, pairs, WEIGHTS_BF16);
+        for (int64_t p = 0; p < count; p++) {
+            float bias[PANEL_WIDTH], up_bias[PANEL_WIDTH];
+            int64_t columns = panel_bias(b, p, out, bias, 1), first = p * PANEL_WIDTH;
+            const char *panel = panel_at(panels, p, pairs, WEIGHTS_BF16);
+            const char *up_panel = intermediate ? panel_at(panels, count + p, pairs, WEIGHTS_BF16) : 0;
+            if (intermediate) panel_bias(b, count + p, out, up_bias, 1);
             for (int64_t block = 0; block < a.blocks; block++) {
-                int64_t stride, block_rows;
+                int64_t stride, block_rows, at = block * AMX_ROWS * y_stride + first;
                 const uint16_t *xb = amx_block(&a, block, pairs, &stride, &block_rows);
-                amx_panel_tile(xb, stride, pairs, gate_panel, gate_bias, 0, gate, PANEL_WIDTH, PANEL_WIDTH,
-                               block_rows, a.tile_rows);
+                if (!intermediate) {
+                    amx_panel_tile(xb, stride, pairs, panel, bias, plus ? plus + at : 0, y + at, y_stride, columns,
+                                   block_rows, a.tile_rows);
+                    continue;
+                }
+                amx_panel_tile(xb, stride, pairs, panel, bias, 0, gate, PANEL_WIDTH, PANEL_WIDTH, block_rows,
+                               a.tile_rows);
                 amx_panel_tile(xb, stride, pairs, up_panel, up_bias, 0, up, PANEL_WIDTH, PANEL_WIDTH, block_rows,
                                a.tile_rows);
                 for (int64_t r = 0; r < block_rows; r++)
-                    silu_mul_row(gate, up, r * PANEL_WIDTH, PANEL_WIDTH, activation,
-                                 (block * AMX_ROWS + r) * intermediate + p * PANEL_WIDTH, 1);
+                    silu_mul_row(gate, up, r * PANEL_WIDTH, PANEL_WIDTH, y, at + r * y_stride, 1);
             }
         }
         _tile_release();
@@ -1030,7 +1010,8 @@ static int amx_gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, i
 static void gated_panel_rows(const void *x, int64_t x_stride, int64_t rows, int64_t depth, const void *panels,
                              int64_t intermediate, const void *b, void *activation, int threads, int format) {
     if (amx_panels_take(rows, depth, format)
-            && !amx_gated_panel_rows(x, x_stride, rows, depth, panels, intermediate, b, activation, threads))
+            && !amx_panel_rows(x, x_stride, rows, depth, panels, 2 * intermediate, b, 0, activation, intermediate,
+                               intermediate, threads))
         return;
     const int bf16 = format == WEIGHTS_BF16;
     int64_t half = intermediate / PANEL_WIDTH, size = bf16 ? 2 : 4;
