@@ -1,13 +1,13 @@
 """Kernels of our own, in C (native.c), for what torch's CPU kernels do slowly: at decoding's sizes, the product
 of a few rows (`panel_rows`, through a weight laid out in panels, bf16 in AMX tiles where the CPU has them;
 `few_rows`, through a plain bf16 one) and the attention of one query per sequence (`decode_attention`, over fp32
-or bf16 KV); the attention of many queries at
-any positions (`prefill_attention`: a prefill's rows, or a fusion plan's selected ones), and on CPUs with AMX-BF16
-bf16 queries over keys in position order in the AMX tiles (`amx_causal_attention`); a layer's pointwise
-steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or bf16), where torch runs several ops; and, where a
-layer's products run in panels, its input norm with the q/k/v product (`normed_panel_rows`) and its end (`layer_end`:
-o-projection, residual, norm, gated MLP) as one call each, those kernels one after another with no return to Python
-between them (the checks and allocations around nine calls a layer were a third of one sequence's decoding step).
+or bf16 KV); the attention of many queries at any positions (`prefill_attention`: a prefill's rows, or a fusion
+plan's selected ones), and on CPUs with AMX-BF16 bf16 queries over keys in position order in the AMX tiles
+(`amx_causal_attention`); a layer's pointwise steps in one pass each (`rms_norm`, `silu_mul`, `rope`, fp32 or
+bf16), where torch runs several ops; and, where a layer's products run in panels, its input norm with the q/k/v
+product (`normed_panel_rows`) and its end (`layer_end`: o-projection, residual, norm, gated MLP) as one call each,
+those kernels one after another with no return to Python between them (the checks and allocations around nine
+calls a layer were a third of one sequence's decoding step).
 
 The source is compiled on first use with the system's C compiler, `-march=native` (the vector instructions of
 the CPU it runs on), and cached under the kvreuse cache folder, keyed by the source, the flags and the CPU, so a
@@ -232,9 +232,9 @@ def most_panel_rows(dtype: torch.dtype) -> int:
     """The most rows of `dtype` `linear` sends through `panel_rows` rather than oneDNN, for the library as built:
     1024 with AVX-512, 2048 with AVX2 (its tile in assembly; native.c's `panel_rows_most` gives the measurements),
     bf16 AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles (VECTOR_BF16_PANEL_ROWS if Linux refuses
-    the process the tiles); 0 without the library. The reuse methods'
-    products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's recomputed ones
-    (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
+    the process the tiles); 0 without the library. The reuse methods' products of a few hundred rows gain most:
+    naive's question rows, CacheBlend's and CacheTune's recomputed ones (docs/RESULTS.md, "Products of up to 1024
+    rows in panels")."""
     if not available():
         return 0
     built = _built(library())
