@@ -333,6 +333,18 @@ int amx_permitted(void) {
     amx_granted = !refused;
     return refused;
 }
+
+/* The first `count` tiles, each 64 bytes wide: tiles 0-2 of `rows` rows (a panel product's sums and its rows), the
+   others of AMX_ROWS */
+static void configure_tiles(int count, int64_t rows) {
+    TileConfig config = {0};
+    config.palette = 1;
+    for (int t = 0; t < count; t++) {
+        config.bytes_per_row[t] = 64;
+        config.rows[t] = t < 3 ? (uint8_t)rows : AMX_ROWS;
+    }
+    _tile_loadconfig(&config);
+}
 #else
 #define AMX_TILES 0
 static int amx_panels_allowed = 1;
@@ -448,16 +460,6 @@ static inline const uint16_t *amx_block(const AmxRows *a, int64_t b, int64_t pai
     return a->x + first * a->x_stride;
 }
 
-/* Tiles 0-1 (sums) and 2 (rows) of `rows` rows, 3-4 (a panel's pairs) of 16, all 64 bytes wide */
-static void configure_panel_tiles(int64_t rows) {
-    TileConfig config = {0};
-    config.palette = 1;
-    for (int t = 0; t < 5; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = t < 3 ? (uint8_t)rows : 16;
-    }
-    _tile_loadconfig(&config);
-}
 #endif
 
 /* Whether a product of `rows` bf16 rows over panels `pairs` deep runs in AMX tiles: granted, whole tiles of pairs.
@@ -968,7 +970,7 @@ static int amx_panel_rows(const uint16_t *x, int64_t x_stride, int64_t rows, int
     if (amx_rows(x, x_stride, rows, pairs, &a)) return -1;
     #pragma omp parallel num_threads(threads)
     {
-        configure_panel_tiles(a.tile_rows);
+        configure_tiles(5, a.tile_rows);  /* sums 0-1 and rows 2 of the rows' height, a panel's pairs 3-4 */
         uint16_t gate[AMX_ROWS * PANEL_WIDTH], up[AMX_ROWS * PANEL_WIDTH];
         #pragma omp for schedule(static)
         for (int64_t p = 0; p < count; p++) {
@@ -1643,17 +1645,6 @@ void prefill_attention(const void *q, int64_t q_stride, const int64_t *qpos, int
 #define AMX_KEYS 32
 #define AMX_DIM 64  /* four tiles of sums: the tiles left beside the scores' two and the operands' two */
 
-/* Every tile 16 rows of 64 bytes: 16 x 32 bf16 operands, or 16 x 16 fp32 sums. */
-static void configure_tiles(void) {
-    TileConfig config = {0};
-    config.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        config.bytes_per_row[t] = 64;
-        config.rows[t] = AMX_ROWS;
-    }
-    _tile_loadconfig(&config);
-}
-
 /* Head h's keys [k0, k0 + 32) laid out for Q K^T: per 32 dims, a 16 x 16 block of dim pairs for each 16 keys
    (row = pair, column = key); keys past m are zeros. */
 static void lay_out_amx_keys(const uint16_t *keys, int64_t row_stride, int64_t m, int64_t h, int64_t dim, int64_t k0,
@@ -1723,7 +1714,7 @@ int amx_causal_attention(const void *q, int64_t q_stride, const int64_t *qpos, i
             lay_out_amx_keys(keys, row_stride, m, h, dim, b * AMX_KEYS, (uint32_t *)to);
             lay_out_amx_values(values, row_stride, m, h, dim, b * AMX_KEYS, to + block_elements);
         }
-        configure_tiles();
+        configure_tiles(8, AMX_ROWS);  /* every tile 16 x 32 bf16 operands, or 16 x 16 fp32 sums */
         float *thread_scores = all_scores + omp_get_thread_num() * blocks * AMX_ROWS * AMX_KEYS;
         float sums[AMX_ROWS * AMX_DIM] __attribute__((aligned(64)));
         uint16_t weights[AMX_ROWS * AMX_KEYS] __attribute__((aligned(64)));
