@@ -1,22 +1,25 @@
 """The one matrix product every projection of the runtime goes through (q/k/v, output, MLP, LM head).
 
-Products run in oneDNN, on each weight reordered once into oneDNN's blocked layout. torch's own fp32 product
-calls MKL, which runs its AVX2 code on AMD CPUs: on an AMD EPYC with AVX512 (Zen 5), SmolLM2's projections
-reached 210-217 GFLOP/s through MKL and 475-505 through packed oneDNN at 1-2K rows, 120-150 against 250-325
-at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill` the speed). bf16 products go
+Products the panels (below) do not take run in oneDNN, on each weight reordered once into oneDNN's blocked
+layout. torch's own fp32 product calls MKL, which runs its AVX2 code on AMD CPUs: on an AMD EPYC with AVX512
+(Zen 5), SmolLM2's projections reached 210-217 GFLOP/s through MKL and 475-505 through packed oneDNN at 1-2K rows,
+120-150 against 250-325 at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill` the
+speed). bf16 products go
 to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
 the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
 
-Up to native.most_panel_rows(dtype) rows (1024 with AVX-512, 2048 with AVX2: a decoding step, a prefill's logits,
-the rows a reuse method recomputes) run in kvreuse.model.native's `panel_rows`, over another copy of each weight laid
-out in panels of outputs: every weight is read from memory once per step, in order, while the products run close to the
-FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's fp32
-projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot
+Up to native.most_panel_rows(dtype) rows (fp32 any number with AVX-512, 2048 with AVX2, bf16 1024 with AVX-512: a
+decoding step, a prefill's logits, the rows a reuse method recomputes, and fp32 prompts with AVX-512, whose layers
+then run as native calls resolved once) run in kvreuse.model.native's `panel_rows`, over another copy of each weight
+laid out in panels of outputs: every weight is read from memory once per step, in order, while the products run
+close to the FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's
+fp32 projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot
 products over the plain weights; bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in
-bf16). bf16 takes it where the CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`,
-over the plain weights. Where the CPU has AMX-BF16, the panels multiply bf16 in AMX tiles, and oneDNN too, 2-9x
-vdpbf16ps's rate from 16 rows on: there bf16 takes the panels (in the tiles) up to 32 rows, what a decoding step's
-products read from memory (`native.AMX_BF16_PANEL_ROWS`), and oneDNN past that.
+bf16); oneDNN's copy is made only once a product runs there, so fp32 with AVX-512 does without it. bf16 takes the panels
+where the CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`, over the plain weights.
+Where the CPU has AMX-BF16, the panels multiply bf16 in AMX tiles, and oneDNN too, 2-9x vdpbf16ps's rate from 16
+rows on: there bf16 takes the panels (in the tiles) up to 32 rows, what a decoding step's products read from memory
+(`native.AMX_BF16_PANEL_ROWS`), and oneDNN past that.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form
@@ -55,11 +58,11 @@ class _Packed:
     bias: torch.Tensor | None
 
     @staticmethod
-    def of(layers: Sequence[nn.Linear], onednn: torch.Tensor | None, panels: native.Panels | None,
-           bias: torch.Tensor | None) -> _Packed:
-        """Packed forms of `layers`' weights, remembering the tensors (and versions) they were made from."""
+    def of(layers: Sequence[nn.Linear], panels: native.Panels | None, bias: torch.Tensor | None) -> _Packed:
+        """Packed forms of `layers`' weights (oneDNN's added when first asked for), remembering the tensors (and
+        versions) they were made from."""
         sources = tuple(t for layer in layers for t in (layer.weight, layer.bias))
-        return _Packed(sources, tuple(_version(t) for t in sources), onednn, panels, bias)
+        return _Packed(sources, tuple(_version(t) for t in sources), None, panels, bias)
 
     def made_from(self, layers: Sequence[nn.Linear]) -> bool:
         """Whether `layers` still hold the very tensors it was made from, unchanged. Asked before every product
@@ -103,7 +106,7 @@ def linear(rows: torch.Tensor, *layers: nn.Linear, plus: torch.Tensor | None = N
     if taken == "torch":
         outputs = [nn.functional.linear(rows, layer.weight, layer.bias) for layer in layers]
         return _plus(outputs[0] if len(outputs) == 1 else torch.cat(outputs, -1), plus)
-    packed = _packed_weights(layers)
+    packed = _packed_weights(layers, onednn=True)
     if taken == "onednn-widened":  # a bf16 layer's weight widened: its product rounded to bf16
         product = torch.ops.mkldnn._linear_pointwise(rows.float().contiguous(), packed.onednn,
                                                      None if packed.bias is None else packed.bias.float(), "none",
@@ -177,8 +180,9 @@ def pack_weights(groups: Iterable[Sequence[nn.Linear]]) -> None:
     """Pack every group of projections now (each group stacked as `linear` runs it), so that the first request
     does not pay for it (about 0.25 s for SmolLM2)."""
     for layers in groups:
-        if _in_onednn(layers[0].weight) or _in_panels(layers[0].weight):
-            _packed_weights(tuple(layers))
+        weight = layers[0].weight
+        if _in_onednn(weight) or _in_panels(weight):
+            _packed_weights(tuple(layers), onednn=_in_onednn(weight) and not _panels_take_any_rows(weight))
 
 
 def _in_onednn(weight: torch.Tensor) -> bool:
@@ -200,17 +204,26 @@ def _in_panels(weight: torch.Tensor) -> bool:
     return weight.device.type == "cpu" and native.panels_take(weight.dtype)
 
 
-def _packed_weights(layers: Sequence[nn.Linear]) -> _Packed:
+def _panels_take_any_rows(weight: torch.Tensor) -> bool:
+    """Whether every product of this weight's dtype runs in panels (fp32 with AVX-512), so none in oneDNN."""
+    return _in_panels(weight) and native.most_panel_rows(weight.dtype) == native.ANY_ROWS
+
+
+def _packed_weights(layers: Sequence[nn.Linear], onednn: bool = False) -> _Packed:
+    """The layers' packed forms: the panels where they take the weight's dtype, oneDNN's layout once a product runs
+    there (`onednn`). Where the panels take every row count (fp32 with AVX-512) none does, and oneDNN's copy would be
+    another 0.54 GB for SmolLM2 in fp32."""
     packed = _packed.get(layers[0])
     first = layers[0].weight
     if packed is None or not packed.made_from(layers) or (
             packed.panels is None and _in_panels(first)):  # packed while the native kernels were switched off
         with torch.no_grad():
             weight, bias = _stacked(layers)
-            dtype = onednn_dtype(first)
-            onednn = None if dtype is None else torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), PACK_FOR_ROWS)
             panels = native.Panels.of(weight, bias) if _in_panels(first) else None
-        packed = _packed[layers[0]] = _Packed.of(layers, onednn, panels, bias)
+        packed = _packed[layers[0]] = _Packed.of(layers, panels, bias)
+    if onednn and packed.onednn is None and (dtype := onednn_dtype(first)) is not None:
+        with torch.no_grad():
+            packed.onednn = torch.ops.mkldnn._reorder_linear_weight(_stacked(layers)[0].to(dtype), PACK_FOR_ROWS)
     return packed
 
 
@@ -223,7 +236,7 @@ def int8_panels(*layers: nn.Linear) -> native.Panels:
         with torch.no_grad():
             weight, bias = _stacked(layers)
             panels = native.Panels.of(weight, bias, int8=True)
-        packed = _packed_int8[layers[0]] = _Packed.of(layers, None, panels, bias)
+        packed = _packed_int8[layers[0]] = _Packed.of(layers, panels, bias)
     return packed.panels
 
 

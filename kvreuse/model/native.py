@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -226,20 +227,29 @@ def few_rows(rows: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 # GFLOP/s and oneDNN at 117 at 4 rows, level at 6, then 180 against 222 at 8 and 205 against 431 at 16.
 AMX_BF16_PANEL_ROWS = 32
 VECTOR_BF16_PANEL_ROWS = 4
+# fp32 with AVX-512: products of any number of rows take the panels (`most_panel_rows`). Past the library's 1024
+# the products alone run level with oneDNN's (SmolLM2's projections of 30 layers, alternated, on a 2-core Xeon
+# with AMX: 2193 / 2182 ms at 2048 rows, 3974 / 3999 at 4096; 1.01 of oneDNN's at 2048 on a Zen 4 EPYC), but a
+# step whose products all take the panels runs as the native calls resolved once (ResolvedStep): a layer's norm and
+# q/k/v product in one call, its end (o-projection, residual, norm, MLP) in another, where oneDNN's products leave
+# them to torch's ops between. Full prefill on that Xeon took 0.75-0.84x the time at 2K tokens, 0.90-0.93x at 4K.
+ANY_ROWS = sys.maxsize
 
 
 def most_panel_rows(dtype: torch.dtype) -> int:
     """The most rows of `dtype` `linear` sends through `panel_rows` rather than oneDNN, for the library as built:
-    1024 with AVX-512, 2048 with AVX2 (its tile in assembly; native.c's `panel_rows_most` gives the measurements),
-    bf16 AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles (VECTOR_BF16_PANEL_ROWS if Linux refuses
-    the process the tiles); 0 without the library. The reuse methods' products of a few hundred rows gain most:
-    naive's question rows, CacheBlend's and CacheTune's recomputed ones (docs/RESULTS.md, "Products of up to 1024
-    rows in panels")."""
+    fp32 ANY_ROWS with AVX-512; else 1024 with AVX-512, 2048 with AVX2 (its tile in assembly; native.c's
+    `panel_rows_most` gives the measurements), bf16 AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles
+    (VECTOR_BF16_PANEL_ROWS if Linux refuses the process the tiles); 0 without the library. The reuse methods'
+    products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's recomputed ones
+    (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
     if not available():
         return 0
     built = _built(library())
     if dtype == torch.bfloat16 and built.amx_bf16:
         return min(built.most_rows, AMX_BF16_PANEL_ROWS if _amx_permitted() else VECTOR_BF16_PANEL_ROWS)
+    if dtype == torch.float32 and built.panel_width == 32:  # two vectors of 16 floats: AVX-512
+        return ANY_ROWS
     return built.most_rows
 
 

@@ -8,11 +8,12 @@ import torch
 from torch import nn
 
 from kvreuse.model import native
-from kvreuse.model.linear import linear
+from kvreuse.model.linear import linear, route
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("rows", [1, 3, 16, 256, 257, 600, 1024, 1025, 2048, 2049])  # both sides of most_panel_rows
+# both sides of most_panel_rows where it has a limit (1024 or 2048; fp32 with AVX-512 has none)
+@pytest.mark.parametrize("rows", [1, 3, 16, 256, 257, 600, 1024, 1025, 2048, 2049])
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
 def test_linear_equals_nn_linear(threads, rows, bias):
@@ -146,6 +147,39 @@ def test_a_weight_packed_while_the_native_kernels_were_off_gets_its_panels_when_
     monkeypatch.setattr(native, "panel_rows", lambda *args: calls.append(args) or kernel(*args))
     torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
     assert len(calls) == 1
+
+
+@pytest.mark.skipif(not native.available() or native.most_panel_rows(torch.float32) != native.ANY_ROWS,
+                    reason="fp32 products of any rows take the panels with AVX-512 only")
+@torch.inference_mode()
+def test_with_avx512_fp32_products_of_any_rows_take_the_panels_and_make_no_onednn_copy():
+    from kvreuse.model import linear as linear_module
+
+    layer = nn.Linear(24, 40)
+    linear_module.pack_weights([[layer]])
+    x = torch.randn(5000, 24)
+    assert route(x, layer) == "panels"
+    torch.testing.assert_close(linear(x, layer), layer(x), atol=1e-5, rtol=1e-5)
+    assert linear_module._packed[layer].panels is not None and linear_module._packed[layer].onednn is None
+
+
+@pytest.mark.skipif(not native.panels_take(torch.float32), reason="no panels of fp32 on this CPU")
+@torch.inference_mode()
+def test_onednn_s_copy_of_a_weight_is_made_once_a_product_runs_there(monkeypatch):
+    from kvreuse.model import linear as linear_module
+
+    monkeypatch.setattr(native, "most_panel_rows", lambda dtype: 40)
+    layer = nn.Linear(24, 40)
+    fewer, more = torch.randn(40, 24), torch.randn(41, 24)
+    torch.testing.assert_close(linear(fewer, layer), layer(fewer), atol=1e-5, rtol=1e-5)
+    assert linear_module._packed[layer].onednn is None
+    assert route(more, layer) == "onednn-packed"
+    torch.testing.assert_close(linear(more, layer), layer(more), atol=1e-5, rtol=1e-5)
+    assert linear_module._packed[layer].onednn is not None
+    linear_module.pack_weights([[layer]])  # where oneDNN takes some products, loading packs for it too
+    other = nn.Linear(24, 8)
+    linear_module.pack_weights([[other]])
+    assert linear_module._packed[other].onednn is not None
 
 
 def test_where_onednn_has_no_bf16_path_bf16_products_run_widened_to_fp32(monkeypatch):
