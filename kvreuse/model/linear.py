@@ -1,12 +1,12 @@
 """The one matrix product every projection of the runtime goes through (q/k/v, output, MLP, LM head).
 
-Products the panels (below) do not take run in oneDNN, on each weight reordered once into oneDNN's blocked
-layout. torch's own fp32 product calls MKL, which runs its AVX2 code on AMD CPUs: on an AMD EPYC with AVX512
-(Zen 5), SmolLM2's projections reached 210-217 GFLOP/s through MKL and 475-505 through packed oneDNN at 1-2K rows,
-120-150 against 250-325 at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill` the
-speed). bf16 products go
-to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is decoding). The packs are copies:
-the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB more).
+Products the panels (below) do not take run in oneDNN, on each weight reordered once into oneDNN's blocked layout.
+torch's own fp32 product calls MKL, which runs its AVX2 code on AMD CPUs: on an AMD EPYC with AVX512 (Zen 5),
+SmolLM2's projections reached 210-217 GFLOP/s through MKL and 475-505 through packed oneDNN at 1-2K rows, 120-150
+against 250-325 at 16 rows (tests/model/test_linear.py pins the results, `kvreuse bench prefill` the speed). bf16
+products the panels do not take go to oneDNN either way; packed they gain most at a few rows (1.9x at 16, which is
+decoding). The packs are copies: the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB
+more).
 
 Up to native.most_panel_rows(dtype) rows (fp32 any number with AVX-512, 2048 with AVX2, bf16 1024 with AVX-512: a
 decoding step, a prefill's logits, the rows a reuse method recomputes, and fp32 prompts with AVX-512, whose layers

@@ -176,9 +176,8 @@ def test_onednn_s_copy_of_a_weight_is_made_once_a_product_runs_there(monkeypatch
     assert route(more, layer) == "onednn-packed"
     torch.testing.assert_close(linear(more, layer), layer(more), atol=1e-5, rtol=1e-5)
     assert linear_module._packed[layer].onednn is not None
-    linear_module.pack_weights([[layer]])  # where oneDNN takes some products, loading packs for it too
     other = nn.Linear(24, 8)
-    linear_module.pack_weights([[other]])
+    linear_module.pack_weights([[other]])  # where oneDNN takes some products, loading packs for it too
     assert linear_module._packed[other].onednn is not None
 
 
