@@ -248,7 +248,7 @@ def most_panel_rows(dtype: torch.dtype) -> int:
     built = _built(library())
     if dtype == torch.bfloat16 and built.amx_bf16:
         return min(built.most_rows, AMX_BF16_PANEL_ROWS if _amx_permitted() else VECTOR_BF16_PANEL_ROWS)
-    if dtype == torch.float32 and built.panel_width == 32:  # two vectors of 16 floats: AVX-512
+    if dtype == torch.float32 and built.avx512:
         return ANY_ROWS
     return built.most_rows
 
@@ -274,6 +274,10 @@ class _Built:
     bf16_dot: bool
     amx_bf16: bool
     most_rows: int
+
+    @property
+    def avx512(self) -> bool:
+        return self.panel_width == 32  # a panel is two vectors: of 16 floats with AVX-512, of 8 with AVX2
 
 
 @functools.cache

@@ -363,7 +363,7 @@ def test_where_the_cpu_has_amx_bf16_takes_panels_up_to_a_few_rows_only(monkeypat
     monkeypatch.setattr(native, "_amx_permitted", lambda: granted)
     most = native.AMX_BF16_PANEL_ROWS if granted else native.VECTOR_BF16_PANEL_ROWS
     assert native.most_panel_rows(torch.bfloat16) == most
-    assert native.most_panel_rows(torch.float32) == (native.ANY_ROWS if built.panel_width == 32 else built.most_rows)
+    assert native.most_panel_rows(torch.float32) == (native.ANY_ROWS if built.avx512 else built.most_rows)
     if native.panels_take(torch.bfloat16):
         layer = nn.Linear(24, 40, dtype=torch.bfloat16)
         assert route(torch.randn(most, 24, dtype=torch.bfloat16), layer) == "panels"
