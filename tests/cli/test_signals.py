@@ -14,8 +14,18 @@ import pytest
 
 
 def children(pid: int) -> list[int]:
-    found = Path(f"/proc/{pid}/task/{pid}/children")
-    return [int(child) for child in found.read_text().split()] if found.exists() else []
+    try:
+        return [int(child) for child in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except FileNotFoundError:
+        return []
+
+
+def cmdline(pid: int) -> str:
+    """A short-lived child (a compiler, lscpu) may be gone between listing and reading: it reads as empty."""
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except FileNotFoundError:
+        return ""
 
 
 def alive(pid: int) -> bool:
@@ -34,8 +44,7 @@ def test_a_bench_stopped_by_sigterm_stops_its_redis_server(tiny_model_dir, tmp_p
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         deadline = time.monotonic() + 90
-        while not (servers := [c for c in children(bench.pid) if "redis-server" in Path(f"/proc/{c}/cmdline")
-                               .read_bytes().decode(errors="replace")]):
+        while not (servers := [c for c in children(bench.pid) if "redis-server" in cmdline(c)]):
             assert bench.poll() is None and time.monotonic() < deadline, bench.stderr.read() if bench.poll() else ""
             time.sleep(0.2)
         time.sleep(2)  # into the run
