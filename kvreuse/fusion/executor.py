@@ -24,7 +24,7 @@ import torch
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
-from kvreuse.store.base import KVStore, metered, view_planned
+from kvreuse.store.base import KVStore, PickedKV, metered, view_planned
 from kvreuse.store.entry import consecutive
 
 
@@ -85,10 +85,20 @@ class FusionResult:
     stats: FusionStats
 
 
+@dataclass
+class StoredLayer:
+    """One layer's stored KV of every span loaded on it, in the spans' order: each span's keys and values, and the
+    rows to pick from them (None: they are its rows)."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    picks: list[torch.Tensor | None]
+
+
 class LayerLoader:
-    """Fetches each layer's stored KV for all reused spans (chunks and an exact prefix's blocks alike): each span's
-    keys and values, in the spans' order (the plan's `loaded_rows_at(layer)`), which the model places in one pass
-    without joining them.
+    """Fetches each layer's stored KV for all reused spans (chunks and an exact prefix's blocks alike) as a
+    `StoredLayer`, in the spans' order (the plan's `loaded_rows_at(layer)`), which the model places in one pass
+    without joining them, picking a span's rows where a tier handed out its layer whole (`view_picking`).
 
     Threaded, it reads `lookahead` layers ahead of the compute: layer i+1 once the consumer has placed layer i
     in the request's KV cache (`placed`), so the read waits while layer i computes; a prefix restored
@@ -116,22 +126,22 @@ class LayerLoader:
         self._held = 0
         self._lock = threading.Lock()
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
-        self._layers: list[tuple[list[torch.Tensor], list[torch.Tensor]] | BaseException | None] = [None] * num_layers
+        self._layers: list[StoredLayer | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(max(1, lookahead))
-        # span -> (first layer, end layer, keys, values) of the layers read at once with the last read of it
-        self._ahead: dict[int, tuple[int, int, torch.Tensor, torch.Tensor]] = {}
+        # span -> (first layer, end layer, keys, values, picks) of the layers read at once with the last read of it
+        self._ahead: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
         self._closed = False
         if self.threaded:
             thread.submit(self._run)
 
-    def _read(self, index: int, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer `layer` of span `index`: taken from the layers read with an earlier one, or read now with the
-        next ones."""
+    def _read(self, index: int, span: ReusedSpan, layer: int) -> PickedKV:
+        """Layer `layer` of span `index` and the rows to pick from it: taken from the layers read with an earlier
+        one, or read now with the next ones."""
         ahead = self._ahead.get(index)
         if ahead is not None:
-            first, end, k, v = ahead
+            first, end, k, v, picks = ahead
             if layer < end:
-                return k[layer - first], v[layer - first]
+                return k[layer - first], v[layer - first], picks
             del self._ahead[index]
         stop = self.num_layers if span.read_whole else min(self.num_layers, layer + self.layers_per_read)
         layers = range(layer, stop)
@@ -144,7 +154,7 @@ class LayerLoader:
         self.read_seconds_by_key[span.key] = self.read_seconds_by_key.get(span.key, 0.0) + seconds
         if len(layers) > 1:
             self._ahead[index] = (layer, layers.stop, *kv)
-        return kv[0][0], kv[1][0]
+        return kv[0][0], kv[1][0], kv[2]
 
     def _read_layer(self, layer: int) -> None:
         """Read `layer` of every span loaded on it into its slot (or the error that stopped it); mark it ready."""
@@ -153,9 +163,9 @@ class LayerLoader:
             with metered() as meter:
                 kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.reads_from <= layer]
             self.bytes_read += meter.bytes
-            self._layers[layer] = ([k for k, _ in kv], [v for _, v in kv])
+            self._layers[layer] = StoredLayer(*(list(parts) for parts in zip(*kv)))
             del kv
-            ahead = max((end - 1 - layer for _, end, _, _ in self._ahead.values()), default=0)
+            ahead = max((end - 1 - layer for _, end, *_ in self._ahead.values()), default=0)
             with self._lock:
                 self._held += 1
                 self.peak_layers_held = max(self.peak_layers_held, self._held + ahead)
@@ -177,7 +187,7 @@ class LayerLoader:
             if isinstance(self._layers[layer], BaseException):
                 return
 
-    def take(self, layer: int) -> tuple[list[torch.Tensor], list[torch.Tensor]] | None:
+    def take(self, layer: int) -> StoredLayer | None:
         if not self.reads(layer):
             return None
         if not self.threaded:
@@ -250,7 +260,7 @@ class PlanRows:
         stored = self.loader.take(layer)
         if stored is not None:
             rows, rotary = self.loaded_at(layer)
-            self.model.place(self.cache, layer, rows, *stored, rotary)
+            self.model.place(self.cache, layer, rows, stored.keys, stored.values, rotary, stored.picks)
             del stored
             self.loader.placed()
         if layer in self.leaving:  # from here on these rows' KV is loaded: their hidden state is not needed

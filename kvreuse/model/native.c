@@ -1121,23 +1121,32 @@ void rope(const void *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim
 }
 
 /* Stored KV of a layer, in parts, placed in a cache in one pass (no joined copy first): row i of the parts in turn
-   (part p: counts[p] rows of keys and of values [count, heads, dim], each contiguous) goes to cache row to[i] (or
-   first + i if to is NULL; rows row_stride apart), its keys rotated by table row i as `rope` turns them, its values
-   copied. */
-void place_parts(int64_t parts, const void *const *keys, const void *const *values, const int64_t *counts,
-                 int64_t heads, int64_t dim, const void *cos, const void *sin, int64_t table_stride, const int64_t *to,
-                 int64_t first, void *cache_keys, void *cache_values, int64_t row_stride, int threads, int bf16) {
+   (part p: counts[p] rows of keys and of values [rows, heads, dim], each contiguous; its rows picks[p][0..counts[p])
+   where picks and picks[p] are not NULL, else its first counts[p] in order; -1, nothing written, if a pick is not
+   one of the held[p] rows part p holds) goes to cache row to[i] (or first + i
+   if to is NULL; rows row_stride apart), its keys rotated by table row i as `rope` turns them, its values copied.
+   Picking here spares a sparse read of a tier that keeps tensors (CacheTune's rows) a gathered copy of its own. */
+int place_parts(int64_t parts, const void *const *keys, const void *const *values, const int64_t *counts,
+                const int64_t *const *picks, const int64_t *held, int64_t heads, int64_t dim, const void *cos,
+                const void *sin, int64_t table_stride, const int64_t *to, int64_t first, void *cache_keys,
+                void *cache_values, int64_t row_stride, int threads, int bf16) {
     int64_t total = 0, width = heads * dim, bytes = width * (bf16 ? 2 : 4);
-    for (int64_t p = 0; p < parts; p++) total += counts[p];
+    for (int64_t p = 0; p < parts; p++) {
+        total += counts[p];
+        for (int64_t r = 0; picks && picks[p] && r < counts[p]; r++)
+            if (picks[p][r] < 0 || picks[p][r] >= held[p]) return -1;
+    }
     #pragma omp parallel for num_threads(total * width >= 4096 ? threads : 1) schedule(static)
     for (int64_t i = 0; i < total; i++) {
         int64_t p = 0, row = i;
         while (row >= counts[p]) row -= counts[p++];
+        if (picks && picks[p]) row = picks[p][row];
         int64_t at = (to ? to[i] : first + i) * row_stride;
         if (bf16) rope_row(keys[p], row * width, heads, dim, cos, sin, i * table_stride, cache_keys, at, 1);
         else rope_row(keys[p], row * width, heads, dim, cos, sin, i * table_stride, cache_keys, at, 0);
         memcpy((char *)cache_values + at * (bf16 ? 2 : 4), (const char *)values[p] + row * bytes, bytes);
     }
+    return 0;
 }
 
 /* ---- prefill attention ------------------------------------------------------------------------------------ */

@@ -78,11 +78,12 @@ _SIGNATURES = {
                           _POINTER, _POINTER, _INT, _INT],
     "layer_end": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, ctypes.c_float, _POINTER,
                   _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT],
-    "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER, _INT64, _POINTER,
-                    _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
+    "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER,
+                    _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
 _RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "amx_permitted": _INT, "allow_amx_panels": _INT,
-            "amx_causal_attention": _INT, "release_idle_threads": _INT, "panel_width": _INT, "panel_rows_most": _INT,
+            "amx_causal_attention": _INT, "place_parts": _INT, "release_idle_threads": _INT, "panel_width": _INT,
+            "panel_rows_most": _INT,
             "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
             "decode_attention_parts": _INT64, "decode_attention_scratch": _INT64}
 
@@ -736,21 +737,27 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
 
 
 def place_parts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                rows: slice | torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Tensor) -> None:
-    """Stored KV in parts (keys before RoPE and values [n_p, heads, dim] of part p, each contiguous) written at
+                rows: slice | torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Tensor,
+                picks: Sequence[torch.Tensor | None] | None = None) -> None:
+    """Stored KV in parts (keys before RoPE and values [rows_p, heads, dim] of part p, each contiguous) written at
     `rows` of a cache layer [capacity, heads, dim] (rows of contiguous heads) in one pass: the parts' rows in turn
     go to `rows` (a slice or int64 indices), keys rotated by the matching rows of cos and sin [n, dim] as `rope`
-    turns them. fp32 or bf16, one dtype for all."""
-    counts = [k.shape[0] for k in keys]
+    turns them. A part's rows are all of its own in order, or picks[p] of them (int64 indices) where given: the
+    rows of a sparse read picked straight from the tensors a tier keeps. fp32 or bf16, one dtype for all."""
+    picks = [None] * len(keys) if picks is None else list(picks)
+    counts = [k.shape[0] if p is None else p.numel() for k, p in zip(keys, picks)]
     n, (_, heads, dim) = sum(counts), cache_keys.shape
-    if (len(keys) != len(values) or any(k.shape != (c, heads, dim) or v.shape != k.shape or not k.is_contiguous()
-                                        or not v.is_contiguous() for k, v, c in zip(keys, values, counts))
+    if (len(keys) != len(values) or len(picks) != len(keys)
+            or any(k.shape[1:] != (heads, dim) or v.shape != k.shape or not k.is_contiguous() or not v.is_contiguous()
+                   for k, v in zip(keys, values))
+            or any(p is not None and (p.dtype != torch.long or p.dim() != 1 or not p.is_contiguous()) for p in picks)
             or cache_values.shape != cache_keys.shape or cache_values.stride() != cache_keys.stride()
             or not heads_in_rows(cache_keys) or cos.shape != (n, dim) or sin.shape != (n, dim)
             or cos.stride() != sin.stride() or not _rows(cos) or dim % 2):
         raise ValueError(f"place_parts: parts {[tuple(k.shape) for k in keys]} and {[tuple(v.shape) for v in values]} "
-                         f"into a cache {tuple(cache_keys.shape)} with tables {tuple(cos.shape)}: contiguous parts of "
-                         f"the cache's heads, tables [n, dim] for their n rows")
+                         f"picking {[None if p is None else (p.dtype, tuple(p.shape)) for p in picks]} into a cache "
+                         f"{tuple(cache_keys.shape)} with tables {tuple(cos.shape)}: contiguous parts of the cache's "
+                         f"heads, picks as 1-d int64, tables [n, dim] for their n rows")
     bf16 = _is_bf16("place_parts", *keys, *values, cos, sin, cache_keys, cache_values)
     if isinstance(rows, slice):
         # the rows torch's indexing takes (a negative start counts from the end): the kernel writes from `first` on
@@ -762,8 +769,11 @@ def place_parts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], co
         to, first = rows.to(torch.long).contiguous(), 0
         if to.shape != (n,) or (n and (int(to.min()) < 0 or int(to.max()) >= cache_keys.shape[0])):
             raise ValueError(f"place_parts: {n} rows into cache rows {tuple(to.shape)} of {cache_keys.shape[0]}")
-    pointers = ctypes.c_void_p * len(keys)
-    library().place_parts(len(keys), pointers(*(k.data_ptr() for k in keys)), pointers(*(v.data_ptr() for v in values)),
-                          (ctypes.c_int64 * len(counts))(*counts), heads, dim, cos.data_ptr(), sin.data_ptr(),
-                          cos.stride(0), None if to is None else to.data_ptr(), first, cache_keys.data_ptr(),
-                          cache_values.data_ptr(), cache_keys.stride(0), torch.get_num_threads(), bf16)
+    pointers, sizes = ctypes.c_void_p * len(keys), ctypes.c_int64 * len(keys)
+    picked = None if all(p is None for p in picks) else pointers(*(None if p is None else p.data_ptr() for p in picks))
+    if library().place_parts(len(keys), pointers(*(k.data_ptr() for k in keys)),
+                             pointers(*(v.data_ptr() for v in values)), sizes(*counts), picked,
+                             sizes(*(k.shape[0] for k in keys)), heads, dim, cos.data_ptr(), sin.data_ptr(),
+                             cos.stride(0), None if to is None else to.data_ptr(), first, cache_keys.data_ptr(),
+                             cache_values.data_ptr(), cache_keys.stride(0), torch.get_num_threads(), bf16):
+        raise ValueError(f"place_parts: picks outside their parts' rows {[k.shape[0] for k in keys]}")

@@ -286,22 +286,27 @@ class LayerwiseModel:
 
     def place(self, cache: KVCache, layer: int, rows: slice | torch.Tensor,
               keys: torch.Tensor | Sequence[torch.Tensor], values: torch.Tensor | Sequence[torch.Tensor],
-              rotary: Rotary) -> None:
+              rotary: Rotary, picks: Sequence[torch.Tensor | None] | None = None) -> None:
         """The one KV placer: stored-form KV (keys before RoPE, any device and dtype) moved to the model's
         device and dtype, keys rotated to the rows' positions, written at `rows` of `cache`. Keys and values come
-        whole or in parts (a loaded layer's spans), whose rows in turn are `rows`: parts in the model's dtype go
-        into the cache in one native pass (each part converted first if it must be), never joined into a copy; a
-        cache whose rows are not of contiguous heads (one in a pool's slot) takes torch's ops."""
+        whole or in parts (a loaded layer's spans), whose rows in turn are `rows`; a part's rows are picks[p] of
+        it where given (a tier's layer handed out whole). Parts in the model's dtype go into the cache in one
+        native pass (each part converted first if it must be), never joined or gathered into a copy; a cache
+        whose rows are not of contiguous heads (one in a pool's slot) takes torch's ops."""
         if isinstance(keys, torch.Tensor):
             keys, values = [keys], [values]
+        picks = [None] * len(keys) if picks is None else picks
         keys, values = ([t.to(device=self.device, dtype=self.dtype) for t in parts] for parts in (keys, values))
         cos, sin = (table[:, 0] for table in self._rope_tables(layer, rotary))
         cache_keys, cache_values = cache.keys[layer], cache.values[layer]
         if (native.runs_fp32_or_bf16(cos, *keys, *values, cache_keys)
                 and all(t.is_contiguous() for t in (*keys, *values))
                 and native.heads_in_rows(cache_keys) and cache_keys.stride() == cache_values.stride()):
-            native.place_parts(keys, values, cos, sin, rows, cache_keys, cache_values)
+            native.place_parts(keys, values, cos, sin, rows, cache_keys, cache_values,
+                               [p if p is None else p.to(device=self.device) for p in picks])
             return
+        keys, values = ([t if p is None else t[p.to(t.device)] for t, p in zip(parts, picks)]
+                        for parts in (keys, values))
         keys, values = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (keys, values))
         if isinstance(rows, slice):  # rotated straight into the cache's memory: no temporary to copy
             self.rope(layer, keys, rotary, out=cache_keys[rows])

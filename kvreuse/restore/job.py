@@ -26,7 +26,7 @@ from kvreuse.fusion.plan import Block
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LAST_ROW, CapturedKV, LayerwiseModel, RowGroup
 from kvreuse.restore.units import Span
-from kvreuse.store.base import KV, KVStore, metered, view_planned
+from kvreuse.store.base import KVStore, PickedKV, metered, view_planned
 
 
 class IOChannels:
@@ -151,7 +151,7 @@ class PrefixJob:
     def block_at(self, row: int) -> Block:
         return self.blocks[row // self.blocks[0].stored_tokens]
 
-    def read(self, block: Block, layers: range, rows: slice) -> KV | None:
+    def read(self, block: Block, layers: range, rows: slice) -> PickedKV | None:
         """`layers` of cache rows `rows` (inside `block`) from the store, keys before RoPE; None if missing or
         damaged."""
         local = block.overlap(rows)
@@ -163,11 +163,11 @@ class PrefixJob:
         self.bytes_loaded += meter.bytes
         return kv
 
-    def place(self, rows: slice, layers: range, kv: KV) -> None:
+    def place(self, rows: slice, layers: range, kv: PickedKV) -> None:
         """Write what `read` gave at `rows` through the model's KV placer."""
-        rotary = self.rotary[rows]
+        rotary, (keys, values, picks) = self.rotary[rows], kv
         for i, layer in enumerate(layers):
-            self.model.place(self.cache, layer, rows, kv[0][i], kv[1][i], rotary)
+            self.model.place(self.cache, layer, rows, keys[i], values[i], rotary, None if picks is None else [picks])
 
 
 class JobAxis(ABC):
@@ -207,10 +207,10 @@ class TokenAxis(JobAxis):
     def run(self, span: Span) -> Run:
         return self.job.run(slice(span.start, span.stop))  # its output is not needed: the KV is in the cache
 
-    def read(self, span: Span) -> KV | None:
+    def read(self, span: Span) -> PickedKV | None:
         return self.job.read(self.job.block_at(span.start), self.job.layers, slice(span.start, span.stop))
 
-    def place(self, span: Span, data: KV) -> None:
+    def place(self, span: Span, data: PickedKV) -> None:
         self.job.place(slice(span.start, span.stop), self.job.layers, data)
 
     def recompute(self, spans: list[Span]) -> None:
@@ -266,11 +266,11 @@ class LayerAxis(JobAxis):
             self._hidden, self._outputs = torch.cat(self._outputs), []
         self.next = span.stop
 
-    def read(self, span: Span) -> KV | None:
+    def read(self, span: Span) -> PickedKV | None:
         layers, rows = self._rows(span)
         return self.job.read(self.job.block_at(rows.start), layers, rows)
 
-    def place(self, span: Span, data: KV) -> None:
+    def place(self, span: Span, data: PickedKV) -> None:
         layers, rows = self._rows(span)
         self.job.place(rows, layers, data)
 

@@ -23,6 +23,8 @@ from kvreuse.store.keys import check_key
 
 log = logging.getLogger("kvreuse.store")
 KV = tuple[torch.Tensor, torch.Tensor]
+# Keys and values of some layers with the rows to pick from each (None: they are the rows asked for)
+PickedKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 Rows = Sequence[int] | torch.Tensor
 T = TypeVar("T")
 
@@ -60,6 +62,12 @@ class KVStore(ABC):
         """`get_rows` for a caller that only reads them (and must not write them): a tier that keeps tensors
         hands out its own where the rows are consecutive, not a copy."""
         return self.get_rows(key, rows, layers)
+
+    def view_picking(self, key: str, rows: Rows, layers: range | None = None) -> PickedKV | None:
+        """`view_rows` for a caller that picks rows itself as it copies them (the KV placer): a tier that keeps
+        tensors hands out its layers whole with the rows to pick, where `view_rows` would gather a copy of them."""
+        kv = self.view_rows(key, rows, layers)
+        return None if kv is None else (*kv, None)
 
     @abstractmethod
     def put(self, entry: KVEntry, *, handed_over: bool = False) -> bool:
@@ -360,14 +368,21 @@ class BlobTier(Tier):
         return self._unless_unavailable(key, self._remove)
 
 
-def view_planned(store: KVStore, key: str, layers: range, rows: Rows | None, num_rows: int) -> KV | None:
-    """What a plan loads: `layers` of the entry's `rows` (None: all of them) for a caller that only reads them;
-    None if the entry is missing or damaged, or is not the `num_rows` rows the plan counted on (another entry
-    under the key)."""
-    kv = store.view_layers(key, layers.start, layers.stop) if rows is None else store.view_rows(key, rows, layers)
-    if kv is None or kv[0].shape[:2] != (len(layers), num_rows):
+def view_planned(store: KVStore, key: str, layers: range, rows: Rows | None, num_rows: int) -> PickedKV | None:
+    """What a plan loads, for the KV placer: `layers` of the entry's `rows` (None: all of them), or the layers with
+    the rows to pick from them (`view_picking`); None if the entry is missing or damaged, or is not the `num_rows`
+    rows the plan counted on (another entry under the key)."""
+    if rows is None:
+        kv = store.view_layers(key, layers.start, layers.stop)
+        picked = None if kv is None else (*kv, None)
+    else:
+        picked = store.view_picking(key, rows, layers)
+    if picked is None:
         return None
-    return kv
+    k, _, picks = picked
+    if k.shape[0] != len(layers) or (k.shape[1] if picks is None else picks.numel()) != num_rows:
+        return None
+    return picked
 
 
 def nbytes_of(result: object) -> int:

@@ -16,11 +16,13 @@ import logging
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
-from kvreuse.store.base import KV, KVStore, Rows
+from kvreuse.store.base import KV, KVStore, PickedKV, Rows
 from kvreuse.store.entry import EntryMeta, KVEntry
 from kvreuse.store.memory import MemoryTier
+
+T = TypeVar("T")
 
 log = logging.getLogger("kvreuse.store")
 # Entries a slow tier has yet to take are held in memory beside the memory tier's budget: bounded in bytes too.
@@ -173,7 +175,7 @@ class TieredStore(KVStore):
             self._promote(entry.clone(), i)
         return i, entry
 
-    def _partial(self, key: str, read: Callable[[KVStore], KV | None]) -> KV | None:
+    def _partial(self, key: str, read: Callable[[KVStore], T | None]) -> T | None:
         i, kv = self._first_hit(read)
         if i > 0:
             self._promote_later(key, i)
@@ -190,6 +192,9 @@ class TieredStore(KVStore):
 
     def view_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         return self._partial(key, lambda t: t.view_rows(key, rows, layers))
+
+    def view_picking(self, key: str, rows: Rows, layers: range | None = None) -> PickedKV | None:
+        return self._partial(key, lambda t: t.view_picking(key, rows, layers))
 
     def contains(self, key: str) -> bool:
         return self.locate(key) is not None

@@ -44,6 +44,10 @@ class SlowStore:
         time.sleep(self.read_delay)
         return None if key in self.lost else self.inner.view_rows(key, rows, layers)
 
+    def view_picking(self, key, rows, layers=None):
+        time.sleep(self.read_delay)
+        return None if key in self.lost else self.inner.view_picking(key, rows, layers)
+
     def put(self, entry, *, handed_over=False):
         self.release.wait()
         return self.inner.put(entry, handed_over=handed_over)

@@ -948,6 +948,37 @@ def test_place_parts_writes_each_part_s_rows_rotated_where_rope_of_them_joined_w
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_place_parts_picks_a_part_s_rows_where_told_as_a_gathered_copy_of_them_would_place(dtype):
+    """Parts handed out whole with the rows to pick from them (a memory tier's layer for CacheTune's sparse rows),
+    beside a part taken in order: placed as the gathered rows would be."""
+    held = [torch.randn(9, 3, 16).to(dtype), torch.randn(4, 3, 16).to(dtype), torch.randn(6, 3, 16).to(dtype)]
+    values = [torch.randn_like(k) for k in held]
+    picks = [torch.tensor([0, 2, 3, 8]), None, torch.tensor([5, 1, 4])]
+    keys, vals = ([t if p is None else t[p] for t, p in zip(parts, picks)] for parts in (held, values))
+    angles = torch.randn(11, 8)
+    cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
+    rows = torch.randperm(30)[:11]
+    gathered = [torch.zeros(30, 3, 16, dtype=dtype) for _ in range(2)]
+    native.place_parts(keys, vals, cos, sin, rows, *gathered)
+    picked = [torch.zeros(30, 3, 16, dtype=dtype) for _ in range(2)]
+    native.place_parts(held, values, cos, sin, rows, *picked, picks)
+    assert all(torch.equal(a, b) for a, b in zip(picked, gathered)) and gathered[0].abs().sum() > 0
+
+
+@needs_compiler
+@pytest.mark.parametrize("pick", [[0, 4], [-1, 2], [1, 9]])
+def test_place_parts_refuses_picks_outside_a_part_and_writes_nothing(pick):
+    keys, cos = [torch.randn(4, 2, 16), torch.randn(3, 2, 16)], torch.randn(5, 16)
+    cache = torch.zeros(10, 2, 16)
+    with pytest.raises(ValueError, match="picks outside"):
+        native.place_parts(keys, keys, cos, cos, slice(0, 5), cache, cache.clone(), [torch.tensor(pick), None])
+    assert cache.eq(0).all()
+    with pytest.raises(ValueError, match="picks as 1-d int64"):
+        native.place_parts(keys, keys, cos, cos, slice(0, 5), cache, cache.clone(), [torch.tensor([0., 1.]), None])
+
+
+@needs_compiler
 @pytest.mark.parametrize("rows", [slice(7, 10), slice(-3, None), slice(-5, -2)])
 def test_place_parts_writes_the_rows_torch_s_indexing_takes_for_a_slice(rows):
     """A slice counting from the cache's end ("the last 3 rows") places where torch's indexing puts it: the kernel

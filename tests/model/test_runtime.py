@@ -139,6 +139,26 @@ def test_place_in_parts_equals_placing_them_joined(tiny_model, rows, dtype):
     assert torch.equal(in_parts.values[1][rows], joined.values[1][rows])
 
 
+@pytest.mark.parametrize("heads_in_rows", [True, False])  # a cache the native pass takes, or one it does not
+def test_place_picking_rows_from_whole_parts_equals_placing_the_picked_rows(tiny_model, heads_in_rows):
+    """A tier's layers handed out whole with the rows to pick (CacheTune's sparse rows from memory) place as the
+    rows gathered first would, in the native pass and in torch's ops alike."""
+    held = [torch.randn(n, tiny_model.num_kv_heads, tiny_model.head_dim) for n in (9, 3, 7)]
+    picks = [torch.tensor([8, 0, 2, 3]), None, torch.tensor([6, 1])]
+    keys = [t if p is None else t[p] for t, p in zip(held, picks)]
+    rows, rotary = torch.arange(5, 14).flip(0), tiny_model.rotary(torch.arange(30, 39))
+    gathered, picked = tiny_model.new_cache(20), tiny_model.new_cache(20)
+    if not heads_in_rows:  # each layer a view whose heads lie apart in its rows, as a pool's slot can
+        for cache in (gathered, picked):
+            cache.keys, cache.values = ([torch.zeros(t.shape[1], t.shape[0], t.shape[2]).transpose(0, 1) for t in ts]
+                                        for ts in (cache.keys, cache.values))
+    tiny_model.place(gathered, 1, rows, keys, [k + 1 for k in keys], rotary)
+    tiny_model.place(picked, 1, rows, held, [k + 1 for k in held], rotary, picks)
+    assert torch.equal(picked.keys[1][rows], gathered.keys[1][rows])
+    assert torch.equal(picked.values[1][rows], gathered.values[1][rows])
+    assert torch.equal(gathered.values[1][rows], torch.cat(keys) + 1)
+
+
 @torch.inference_mode()
 def test_scattered_query_rows_see_only_earlier_positions(tiny_model, prompt_ids):
     """Recompute a scattered, shuffled subset of rows against the full K/V: each must equal the full prefill's

@@ -66,6 +66,20 @@ def test_get_and_view_rows_return_exactly_those_rows(tier, read, rows, layers, m
     assert_same(v, entry.v[lay][:, rows])
 
 
+@pytest.mark.parametrize("rows", [[5], [99, 3, 70, 70, 0], list(range(16, 90)), [4, 5, 6, 8], []])
+def test_view_picking_hands_out_those_rows_or_layers_to_pick_them_from(tier, rows, make_entry):
+    """What the KV placer reads: the rows themselves, or the layers with the rows to pick (a tier keeping tensors)."""
+    entry = make_entry(dtype=torch.bfloat16)
+    tier.put(entry)
+    assert tier.view_picking(entry.key.replace(entry.key[-4:], "0000"), [0]) is None
+    k, v, picks = tier.view_picking(entry.key, torch.tensor(rows, dtype=torch.long), range(1, 3))
+    assert (picks is None) or (k.shape[:2] == (2, 100) and picks.tolist() == rows)
+    assert_same(k if picks is None else k[:, picks], entry.k[1:3, rows])
+    assert_same(v if picks is None else v[:, picks], entry.v[1:3, rows])
+    with pytest.raises(ValueError, match="token rows"):
+        tier.view_picking(entry.key, [99, 100])
+
+
 def test_partial_reads_reject_bad_ranges(tier, make_entry):
     entry = make_entry()
     tier.put(entry)
