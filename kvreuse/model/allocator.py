@@ -9,6 +9,11 @@ prefill and 10-13 thousand per CacheBlend one; placing stored KV into a cache la
 ms instead of 0.2. Kept, there were none, and full prefill took 2895 / 2860 ms instead of 3069 / 2908 (two runs),
 CacheBlend 716 / 696 instead of 764 / 715 (docs/RESULTS.md, "Products of up to 1024 rows in panels, freed memory
 kept mapped, ..."). A server holds its peak memory anyway, as vLLM does with its preallocated KV blocks.
+
+A model's packed weights (`long_lived_empty`) are read whole by every forward, from memory past a few layers: in
+pages of 4 KB each of a panel's pages costs its first row tile a page walk and the prefetchers stop at every page's
+end, which few rows cannot hide behind their sums. They live in mappings advised for transparent huge pages
+(`MADV_HUGEPAGE`, which Linux's default THP setting "madvise" waits for).
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+import mmap
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
 
 # mallopt's parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -39,3 +50,57 @@ def keep_freed_memory() -> bool:
     except (OSError, AttributeError):
         return False
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
+
+
+HUGE_PAGE = 2 << 20
+# Long-lived tensors are carved from mappings of at least this much: huge pages filled end to end, a region unmapped
+# once none of its tensors lives.
+REGION_BYTES = 64 << 20
+ALIGNMENT = 64  # a cache line: each tensor starts on one
+
+
+@dataclass
+class _Region:
+    memory: torch.Tensor  # uint8, from the mapping's first huge-page boundary; holds the mapping while it lives
+    used: int = 0
+
+
+_region: _Region | None = None
+_region_lock = threading.Lock()
+
+
+def long_lived_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised tensor for data kept as long as the model (its packed weights), in memory advised for
+    transparent huge pages where Linux offers them (else torch.empty's)."""
+    global _region
+    nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
+    if not huge_pages_advisable():
+        return torch.empty(shape, dtype=dtype)
+    with _region_lock:
+        start = -(-(_region.used if _region else 0) // ALIGNMENT) * ALIGNMENT
+        if _region is None or start + nbytes > _region.memory.numel():
+            _region, start = _Region(_huge_page_mapping(max(nbytes, REGION_BYTES))), 0
+        _region.used = start + nbytes
+        return _region.memory[start : start + nbytes].view(dtype)[: torch.Size(shape).numel()].view(shape)
+
+
+def _huge_page_mapping(nbytes: int) -> torch.Tensor:
+    """An anonymous mapping of `nbytes` rounded up to huge pages, advised for them, as a uint8 tensor from its
+    first huge-page boundary (the tensor keeps the mapping alive; its unused head is never touched)."""
+    size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE
+    mapping = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    mapping.madvise(mmap.MADV_HUGEPAGE)
+    whole = torch.frombuffer(mapping, dtype=torch.uint8)
+    head = -whole.data_ptr() % HUGE_PAGE
+    return whole[head : head + size]
+
+
+@functools.cache
+def huge_pages_advisable() -> bool:
+    """Whether Linux backs memory advised MADV_HUGEPAGE with transparent huge pages: THP set to "always" or
+    "madvise" (not "never"), and Python's mmap able to advise it."""
+    try:
+        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in setting

@@ -37,6 +37,7 @@ from typing import Iterator, Sequence
 
 import torch
 
+from kvreuse.model.allocator import long_lived_empty
 from kvreuse.model.identity import cache_root, fingerprint
 
 log = logging.getLogger(__name__)
@@ -289,15 +290,16 @@ def _built(lib: ctypes.CDLL) -> _Built:
 def panels(weight: torch.Tensor) -> torch.Tensor:
     """A weight [out, in] laid out for `panel_rows` in panels of w outputs (the library's panel width), the outputs
     past `out` zeros: fp32 as [ceil(out / w), in, w]; bf16 as [ceil(out / w), ceil(in / 2), w, 2], inputs in pairs
-    (an odd `in` with a zero column added)."""
+    (an odd `in` with a zero column added). In memory kept for weights (`allocator.long_lived_empty`)."""
     if weight.dim() != 2 or weight.device.type != "cpu" or not panels_take(weight.dtype):
         raise ValueError(f"panels: takes an fp32 (or, with AVX512-BF16, bf16) CPU weight [out, in], got "
                          f"{tuple(weight.shape)} {weight.dtype} on {weight.device}")
     width, (out_features, in_features) = _built(library()).panel_width, weight.shape
     pair = 2 if weight.dtype == torch.bfloat16 else 1
     padded = torch.nn.functional.pad(weight.detach(), (0, -in_features % pair, 0, -out_features % width))
-    laid = padded.view(-1, width, -(-in_features // pair), pair).transpose(1, 2).contiguous()
-    return laid if pair == 2 else laid.squeeze(-1)
+    laid = padded.view(-1, width, -(-in_features // pair), pair).transpose(1, 2)
+    laid = laid if pair == 2 else laid.squeeze(-1)
+    return long_lived_empty(laid.shape, laid.dtype).copy_(laid)
 
 
 def int8_panels(weight: torch.Tensor) -> torch.Tensor:
@@ -311,7 +313,9 @@ def int8_panels(weight: torch.Tensor) -> torch.Tensor:
     quantized = torch.nn.functional.pad(quantized, (0, 0, 0, -out_features % width))
     scales = torch.nn.functional.pad(scales, (0, -out_features % width), value=1.0)
     laid = quantized.view(-1, width, in_features).transpose(1, 2).reshape(-1, in_features * width)
-    return torch.cat([laid, scales.view(-1, width).contiguous().view(torch.int8)], dim=1)
+    scales = scales.view(-1, width).contiguous().view(torch.int8)
+    return torch.cat([laid, scales], dim=1, out=long_lived_empty((laid.shape[0], laid.shape[1] + scales.shape[1]),
+                                                                 torch.int8))
 
 
 def int8_dequantized(weight: torch.Tensor) -> torch.Tensor:
