@@ -73,7 +73,7 @@ def long_lived_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor
     """An uninitialised tensor for data kept as long as the model (its packed weights), in memory advised for
     transparent huge pages where Linux offers them (else torch.empty's)."""
     global _region
-    nbytes = max(1, torch.Size(shape).numel() * dtype.itemsize)
+    nbytes = max(1, torch.Size(shape).numel()) * dtype.itemsize  # an empty tensor still views one element
     if not huge_pages_advisable():
         return torch.empty(shape, dtype=dtype)
     with _region_lock:

@@ -1121,11 +1121,11 @@ void rope(const void *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim
 }
 
 /* Stored KV of a layer, in parts, placed in a cache in one pass (no joined copy first): row i of the parts in turn
-   (part p: counts[p] rows of keys and of values [rows, heads, dim], each contiguous; its rows picks[p][0..counts[p])
-   where picks and picks[p] are not NULL, else its first counts[p] in order; -1, nothing written, if a pick is not
-   one of the held[p] rows part p holds) goes to cache row to[i] (or first + i
-   if to is NULL; rows row_stride apart), its keys rotated by table row i as `rope` turns them, its values copied.
-   Picking here spares a sparse read of a tier that keeps tensors (CacheTune's rows) a gathered copy of its own. */
+   goes to cache row to[i] (or first + i if to is NULL; rows row_stride apart), its keys rotated by table row i as
+   `rope` turns them, its values copied. Part p holds held[p] rows of keys and of values [held[p], heads, dim], each
+   contiguous, and gives counts[p] of them: picks[p][0..counts[p]) where picks and picks[p] are not NULL, else its
+   first counts[p] in order. Picking here spares a sparse read of a tier that keeps tensors (CacheTune's rows) a
+   gathered copy of its own. Returns -1, nothing written, if a pick is not one of its part's rows; else 0. */
 int place_parts(int64_t parts, const void *const *keys, const void *const *values, const int64_t *counts,
                 const int64_t *const *picks, const int64_t *held, int64_t heads, int64_t dim, const void *cos,
                 const void *sin, int64_t table_stride, const int64_t *to, int64_t first, void *cache_keys,

@@ -84,8 +84,7 @@ _SIGNATURES = {
 }
 _RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "amx_permitted": _INT, "allow_amx_panels": _INT,
             "amx_causal_attention": _INT, "place_parts": _INT, "release_idle_threads": _INT, "panel_width": _INT,
-            "panel_rows_most": _INT,
-            "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
+            "panel_rows_most": _INT, "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
             "decode_attention_parts": _INT64, "decode_attention_scratch": _INT64}
 
 

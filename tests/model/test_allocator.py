@@ -79,6 +79,7 @@ needs_huge_pages = pytest.mark.skipif(not huge_pages_advisable(), reason="Linux 
 def test_long_lived_tensors_lie_apart_aligned_in_memory_advised_for_huge_pages():
     tensors = [long_lived_empty(shape, dtype) for shape, dtype in
                [((3, 5), torch.float32), ((7,), torch.bfloat16), ((2, 3, 4), torch.int8), ((1000, 33), torch.float32)]]
+    assert long_lived_empty((0, 4), torch.float32).shape == (0, 4)
     for i, t in enumerate(tensors):
         t.fill_(i + 1)
         assert t.is_contiguous() and t.data_ptr() % allocator.ALIGNMENT == 0 and "hg" in _mapping_flags(t.data_ptr())
