@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from dataclasses import dataclass
@@ -50,12 +51,17 @@ class Samples(Generic[T]):
 
 def interleaved_samples(variants: dict[K, Callable[[], T]], repeats: int) -> dict[K, Samples[T]]:
     """Wall seconds of `repeats` calls of each variant after one warm-up call. The variants take turns every
-    repeat, so load from elsewhere on the machine falls on all of them alike."""
+    repeat, so load from elsewhere on the machine falls on all of them alike, in another order each repeat (a
+    seeded shuffle), so that no variant always runs after the same one: on a 2-core Xeon, naive right after full
+    prefill took 1.36x its time after itself, LegoLink 1.17x (docs/RESULTS.md), and the bench's fixed order had
+    put naive after full in every turn."""
     samples = {name: Samples([], fn()) for name, fn in variants.items()}  # warm-up: allocator, kernels, page cache
+    order, shuffle = list(variants), random.Random(0).shuffle
     for _ in range(repeats):
-        for name, fn in variants.items():
+        shuffle(order)
+        for name in order:
             start = time.perf_counter()
-            samples[name].last = fn()
+            samples[name].last = variants[name]()
             samples[name].seconds.append(time.perf_counter() - start)
     return samples
 
