@@ -66,20 +66,23 @@ class MemoryTier(Tier):
         return self._served((entry.k[start:stop], entry.v[start:stop]))
 
     def get_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
-        picked = self.view_picking(key, rows, layers)
-        if picked is None:
-            return None
-        k, v, picks = picked
-        return tuple(copy_tensor(t) if picks is None else take_rows(t, picks) for t in (k, v))
+        return self._picked_rows(key, rows, layers, copy_run=True)
 
     def view_rows(self, key: str, rows: Rows, layers: range | None = None) -> KV | None:
         # Consecutive rows (a chunk but its first tokens, which LegoLink recomputes; part of a prefix block) are a
         # view of each layer, as view_layers hands out: copying them cost a 2K-token LegoLink prefill 30 ms.
+        return self._picked_rows(key, rows, layers, copy_run=False)
+
+    def _picked_rows(self, key: str, rows: Rows, layers: range | None, copy_run: bool) -> KV | None:
+        """The rows themselves: `view_picking`'s rows gathered into a copy, its run of consecutive rows copied
+        too if `copy_run`."""
         picked = self.view_picking(key, rows, layers)
         if picked is None:
             return None
         k, v, picks = picked
-        return (k, v) if picks is None else (take_rows(k, picks), take_rows(v, picks))
+        if picks is not None:
+            return take_rows(k, picks), take_rows(v, picks)
+        return (copy_tensor(k), copy_tensor(v)) if copy_run else (k, v)
 
     def view_picking(self, key: str, rows: Rows, layers: range | None = None) -> PickedKV | None:
         # Rows in any other order (CacheTune's) are left to the caller to pick as it places them: a gathered copy

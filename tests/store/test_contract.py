@@ -104,6 +104,11 @@ def test_reads_are_copies(tier, make_entry):
     got.k.zero_()  # ...and must hand out bytes the caller can overwrite
     k, _ = tier.get_layers(entry.key, 0, 4)
     assert torch.equal(k, tier.get(entry.key).k) and k.abs().sum() > 0
+    for rows in (torch.arange(3, 9), torch.tensor([7, 2, 5])):  # a run of rows, and rows in another order
+        k, v = tier.get_rows(entry.key, rows)
+        k.zero_(), v.zero_()
+        stored = tier.get(entry.key)
+        assert stored.k[:, rows].abs().sum() > 0 and stored.v[:, rows].abs().sum() > 0
 
 
 @pytest.mark.parametrize("bad", ["../../etc/passwd", "a/b", "..", "", "x" * 129, "key with space", "ключ"])
