@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 import torch
@@ -178,6 +179,20 @@ def out_of_memory_after(allocate, calls: Callable[[object], int]):
         return allocate(self, *args)
 
     return failing
+
+
+def mapping_flags(address: int, pid: int | str = "self") -> list[str]:
+    """The VmFlags of the mapping holding `address` in process `pid` (its smaps): "hg" where it is advised
+    MADV_HUGEPAGE."""
+    inside = False
+    for line in Path(f"/proc/{pid}/smaps").read_text().splitlines():
+        first = line.split()[0]
+        if "-" in first and not first.endswith(":"):
+            start, end = (int(bound, 16) for bound in first.split("-"))
+            inside = start <= address < end
+        elif inside and first == "VmFlags:":
+            return line.split()[1:]
+    raise AssertionError(f"no mapping holds {address:#x}")
 
 
 def routed_as_if_amx_bf16(monkeypatch, amx: bool) -> None:

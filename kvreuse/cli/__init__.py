@@ -1,9 +1,31 @@
 """The `kvreuse` command: argument parsing for every layer, in one package.
 
 `parser.py` builds the command tree; each module registers one command group (`add_commands`) and holds its
-handlers, which call into the library.
+handlers, which call into the library. Nothing here imports them (nor torch) before `main` runs: the command first
+starts itself again with its heap in huge pages where that pays (kvreuse.model.huge_pages).
 """
 
-from kvreuse.cli.parser import build_parser, main
+from __future__ import annotations
+
+import argparse
+
+from kvreuse.model.huge_pages import exec_with_huge_page_heap
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the command `argv` (None: the process's own arguments, the process then being the command's, which
+    restarts itself once with its heap in huge pages first)."""
+    if argv is None:
+        exec_with_huge_page_heap()
+    from kvreuse.cli.parser import main as run
+
+    return run(argv)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from kvreuse.cli.parser import build_parser as build
+
+    return build()
+
 
 __all__ = ["build_parser", "main"]

@@ -13,7 +13,8 @@ kept mapped, ..."). A server holds its peak memory anyway, as vLLM does with its
 A model's packed weights (`long_lived_empty`) are read whole by every forward, from memory past a few layers: in
 pages of 4 KB each of a panel's pages costs its first row tile a page walk and the prefetchers stop at every page's
 end, which few rows cannot hide behind their sums. They live in mappings advised for transparent huge pages
-(`MADV_HUGEPAGE`, which Linux's default THP setting "madvise" waits for).
+(`MADV_HUGEPAGE`, which Linux's default THP setting "madvise" waits for). The `kvreuse` command's heap is advised
+as well, by glibc itself (`kvreuse.model.huge_pages`).
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ import functools
 import mmap
 import threading
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
+
+from kvreuse.model.huge_pages import HUGE_PAGE, huge_pages_advisable
 
 # mallopt's parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
@@ -52,7 +54,6 @@ def keep_freed_memory() -> bool:
     return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)) and bool(mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
 
 
-HUGE_PAGE = 2 << 20
 # Long-lived tensors are carved from mappings of at least this much: huge pages filled end to end, a region unmapped
 # once none of its tensors lives.
 REGION_BYTES = 64 << 20
@@ -93,14 +94,3 @@ def _huge_page_mapping(nbytes: int) -> torch.Tensor:
     whole = torch.frombuffer(mapping, dtype=torch.uint8)
     head = -whole.data_ptr() % HUGE_PAGE
     return whole[head : head + size]
-
-
-@functools.cache
-def huge_pages_advisable() -> bool:
-    """Whether Linux backs memory advised MADV_HUGEPAGE with transparent huge pages: THP set to "always" or
-    "madvise" (not "never"), and Python's mmap able to advise it."""
-    try:
-        setting = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        return False
-    return hasattr(mmap, "MADV_HUGEPAGE") and "[never]" not in setting

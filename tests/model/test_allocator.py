@@ -1,13 +1,13 @@
 import gc
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from kvreuse.model import allocator, native
 from kvreuse.model.allocator import huge_pages_advisable, keep_freed_memory, long_lived_empty
+from tests.conftest import mapping_flags
 
 # In a fresh interpreter, so that no earlier allocation moved glibc's thresholds: blocks of the first sizes (MB)
 # are malloc'ed, written and freed, then one of the last size; the page faults of writing that last one are
@@ -59,19 +59,6 @@ def test_the_runtime_keeps_freed_memory(make_tiny, monkeypatch):
     assert calls
 
 
-def _mapping_flags(address: int) -> list[str]:
-    """The VmFlags of the mapping holding `address` (/proc/self/smaps): "hg" where it is advised MADV_HUGEPAGE."""
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        first = line.split()[0]
-        if "-" in first and not first.endswith(":"):
-            start, end = (int(bound, 16) for bound in first.split("-"))
-            inside = start <= address < end
-        elif inside and first == "VmFlags:":
-            return line.split()[1:]
-    raise AssertionError(f"no mapping holds {address:#x}")
-
-
 needs_huge_pages = pytest.mark.skipif(not huge_pages_advisable(), reason="Linux offers no transparent huge pages")
 
 
@@ -82,7 +69,7 @@ def test_long_lived_tensors_lie_apart_aligned_in_memory_advised_for_huge_pages()
     assert long_lived_empty((0, 4), torch.float32).shape == (0, 4)
     for i, t in enumerate(tensors):
         t.fill_(i + 1)
-        assert t.is_contiguous() and t.data_ptr() % allocator.ALIGNMENT == 0 and "hg" in _mapping_flags(t.data_ptr())
+        assert t.is_contiguous() and t.data_ptr() % allocator.ALIGNMENT == 0 and "hg" in mapping_flags(t.data_ptr())
     assert [t.float().mean().item() for t in tensors] == [1, 2, 3, 4]  # none wrote over another
     spans = sorted((t.data_ptr(), t.data_ptr() + t.nbytes) for t in tensors)
     assert all(end <= start for (_, end), (start, _) in zip(spans, spans[1:]))
@@ -113,5 +100,5 @@ def test_weights_in_panels_live_in_memory_advised_for_huge_pages():
     """Every forward reads them whole from memory: a page walk for each 4 KB of them (docs/RESULTS.md)."""
     for weight in (torch.randn(96, 40), torch.randn(96, 40).bfloat16()):
         if native.panels_take(weight.dtype):
-            assert "hg" in _mapping_flags(native.panels(weight).data_ptr())
-    assert "hg" in _mapping_flags(native.int8_panels(torch.randn(96, 40)).data_ptr())
+            assert "hg" in mapping_flags(native.panels(weight).data_ptr())
+    assert "hg" in mapping_flags(native.int8_panels(torch.randn(96, 40)).data_ptr())
