@@ -33,7 +33,8 @@ import torch
 import xxhash
 from safetensors.torch import save as safetensors_save
 
-from kvreuse.store.entry import DTYPES, EntryMeta, KVEntry, check_layers, check_rows, take_rows
+from kvreuse.store.entry import (DTYPES, EntryMeta, KVEntry, check_layers, check_rows, consecutive,
+                                 take_rows)
 
 FORMAT = "kvreuse-kv/2"  # /2 adds `row_order`; /1 entries (token order) still read
 READABLE_FORMATS = ("kvreuse-kv/1", FORMAT)
@@ -344,10 +345,22 @@ class EntryReader:
     def read(self, layers: range | None = None, rows: Sequence[int] | torch.Tensor | None = None
              ) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V for `layers` (default all) and token `rows` (default all, in the order given)."""
+        k, v, picks = self.read_picking(layers, rows)
+        return (k, v) if picks is None else (take_rows(k, picks), take_rows(v, picks))
+
+    def read_picking(self, layers: range | None = None, rows: Sequence[int] | torch.Tensor | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """`read` for a caller that picks rows itself as it copies them (the KV placer): K and V of the row groups
+        that hold `rows`, with the rows' indices among them to pick; the rows themselves where they run
+        consecutively in the groups (a view, no copy), and no picks then."""
         i = self.info
         layers = check_layers(layers, i["num_layers"])
         plan = self._plan_rows(None if rows is None else check_rows(rows, i["num_tokens"]))
-        return self._read_kv("k", layers, plan), self._read_kv("v", layers, plan)
+        k, v = self._read_kv("k", layers, plan), self._read_kv("v", layers, plan)
+        run = None if plan.local is None else consecutive(plan.local)
+        if run is not None:
+            return k[:, run], v[:, run], None
+        return k, v, plan.local
 
     def _plan_rows(self, rows: torch.Tensor | None) -> _RowPlan:
         g, T = self.info["row_group"], self.info["num_tokens"]
@@ -376,7 +389,8 @@ class EntryReader:
         return dequantize_int8(values, self._read_rows(kv, ".scale", layers, plan), DTYPES[self.info["dtype"]])
 
     def _read_rows(self, kv: str, suffix: str, layers: range, plan: _RowPlan) -> torch.Tensor:
-        """Rows `plan` asks for of tensors `{kv}.{layer}{suffix}`, verified, as [len(layers), rows, ...]."""
+        """The row groups `plan` loads of tensors `{kv}.{layer}{suffix}`, verified, as [len(layers), loaded rows,
+        ...]."""
         g, T = self.info["row_group"], self.info["num_tokens"]
         like = self.tensors[f"{kv}.0{suffix}"]  # every layer's tensor has this dtype and shape
         row_bytes = math.prod(like.shape[1:]) * like.dtype.itemsize
@@ -400,7 +414,7 @@ class EntryReader:
                 for gi in range(a, b):
                     if _checksum(run[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]) != sums[gi]:
                         raise EntryDamaged(f"checksum mismatch in {name} rows {gi * g}..")
-        return out if plan.local is None else take_rows(out, plan.local)
+        return out
 
 
 @dataclass(frozen=True)

@@ -196,6 +196,9 @@ class TieredStore(KVStore):
     def view_picking(self, key: str, rows: Rows, layers: range | None = None) -> PickedKV | None:
         return self._partial(key, lambda t: t.view_picking(key, rows, layers))
 
+    def view_layers_picking(self, key: str, start: int, stop: int) -> PickedKV | None:
+        return self._partial(key, lambda t: t.view_layers_picking(key, start, stop))
+
     def contains(self, key: str) -> bool:
         return self.locate(key) is not None
 

@@ -366,9 +366,9 @@ def test_blocks_on_a_tier_whose_reads_pay_a_seek_are_read_whole(make_tiny, strat
         split = engine.split_prefix(request)
         assert split.read_whole and (strategy == "cake" or split.computed_layers > 0)
         reads = []
-        view_layers = engine.store.view_layers
-        engine.store.view_layers = lambda key, start, stop: reads.append((key, start, stop)) or view_layers(key, start,
-                                                                                                             stop)
+        view_layers = engine.store.view_layers_picking
+        engine.store.view_layers_picking = lambda key, start, stop: (reads.append((key, start, stop))
+                                                                     or view_layers(key, start, stop))
         out = engine.prefill(request, "prefix")
         layers = engine.model.num_layers
         assert sorted(reads) == sorted((b.key, split.computed_layers, layers) for b in split.blocks)

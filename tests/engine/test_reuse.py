@@ -44,6 +44,10 @@ class SlowStore:
         time.sleep(self.read_delay)
         return None if key in self.lost else self.inner.view_rows(key, rows, layers)
 
+    def view_layers_picking(self, key, start, stop):
+        time.sleep(self.read_delay)
+        return None if key in self.lost else self.inner.view_layers_picking(key, start, stop)
+
     def view_picking(self, key, rows, layers=None):
         time.sleep(self.read_delay)
         return None if key in self.lost else self.inner.view_picking(key, rows, layers)
@@ -148,7 +152,7 @@ def test_an_inline_run_reads_each_stored_span_a_few_layers_at_a_time(tiny_model,
     engine = make_engine(tiny_model, open_store("memory:64MB"))
     request = rag_request()
     engine.compile(request)
-    for name in ("view_layers", "view_rows"):
+    for name in ("view_layers_picking", "view_picking"):
         read = getattr(engine.store, name)
         monkeypatch.setattr(engine.store, name, lambda *args, read=read: reads.append(args) or read(*args))
     plan, _ = engine.plan_on_tiers(request, "naive")

@@ -33,5 +33,8 @@ class Evicting(TieredStore):
     def view_layers(self, key, start, stop):
         return None if key in self.lost else super().view_layers(key, start, stop)
 
+    def view_layers_picking(self, key, start, stop):
+        return None if key in self.lost else super().view_layers_picking(key, start, stop)
+
     def get_rows(self, key, rows, layers=None):
         return None if key in self.lost else super().get_rows(key, rows, layers)

@@ -97,8 +97,9 @@ def test_whole_blocks_are_read_as_the_memory_tier_s_own_tensors_and_left_as_they
     memory = restorer.store.tiers[0]
     before = {key: (entry.k.clone(), entry.v.clone()) for key, entry in memory.entries.items()}
     views = []
-    view_layers = restorer.store.view_layers
-    monkeypatch.setattr(restorer.store, "view_layers", lambda *args: views.append(args) or view_layers(*args))
+    view_layers = restorer.store.view_layers_picking
+    monkeypatch.setattr(restorer.store, "view_layers_picking",
+                        lambda *args: views.append(args) or view_layers(*args))
     assert_matches_full(tiny_model, restorer.restore(token_ids, strategy, cache_capacity=50), token_ids)
     assert views and before and all(torch.equal(memory.entries[key].k, k) and torch.equal(memory.entries[key].v, v)
                                     for key, (k, v) in before.items())

@@ -132,6 +132,32 @@ def test_blob_tiers_read_kv_straight_into_the_tensors_they_return(blob_tier_make
     assert torch.equal(k, entry.k[:, rows]) and torch.equal(v, entry.v[:, rows])
 
 
+def test_blob_tiers_hand_the_placer_the_groups_read_with_the_rows_to_pick(blob_tier_maker, make_entry, monkeypatch):
+    """view_picking gathers nothing: rows out of order come as the row groups read (16 rows each here) with their
+    indices among them; a run of rows as a view of the groups, whatever group it starts in. Nor does
+    view_layers_picking: an entry kept in rank order comes as read, with the token order to pick."""
+    tier = blob_tier_maker()
+    entry = make_entry(layers=4, tokens=100)
+    assert tier.put(entry)
+
+    def gathered(*args):
+        raise AssertionError("rows gathered into a copy")
+
+    monkeypatch.setattr("kvreuse.store.codec.take_rows", gathered)
+    rows = torch.tensor([70, 5, 99, 70])
+    k, v, picks = tier.view_picking(entry.key, rows, range(1, 3))
+    assert k.shape[:2] == (2, 16 + 16 + 4) and picks.tolist() == [16 + 6, 5, 32 + 3, 16 + 6]  # groups 0, 4, 6
+    assert torch.equal(k[:, picks], entry.k[1:3, rows]) and torch.equal(v[:, picks], entry.v[1:3, rows])
+    k, v, picks = tier.view_picking(entry.key, torch.arange(20, 90), range(4))
+    assert picks is None and torch.equal(k, entry.k[:, 20:90]) and torch.equal(v, entry.v[:, 20:90])
+    assert k.untyped_storage().nbytes() == 4 * (96 - 16) * entry.k[0, 0].nbytes  # groups 1-5 read, the run a view
+    ranked = make_entry(layers=4, tokens=100, extras=True)  # rows kept in rank order
+    assert tier.put(ranked)
+    k, v, picks = tier.view_layers_picking(ranked.key, 1, 3)
+    assert sorted(picks.tolist()) == list(range(100)) and picks.tolist() != list(range(100))
+    assert torch.equal(k[:, picks], ranked.k[1:3]) and torch.equal(v[:, picks], ranked.v[1:3])
+
+
 def test_a_disk_read_of_more_buffers_than_one_preadv_takes_reads_them_in_turn(tmp_path, make_entry, monkeypatch):
     """Every layer's K lies end to end: a whole read is one span of as many buffers as layers, which preadv takes
     at most IOV_MAX at a time, each batch at the offset where the last one stopped."""
