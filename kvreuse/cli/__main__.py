@@ -1,5 +1,5 @@
 import sys
 
-from kvreuse.cli import main
+from kvreuse.cli import command
 
-sys.exit(main())
+sys.exit(command())

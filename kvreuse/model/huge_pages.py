@@ -16,6 +16,7 @@ sets the tunable itself. This module imports nothing heavy: it runs before the c
 from __future__ import annotations
 
 import functools
+import logging
 import mmap
 import os
 import sys
@@ -27,6 +28,8 @@ THP_SETTING = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 TUNABLES = "GLIBC_TUNABLES"
 HEAP_TUNABLE = "glibc.malloc.hugetlb"
 FIRST_GLIBC_WITH_IT = (2, 35)
+
+log = logging.getLogger(__name__)
 
 
 @functools.cache
@@ -74,4 +77,7 @@ def exec_with_huge_page_heap() -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, environ)
+    try:
+        os.execve(sys.executable, sys.orig_argv, environ)
+    except OSError as error:  # the command runs on as it was started
+        log.warning("could not restart with the heap in huge pages (%s): running in 4 KB pages", error)

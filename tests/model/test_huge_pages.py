@@ -45,22 +45,49 @@ def test_the_command_restarts_itself_with_its_own_arguments_and_the_tunable(monk
     assert len(calls) == 1
 
 
+def test_a_command_that_cannot_restart_runs_on_as_it_was_started(monkeypatch, caplog):
+    monkeypatch.setattr(huge_pages, "thp_setting", lambda: "madvise")
+    monkeypatch.setattr(huge_pages, "glibc_version", lambda: GLIBC)
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+
+    def refused(*call):
+        raise PermissionError("exec refused")
+
+    monkeypatch.setattr(os, "execve", refused)
+    huge_pages.exec_with_huge_page_heap()
+    assert "4 KB pages" in caplog.text
+
+
+def test_only_the_executable_restarts_a_program_calling_main_is_left_alone(monkeypatch):
+    import kvreuse.cli as cli
+
+    restarts = []
+    monkeypatch.setattr(cli, "exec_with_huge_page_heap", lambda: restarts.append(1))
+    monkeypatch.setattr(sys, "argv", ["kvreuse", "cache", "--help"])
+    with pytest.raises(SystemExit):
+        cli.main()
+    assert restarts == []
+    with pytest.raises(SystemExit):
+        cli.command()
+    assert restarts == [1]
+
+
 def test_the_glibc_version_is_the_running_one():
     name, number = os.confstr("CS_GNU_LIBC_VERSION").split()
     expected = tuple(int(part) for part in number.split(".")) if name == "glibc" else None
     assert huge_pages.glibc_version() == expected
 
 
-# The kvreuse command in a fresh process: a buffer malloc'ed before main runs, then the command. It prints its
+# The kvreuse command in a fresh process: a buffer malloc'ed before the command runs, then the command. It prints its
 # GLIBC_TUNABLES and the buffer's address, and waits for a line, once as started and once as restarted.
 COMMAND = """
 import ctypes, os, sys
-from kvreuse.cli import main
+from kvreuse.cli import command
 buffer = bytearray(8 << 20)
 print(os.environ.get("GLIBC_TUNABLES"), ctypes.addressof(ctypes.c_char.from_buffer(buffer)), flush=True)
 sys.stdin.readline()
 sys.argv[:] = ["kvreuse", "cache", "--help"]
-sys.exit(main())
+sys.exit(command())
 """
 
 
