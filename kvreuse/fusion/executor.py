@@ -1,10 +1,10 @@
 """Executes every fusion plan as a driver of the model's one layer loop (`LayerwiseModel.run_layers`).
 
-For layer i: take layer i's stored KV (a loader thread has been fetching it while layer i-1 computed) and place
-it, keys rotated to their global positions (deferred RoPE); then the model's step computes q/k/v for the
-selected rows and writes them over the stored rows, narrows the selection where the plan says (CacheBlend),
-attends the selected queries over all keys with the exact causal mask by position, and runs the rest of the
-layer for the selected rows only.
+For layer i: take layer i's stored KV (a loader thread has been fetching it while layer i-1 computed; inline, the
+layers one read holds, placed at once) and place it, keys rotated to their global positions (deferred RoPE);
+then the model's step computes q/k/v for the selected rows and writes them over the stored rows, narrows the
+selection where the plan says (CacheBlend), attends the selected queries over all keys with the exact causal
+mask by position, and runs the rest of the layer for the selected rows only.
 An exact prefix's stored blocks are spans of the plan like the chunks (the restorer decided which of their
 rows or layers are loaded: `PrefixSplit`), so one loader reads both. A plan may instead start from a cache whose
 leading rows were restored beforehand (a batch's prefixes, restored together by `kvreuse.restore.batch`): those
@@ -24,7 +24,7 @@ import torch
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
-from kvreuse.store.base import KVStore, PickedKV, metered, view_planned
+from kvreuse.store.base import KVStore, metered, view_planned
 from kvreuse.store.entry import consecutive
 
 
@@ -86,18 +86,20 @@ class FusionResult:
 
 
 @dataclass
-class StoredLayer:
-    """One layer's stored KV of every span loaded on it, in the spans' order: each span's keys and values, and the
-    rows to pick from them (None: they are its rows)."""
+class StoredLayers:
+    """The stored KV of `layers` consecutive layers (one, unless an inline read took several) of every span loaded
+    on them, in the spans' order: each span's keys and values [layers, rows, heads, dim], and the rows to pick from
+    them (None: they are its rows)."""
 
+    layers: int
     keys: list[torch.Tensor]
     values: list[torch.Tensor]
     picks: list[torch.Tensor | None]
 
 
 class LayerLoader:
-    """Fetches each layer's stored KV for all reused spans (chunks and an exact prefix's blocks alike) as a
-    `StoredLayer`, in the spans' order (the plan's `loaded_rows_at(layer)`), which the model places in one pass
+    """Fetches each layer's stored KV for all reused spans (chunks and an exact prefix's blocks alike) as
+    `StoredLayers`, in the spans' order (the plan's `loaded_rows_at(layer)`), which the model places in one pass
     without joining them, picking a span's rows where a tier handed out its layer whole (`view_picking`).
 
     Threaded, it reads `lookahead` layers ahead of the compute: layer i+1 once the consumer has placed layer i
@@ -108,8 +110,9 @@ class LayerLoader:
     slows both (kvreuse.store.base, `reads_wait`).
     Each read takes `layers_per_read` layers of a span (every layer for a `read_whole` span): a read pays a call's
     cost (the tier's look-up, a file's open and header, checks) beside its bytes, which per layer and chunk was
-    most of a page-cached disk read. At most `lookahead` layers of stored KV, or `layers_per_read` of each span,
-    are alive at a time (`peak_layers_held` measures it).
+    most of a page-cached disk read. Inline, `take` hands out every layer the reads of all spans loaded on it hold
+    (up to the layer where another span starts loading), placed in one call. At most `lookahead` layers of stored
+    KV, or `layers_per_read` of each span, are alive at a time (`peak_layers_held` measures it).
     """
 
     def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int,
@@ -126,7 +129,7 @@ class LayerLoader:
         self._held = 0
         self._lock = threading.Lock()
         self._ready: list[threading.Event] = [threading.Event() for _ in range(num_layers)]
-        self._layers: list[StoredLayer | BaseException | None] = [None] * num_layers
+        self._layers: list[StoredLayers | BaseException | None] = [None] * num_layers
         self._may_read = threading.Semaphore(max(1, lookahead))
         # span -> (first layer, end layer, keys, values, picks) of the layers read at once with the last read of it
         self._ahead: dict[int, tuple[int, int, torch.Tensor, torch.Tensor, torch.Tensor | None]] = {}
@@ -134,14 +137,15 @@ class LayerLoader:
         if self.threaded:
             thread.submit(self._run)
 
-    def _read(self, index: int, span: ReusedSpan, layer: int) -> PickedKV:
-        """Layer `layer` of span `index` and the rows to pick from it: taken from the layers read with an earlier
-        one, or read now with the next ones."""
+    def _read(self, index: int, span: ReusedSpan, layer: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                       torch.Tensor | None, int]:
+        """Span `index`'s layers from `layer` to the end of the read that holds it, the rows to pick from them and
+        that end: taken from the layers read with an earlier one, or read now with the next ones."""
         ahead = self._ahead.get(index)
         if ahead is not None:
             first, end, k, v, picks = ahead
             if layer < end:
-                return k[layer - first], v[layer - first], picks
+                return k[layer - first :], v[layer - first :], picks, end
             del self._ahead[index]
         stop = self.num_layers if span.read_whole else min(self.num_layers, layer + self.layers_per_read)
         layers = range(layer, stop)
@@ -154,20 +158,26 @@ class LayerLoader:
         self.read_seconds_by_key[span.key] = self.read_seconds_by_key.get(span.key, 0.0) + seconds
         if len(layers) > 1:
             self._ahead[index] = (layer, layers.stop, *kv)
-        return kv[0][0], kv[1][0], kv[2]
+        return kv[0], kv[1], kv[2], layers.stop
 
     def _read_layer(self, layer: int) -> None:
-        """Read `layer` of every span loaded on it into its slot (or the error that stopped it); mark it ready."""
+        """Read `layer` of every span loaded on it into its slot, with the layers after it that the reads hold
+        where inline (or the error that stopped it); mark it ready."""
         start = time.perf_counter()
         try:
             with metered() as meter:
                 kv = [self._read(i, span, layer) for i, span in enumerate(self.spans) if span.reads_from <= layer]
             self.bytes_read += meter.bytes
-            self._layers[layer] = StoredLayer(*(list(parts) for parts in zip(*kv)))
+            keys, values, picks, ends = (list(parts) for parts in zip(*kv))
             del kv
-            ahead = max((end - 1 - layer for _, end, *_ in self._ahead.values()), default=0)
+            # inline, the layers every span's read holds, up to the first a span not loaded on `layer` is loaded on
+            stop = min(ends + [s.reads_from for s in self.spans if s.reads_from > layer])
+            count = 1 if self.threaded else stop - layer
+            self._layers[layer] = StoredLayers(count, [k[:count] for k in keys], [v[:count] for v in values], picks)
+            del keys, values
+            ahead = max((end - layer - count for _, end, *_ in self._ahead.values()), default=0)
             with self._lock:
-                self._held += 1
+                self._held += count
                 self.peak_layers_held = max(self.peak_layers_held, self._held + ahead)
         except BaseException as e:  # handed to the consumer, which raises it on its own thread
             self._layers[layer] = e
@@ -187,7 +197,7 @@ class LayerLoader:
             if isinstance(self._layers[layer], BaseException):
                 return
 
-    def take(self, layer: int) -> StoredLayer | None:
+    def take(self, layer: int) -> StoredLayers | None:
         if not self.reads(layer):
             return None
         if not self.threaded:
@@ -200,10 +210,10 @@ class LayerLoader:
             raise kv
         return kv
 
-    def placed(self) -> None:
-        """The consumer has copied the layer it took into the request's KV cache and dropped it."""
+    def placed(self, layers: int) -> None:
+        """The consumer has copied the `layers` it took into the request's KV cache and dropped them."""
         with self._lock:
-            self._held -= 1
+            self._held -= layers
         self._may_read.release()
 
     def close(self) -> None:
@@ -237,6 +247,7 @@ class PlanRows:
         self.narrowing = {n.layer: n for n in plan.narrowing}
         self.checks: list[DeviationCheck] = []
         self.computed_rows: list[tuple[int, int]] = []  # (approximate rows, all rows) computed per layer
+        self._placed_until = 0  # layers below hold their stored KV (an inline read's layers are placed at once)
         self._select(plan.compute_rows.to(device))
         self.hidden = model.embed(token_ids.to(device)[self.selected])
 
@@ -257,12 +268,14 @@ class PlanRows:
         return self._loaded[start]
 
     def enter(self, layer: int) -> tuple[torch.Tensor, list[RowGroup]]:
-        stored = self.loader.take(layer)
+        stored = self.loader.take(layer) if layer >= self._placed_until else None
         if stored is not None:
             rows, rotary = self.loaded_at(layer)
-            self.model.place(self.cache, layer, rows, stored.keys, stored.values, rotary, stored.picks)
+            self._placed_until = layer + stored.layers
+            self.model.place_layers(self.cache, range(layer, self._placed_until), rows, stored.keys, stored.values,
+                                    rotary, stored.picks)
             del stored
-            self.loader.placed()
+            self.loader.placed(self._placed_until - layer)
         if layer in self.leaving:  # from here on these rows' KV is loaded: their hidden state is not needed
             staying = ~torch.isin(self.selected, self.leaving[layer])
             self._select(self.selected[staying])

@@ -1120,31 +1120,38 @@ void rope(const void *x, int64_t x_stride, int64_t n, int64_t heads, int64_t dim
     }
 }
 
-/* Stored KV of a layer, in parts, placed in a cache in one pass (no joined copy first): row i of the parts in turn
-   goes to cache row to[i] (or first + i if to is NULL; rows row_stride apart), its keys rotated by table row i as
-   `rope` turns them, its values copied. Part p holds held[p] rows of keys and of values [held[p], heads, dim], each
-   contiguous, and gives counts[p] of them: picks[p][0..counts[p]) where picks and picks[p] are not NULL, else its
-   first counts[p] in order. Picking here spares a sparse read of a tier that keeps tensors (CacheTune's rows) a
-   gathered copy of its own. Returns -1, nothing written, if a pick is not one of its part's rows; else 0. */
-int place_parts(int64_t parts, const void *const *keys, const void *const *values, const int64_t *counts,
-                const int64_t *const *picks, const int64_t *held, int64_t heads, int64_t dim, const void *cos,
-                const void *sin, int64_t table_stride, const int64_t *to, int64_t first, void *cache_keys,
-                void *cache_values, int64_t row_stride, int threads, int bf16) {
-    int64_t total = 0, width = heads * dim, bytes = width * (bf16 ? 2 : 4);
+/* Stored KV of `layers` layers, in parts, placed in a cache in one pass (no joined copy first): in each layer l, row
+   i of the parts in turn goes to cache row to[i] (or first + i if to is NULL; rows row_stride apart) of
+   cache_keys[l] and cache_values[l], its keys rotated by row i of cos[l] and sin[l] as `rope` turns them, its values
+   copied. Part p holds held[p] rows of keys and of values [held[p], heads, dim] a layer, each layer contiguous and
+   key_layer_strides[p] (value_layer_strides[p]) elements after the one before, and gives counts[p] of them:
+   picks[p][0..counts[p]) where picks and picks[p] are not NULL, else its first counts[p] in order. Picking here spares
+   a sparse read of a tier that keeps tensors (CacheTune's rows) a gathered copy of its own; placing a read's layers
+   in one call spares the caller a call (and its checks) for each. Returns -1, nothing written, if a pick is not one
+   of its part's rows; else 0. */
+int place_layers(int64_t layers, int64_t parts, const void *const *keys, const void *const *values,
+                 const int64_t *key_layer_strides, const int64_t *value_layer_strides, const int64_t *counts,
+                 const int64_t *const *picks, const int64_t *held, int64_t heads, int64_t dim,
+                 const void *const *cos, const void *const *sin, int64_t table_stride, const int64_t *to,
+                 int64_t first, void *const *cache_keys, void *const *cache_values, int64_t row_stride, int threads,
+                 int bf16) {
+    int64_t total = 0, width = heads * dim, size = bf16 ? 2 : 4;
     for (int64_t p = 0; p < parts; p++) {
         total += counts[p];
         for (int64_t r = 0; picks && picks[p] && r < counts[p]; r++)
             if (picks[p][r] < 0 || picks[p][r] >= held[p]) return -1;
     }
-    #pragma omp parallel for num_threads(total * width >= 4096 ? threads : 1) schedule(static)
-    for (int64_t i = 0; i < total; i++) {
-        int64_t p = 0, row = i;
+    #pragma omp parallel for num_threads(layers * total * width >= 4096 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < layers * total; i++) {
+        int64_t l = i / total, row = i % total, placed = row, p = 0;
         while (row >= counts[p]) row -= counts[p++];
         if (picks && picks[p]) row = picks[p][row];
-        int64_t at = (to ? to[i] : first + i) * row_stride;
-        if (bf16) rope_row(keys[p], row * width, heads, dim, cos, sin, i * table_stride, cache_keys, at, 1);
-        else rope_row(keys[p], row * width, heads, dim, cos, sin, i * table_stride, cache_keys, at, 0);
-        memcpy((char *)cache_values + at * (bf16 ? 2 : 4), (const char *)values[p] + row * bytes, bytes);
+        int64_t at = (to ? to[placed] : first + placed) * row_stride;
+        const char *k = (const char *)keys[p] + l * key_layer_strides[p] * size;
+        const char *v = (const char *)values[p] + (l * value_layer_strides[p] + row * width) * size;
+        if (bf16) rope_row(k, row * width, heads, dim, cos[l], sin[l], placed * table_stride, cache_keys[l], at, 1);
+        else rope_row(k, row * width, heads, dim, cos[l], sin[l], placed * table_stride, cache_keys[l], at, 0);
+        memcpy((char *)cache_values[l] + at * size, v, width * size);
     }
     return 0;
 }

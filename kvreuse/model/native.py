@@ -79,11 +79,11 @@ _SIGNATURES = {
                           _POINTER, _POINTER, _INT, _INT],
     "layer_end": [_POINTER, _INT64, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _POINTER, ctypes.c_float, _POINTER,
                   _POINTER, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT, _INT],
-    "place_parts": [_INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64, _INT64, _POINTER, _POINTER,
-                    _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
+    "place_layers": [_INT64, _INT64, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _POINTER, _INT64,
+                     _INT64, _POINTER, _POINTER, _INT64, _POINTER, _INT64, _POINTER, _POINTER, _INT64, _INT, _INT],
 }
 _RESULTS = {"has_bf16_dot": _INT, "has_amx_bf16": _INT, "amx_permitted": _INT, "allow_amx_panels": _INT,
-            "amx_causal_attention": _INT, "place_parts": _INT, "release_idle_threads": _INT, "panel_width": _INT,
+            "amx_causal_attention": _INT, "place_layers": _INT, "release_idle_threads": _INT, "panel_width": _INT,
             "panel_rows_most": _INT, "prefill_attention_scratch": _INT64, "prefill_attention_vector_width": _INT,
             "decode_attention_parts": _INT64, "decode_attention_scratch": _INT64}
 
@@ -747,36 +747,63 @@ def place_parts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], co
     go to `rows` (a slice or int64 indices), keys rotated by the matching rows of cos and sin [n, dim] as `rope`
     turns them. A part's rows are all of its own in order, or picks[p] of them (int64 indices) where given: the
     rows of a sparse read picked straight from the tensors a tier keeps. fp32 or bf16, one dtype for all."""
+    place_layers([k.unsqueeze(0) for k in keys], [v.unsqueeze(0) for v in values], [cos], [sin], rows,
+                 [cache_keys], [cache_values], picks)
+
+
+def place_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cos: Sequence[torch.Tensor],
+                 sin: Sequence[torch.Tensor], rows: slice | torch.Tensor, cache_keys: Sequence[torch.Tensor],
+                 cache_values: Sequence[torch.Tensor], picks: Sequence[torch.Tensor | None] | None = None) -> None:
+    """`place_parts` for several layers in one call: part p's keys and values [layers, rows_p, heads, dim] (each
+    layer contiguous), layer l into cache_keys[l] and cache_values[l] (one shape and layout for all) with the
+    tables cos[l] and sin[l]."""
     picks = [None] * len(keys) if picks is None else list(picks)
-    counts = [k.shape[0] if p is None else p.numel() for k, p in zip(keys, picks)]
-    n, (_, heads, dim) = sum(counts), cache_keys.shape
-    if (len(keys) != len(values) or len(picks) != len(keys)
-            or any(k.shape[1:] != (heads, dim) or v.shape != k.shape or not k.is_contiguous() or not v.is_contiguous()
-                   for k, v in zip(keys, values))
+    layers = len(cache_keys)
+    counts = [k.shape[1] if p is None else p.numel() for k, p in zip(keys, picks)]
+    n, (_, heads, dim) = sum(counts), cache_keys[0].shape
+    if (len(keys) != len(values) or len(picks) != len(keys) or not layers
+            or len(cache_values) != layers or len(cos) != layers or len(sin) != layers
+            or any(k.shape != (layers, k.shape[1], heads, dim) or v.shape != k.shape or not _layers_of_rows(k)
+                   or not _layers_of_rows(v) for k, v in zip(keys, values))
             or any(p is not None and (p.dtype != torch.long or p.dim() != 1 or not p.is_contiguous()) for p in picks)
-            or cache_values.shape != cache_keys.shape or cache_values.stride() != cache_keys.stride()
-            or not heads_in_rows(cache_keys) or cos.shape != (n, dim) or sin.shape != (n, dim)
-            or cos.stride() != sin.stride() or not _rows(cos) or dim % 2):
+            or any(t.shape != cache_keys[0].shape or t.stride() != cache_keys[0].stride()
+                   for t in (*cache_keys, *cache_values))
+            or not heads_in_rows(cache_keys[0])
+            or any(c.shape != (n, dim) or s.shape != (n, dim) or c.stride() != cos[0].stride()
+                   or s.stride() != cos[0].stride() for c, s in zip(cos, sin))
+            or not _rows(cos[0]) or dim % 2):
         raise ValueError(f"place_parts: parts {[tuple(k.shape) for k in keys]} and {[tuple(v.shape) for v in values]} "
-                         f"picking {[None if p is None else (p.dtype, tuple(p.shape)) for p in picks]} into a cache "
-                         f"{tuple(cache_keys.shape)} with tables {tuple(cos.shape)}: contiguous parts of the cache's "
-                         f"heads, picks as 1-d int64, tables [n, dim] for their n rows")
-    bf16 = _is_bf16("place_parts", *keys, *values, cos, sin, cache_keys, cache_values)
+                         f"picking {[None if p is None else (p.dtype, tuple(p.shape)) for p in picks]} into "
+                         f"{layers} cache layers {tuple(cache_keys[0].shape)} with tables {tuple(cos[0].shape)}: "
+                         "parts of contiguous layers of the cache's heads, picks as 1-d int64, a layer's tables "
+                         "[n, dim] for their n rows")
+    bf16 = _is_bf16("place_parts", *keys, *values, *cos, *sin, *cache_keys, *cache_values)
+    capacity = cache_keys[0].shape[0]
     if isinstance(rows, slice):
         # the rows torch's indexing takes (a negative start counts from the end): the kernel writes from `first` on
-        first, stop, step = rows.indices(cache_keys.shape[0])
+        first, stop, step = rows.indices(capacity)
         to = None
         if len(range(first, stop, step)) != n or step != 1:
             raise ValueError(f"place_parts: {n} rows into cache rows {rows}")
     else:
         to, first = rows.to(torch.long).contiguous(), 0
-        if to.shape != (n,) or (n and (int(to.min()) < 0 or int(to.max()) >= cache_keys.shape[0])):
-            raise ValueError(f"place_parts: {n} rows into cache rows {tuple(to.shape)} of {cache_keys.shape[0]}")
-    pointers, sizes = ctypes.c_void_p * len(keys), ctypes.c_int64 * len(keys)
-    picked = None if all(p is None for p in picks) else pointers(*(None if p is None else p.data_ptr() for p in picks))
-    if library().place_parts(len(keys), pointers(*(k.data_ptr() for k in keys)),
-                             pointers(*(v.data_ptr() for v in values)), sizes(*counts), picked,
-                             sizes(*(k.shape[0] for k in keys)), heads, dim, cos.data_ptr(), sin.data_ptr(),
-                             cos.stride(0), None if to is None else to.data_ptr(), first, cache_keys.data_ptr(),
-                             cache_values.data_ptr(), cache_keys.stride(0), torch.get_num_threads(), bf16):
-        raise ValueError(f"place_parts: picks outside their parts' rows {[k.shape[0] for k in keys]}")
+        if to.shape != (n,) or (n and (int(to.min()) < 0 or int(to.max()) >= capacity)):
+            raise ValueError(f"place_parts: {n} rows into cache rows {tuple(to.shape)} of {capacity}")
+    parts, sizes = ctypes.c_void_p * len(keys), ctypes.c_int64 * len(keys)
+    per_layer = ctypes.c_void_p * layers
+    picked = None if all(p is None for p in picks) else parts(*(None if p is None else p.data_ptr() for p in picks))
+    if library().place_layers(layers, len(keys), parts(*(k.data_ptr() for k in keys)),
+                              parts(*(v.data_ptr() for v in values)), sizes(*(k.stride(0) for k in keys)),
+                              sizes(*(v.stride(0) for v in values)), sizes(*counts), picked,
+                              sizes(*(k.shape[1] for k in keys)), heads, dim,
+                              per_layer(*(c.data_ptr() for c in cos)), per_layer(*(s.data_ptr() for s in sin)),
+                              cos[0].stride(0), None if to is None else to.data_ptr(), first,
+                              per_layer(*(k.data_ptr() for k in cache_keys)),
+                              per_layer(*(v.data_ptr() for v in cache_values)), cache_keys[0].stride(0),
+                              torch.get_num_threads(), bf16):
+        raise ValueError(f"place_parts: picks outside their parts' rows {[k.shape[1] for k in keys]}")
+
+
+def _layers_of_rows(t: torch.Tensor) -> bool:
+    """[layers, rows, heads, dim] with each layer's rows contiguous (layers any distance apart)."""
+    return t[0].is_contiguous()

@@ -295,24 +295,34 @@ class LayerwiseModel:
         whose rows are not of contiguous heads (one in a pool's slot) takes torch's ops."""
         if isinstance(keys, torch.Tensor):
             keys, values = [keys], [values]
+        self.place_layers(cache, range(layer, layer + 1), rows, [k.unsqueeze(0) for k in keys],
+                          [v.unsqueeze(0) for v in values], rotary, picks)
+
+    def place_layers(self, cache: KVCache, layers: range, rows: slice | torch.Tensor, keys: Sequence[torch.Tensor],
+                     values: Sequence[torch.Tensor], rotary: Rotary,
+                     picks: Sequence[torch.Tensor | None] | None = None) -> None:
+        """`place` for consecutive `layers` at once, each part's keys and values [len(layers), rows_p, heads, dim]:
+        a read of several layers placed in one native pass instead of a call (and its checks) for each."""
         picks = [None] * len(keys) if picks is None else picks
         keys, values = ([t.to(device=self.device, dtype=self.dtype) for t in parts] for parts in (keys, values))
-        cos, sin = (table[:, 0] for table in self._rope_tables(layer, rotary))
-        cache_keys, cache_values = cache.keys[layer], cache.values[layer]
-        if (native.runs_fp32_or_bf16(cos, *keys, *values, cache_keys)
-                and all(t.is_contiguous() for t in (*keys, *values))
-                and native.heads_in_rows(cache_keys) and cache_keys.stride() == cache_values.stride()):
-            native.place_parts(keys, values, cos, sin, rows, cache_keys, cache_values,
-                               [p if p is None else p.to(device=self.device) for p in picks])
+        tables = [self._rope_tables(layer, rotary) for layer in layers]
+        cos, sin = ([table[i][:, 0] for table in tables] for i in (0, 1))
+        cache_keys, cache_values = cache.keys[layers.start : layers.stop], cache.values[layers.start : layers.stop]
+        if (native.runs_fp32_or_bf16(cos[0], *keys, *values, cache_keys[0])
+                and all(t[0].is_contiguous() for t in (*keys, *values))
+                and native.heads_in_rows(cache_keys[0]) and cache_keys[0].stride() == cache_values[0].stride()):
+            native.place_layers(keys, values, cos, sin, rows, cache_keys, cache_values,
+                                [p if p is None else p.to(device=self.device) for p in picks])
             return
-        keys, values = ([t if p is None else t[p.to(t.device)] for t, p in zip(parts, picks)]
+        keys, values = ([t if p is None else t[:, p.to(t.device)] for t, p in zip(parts, picks)]
                         for parts in (keys, values))
-        keys, values = (parts[0] if len(parts) == 1 else torch.cat(parts) for parts in (keys, values))
-        if isinstance(rows, slice):  # rotated straight into the cache's memory: no temporary to copy
-            self.rope(layer, keys, rotary, out=cache_keys[rows])
-            cache_values[rows] = values
-        else:
-            cache.write(layer, rows, self.rope(layer, keys, rotary), values)
+        keys, values = (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1) for parts in (keys, values))
+        for i, layer in enumerate(layers):
+            if isinstance(rows, slice):  # rotated straight into the cache's memory: no temporary to copy
+                self.rope(layer, keys[i], rotary, out=cache_keys[i][rows])
+                cache_values[i][rows] = values[i]
+            else:
+                cache.write(layer, rows, self.rope(layer, keys[i], rotary), values[i])
 
     def outputs_at(self, layer: int) -> slice | None:
         """The rows of a prompt's group whose output `layer`'s step returns: past the model's last layer only the LM

@@ -967,6 +967,45 @@ def test_place_parts_picks_a_part_s_rows_where_told_as_a_gathered_copy_of_them_w
 
 
 @needs_compiler
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_place_layers_places_each_layer_as_place_parts_would(dtype):
+    """Several layers in one call: parts that are views of stored entries (layers further apart than a layer's
+    rows, as a run of an entry's rows is), one picked, each layer into its own cache tensors with its own
+    tables."""
+    entries = [torch.randn(6, 9, 3, 16).to(dtype), torch.randn(6, 4, 3, 16).to(dtype)]
+    values = [torch.randn_like(e) for e in entries]
+    layers = range(1, 4)
+    keys = [entries[0][layers.start : layers.stop, 2:7], entries[1][layers.start : layers.stop]]
+    vals = [values[0][layers.start : layers.stop, 2:7], values[1][layers.start : layers.stop]]
+    picks = [None, torch.tensor([3, 0, 2])]
+    angles = torch.randn(len(layers), 8, 8)
+    cos, sin = ([torch.cat([f(a)] * 2, -1).to(dtype) for a in angles] for f in (torch.cos, torch.sin))
+    rows = torch.randperm(20)[:8]
+    placed = [[torch.zeros(20, 3, 16, dtype=dtype) for _ in layers] for _ in range(2)]
+    native.place_layers(keys, vals, cos, sin, rows, *placed, picks)
+    for i in range(len(layers)):
+        expected = [torch.zeros(20, 3, 16, dtype=dtype) for _ in range(2)]
+        native.place_parts([k[i] for k in keys], [v[i] for v in vals], cos[i], sin[i], rows, *expected, picks)
+        assert torch.equal(placed[0][i], expected[0]) and torch.equal(placed[1][i], expected[1]), i
+    assert not any(torch.equal(placed[kv][0], placed[kv][i]) for kv in range(2) for i in (1, 2))  # layers differ
+
+
+@needs_compiler
+def test_place_layers_refuses_layers_it_cannot_place_alike():
+    keys, cos = [torch.randn(2, 4, 2, 16)], [torch.randn(4, 16)] * 2
+    cache = [torch.zeros(10, 2, 16), torch.zeros(10, 2, 16)]
+    with pytest.raises(ValueError, match="2 cache layers"):
+        native.place_layers(keys, keys, cos[:1], cos[:1], slice(0, 4), cache, [c.clone() for c in cache])
+    with pytest.raises(ValueError, match="2 cache layers"):
+        native.place_layers(keys, keys, cos, cos, slice(0, 4), [cache[0], torch.zeros(12, 2, 16)],
+                            [c.clone() for c in cache])
+    with pytest.raises(ValueError, match="2 cache layers"):  # a layer's rows not contiguous
+        native.place_layers([torch.randn(2, 2, 4, 16).transpose(1, 2)], keys, cos, cos, slice(0, 4), cache,
+                            [c.clone() for c in cache])
+    assert all(c.eq(0).all() for c in cache)
+
+
+@needs_compiler
 @pytest.mark.parametrize("pick", [[0, 4], [-1, 2], [1, 9]])
 def test_place_parts_refuses_picks_outside_a_part_and_writes_nothing(pick):
     keys, cos = [torch.randn(4, 2, 16), torch.randn(3, 2, 16)], torch.randn(5, 16)

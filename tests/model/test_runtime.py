@@ -14,6 +14,7 @@ from kvreuse.model.check import (
     run_gate,
 )
 from kvreuse.model.attention import attention_mask
+from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LAST_ROW, LayerwiseModel, RowGroup
 
 
@@ -139,6 +140,14 @@ def test_place_in_parts_equals_placing_them_joined(tiny_model, rows, dtype):
     assert torch.equal(in_parts.values[1][rows], joined.values[1][rows])
 
 
+def _spread_heads(*caches: KVCache) -> None:
+    """Each layer of the caches made a view whose heads lie apart in its rows, as a pool's slot can: a cache the
+    native placer does not take."""
+    for cache in caches:
+        cache.keys, cache.values = ([torch.zeros(t.shape[1], t.shape[0], t.shape[2]).transpose(0, 1) for t in ts]
+                                    for ts in (cache.keys, cache.values))
+
+
 @pytest.mark.parametrize("heads_in_rows", [True, False])  # a cache the native pass takes, or one it does not
 def test_place_picking_rows_from_whole_parts_equals_placing_the_picked_rows(tiny_model, heads_in_rows):
     """A tier's layers handed out whole with the rows to pick (CacheTune's sparse rows from memory) place as the
@@ -148,15 +157,33 @@ def test_place_picking_rows_from_whole_parts_equals_placing_the_picked_rows(tiny
     keys = [t if p is None else t[p] for t, p in zip(held, picks)]
     rows, rotary = torch.arange(5, 14).flip(0), tiny_model.rotary(torch.arange(30, 39))
     gathered, picked = tiny_model.new_cache(20), tiny_model.new_cache(20)
-    if not heads_in_rows:  # each layer a view whose heads lie apart in its rows, as a pool's slot can
-        for cache in (gathered, picked):
-            cache.keys, cache.values = ([torch.zeros(t.shape[1], t.shape[0], t.shape[2]).transpose(0, 1) for t in ts]
-                                        for ts in (cache.keys, cache.values))
+    if not heads_in_rows:
+        _spread_heads(gathered, picked)
     tiny_model.place(gathered, 1, rows, keys, [k + 1 for k in keys], rotary)
     tiny_model.place(picked, 1, rows, held, [k + 1 for k in held], rotary, picks)
     assert torch.equal(picked.keys[1][rows], gathered.keys[1][rows])
     assert torch.equal(picked.values[1][rows], gathered.values[1][rows])
     assert torch.equal(gathered.values[1][rows], torch.cat(keys) + 1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # the model's dtype (native, one pass) or not
+@pytest.mark.parametrize("heads_in_rows", [True, False])
+def test_place_layers_equals_placing_each_layer_on_its_own(tiny_model, dtype, heads_in_rows):
+    """A read's layers placed in one call (an inline loader's) as `place` puts each of them, in the native pass
+    and in torch's ops alike (a cache it does not take, a part it converts first)."""
+    layers = range(0, tiny_model.num_layers)
+    held = [torch.randn(len(layers), n, tiny_model.num_kv_heads, tiny_model.head_dim, dtype=dtype) for n in (9, 3)]
+    picks = [torch.tensor([8, 0, 2, 3]), None]
+    rows, rotary = torch.arange(5, 12).flip(0), tiny_model.rotary(torch.arange(30, 37))
+    together, alone = tiny_model.new_cache(20), tiny_model.new_cache(20)
+    if not heads_in_rows:
+        _spread_heads(together, alone)
+    tiny_model.place_layers(together, layers, rows, held, [k + 1 for k in held], rotary, picks)
+    for i, layer in enumerate(layers):
+        tiny_model.place(alone, layer, rows, [k[i] for k in held], [k[i] + 1 for k in held], rotary, picks)
+        assert torch.equal(together.keys[layer][rows], alone.keys[layer][rows]), layer
+        assert torch.equal(together.values[layer][rows], alone.values[layer][rows]), layer
+    assert not torch.equal(together.values[0][rows], together.values[1][rows])
 
 
 @torch.inference_mode()
