@@ -43,6 +43,8 @@ READABLE_FORMATS = ("kvreuse-kv/1", FORMAT)
 # stay a small part of the header (about 20 bytes per group per layer).
 DEFAULT_ROW_GROUP = 16
 MAX_HEADER_BYTES = 64 << 20
+# Row plans an entry's parsed header keeps (EntryReader._planned_rows)
+ROW_PLANS_KEPT = 8
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8}
 INT8 = "int8"
 Range = tuple[int, int]  # (offset, length)
@@ -289,6 +291,9 @@ class EntryReader:
             if order.shape != (info["num_tokens"],) or not np.array_equal(np.sort(order), np.arange(len(order))):
                 raise EntryDamaged("row_order is not a permutation of the entry's rows")
             self._position = np.argsort(order)
+        # rows asked for -> their plan: a plan reads the same rows of an entry every few layers, and the copies of
+        # this reader a header cache hands out share it
+        self._row_plans: dict[bytes | None, _RowPlan] = {}
 
     def rebound(self, source: ByteSource | None) -> EntryReader:
         """This parsed header over another open source of the same bytes (None: detached, for a cache)."""
@@ -355,12 +360,22 @@ class EntryReader:
         consecutively in the groups (a view, no copy), and no picks then."""
         i = self.info
         layers = check_layers(layers, i["num_layers"])
-        plan = self._plan_rows(None if rows is None else check_rows(rows, i["num_tokens"]))
+        plan = self._planned_rows(None if rows is None else check_rows(rows, i["num_tokens"]))
         k, v = self._read_kv("k", layers, plan), self._read_kv("v", layers, plan)
         run = None if plan.local is None else consecutive(plan.local)
         if run is not None:
             return k[:, run], v[:, run], None
         return k, v, plan.local
+
+    def _planned_rows(self, rows: torch.Tensor | None) -> _RowPlan:
+        """`_plan_rows`, kept for the next read of the same rows (a few: one per span reading the entry)."""
+        key = None if rows is None else rows.numpy().tobytes()
+        plan = self._row_plans.get(key)
+        if plan is None:
+            if len(self._row_plans) >= ROW_PLANS_KEPT:
+                self._row_plans.clear()
+            plan = self._row_plans[key] = self._plan_rows(rows)
+        return plan
 
     def _plan_rows(self, rows: torch.Tensor | None) -> _RowPlan:
         g, T = self.info["row_group"], self.info["num_tokens"]

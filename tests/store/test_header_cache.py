@@ -1,5 +1,6 @@
 """A blob tier parses an entry's header once for the bytes it was parsed from: a plan reads each entry layer by
-layer, and parsing the header was most of a one-layer read. Bytes that changed are parsed again."""
+layer, and parsing the header was most of a one-layer read. Bytes that changed are parsed again. The rows a read
+asks for are planned once as well."""
 
 from __future__ import annotations
 
@@ -33,3 +34,27 @@ def test_rewritten_bytes_are_parsed_again(blob_tier_maker, make_entry):
     tier._write(old.key, encode(new))
     k, _ = tier.get_layers(old.key, 2, 3)
     assert torch.equal(k, new.k[2:3])
+
+
+def test_the_rows_a_read_asks_for_are_planned_once_per_parsed_header(blob_tier_maker, make_entry, monkeypatch):
+    """A plan reads the same rows of an entry every few layers: which row groups hold them (and where each row lands)
+    is worked out on the first read and kept with the header; other rows get their own plan."""
+    from kvreuse.store import codec
+
+    planned = []
+    plan_rows = codec.EntryReader._plan_rows
+    monkeypatch.setattr(codec.EntryReader, "_plan_rows",
+                        lambda self, rows: planned.append(rows) or plan_rows(self, rows))
+    tier = blob_tier_maker()
+    entry = make_entry(layers=4, tokens=100)
+    assert tier.put(entry)
+    rows, other = torch.tensor([70, 3, 41, 42]), torch.arange(20, 60)
+    for layer in range(4):
+        for asked in (rows, other, rows):
+            k, v = tier.get_rows(entry.key, asked, range(layer, layer + 1))
+            expected = slice(layer, layer + 1), asked
+            assert torch.equal(k, entry.k[expected]) and torch.equal(v, entry.v[expected])
+    assert [r.tolist() for r in planned] == [rows.tolist(), other.tolist()]
+    for first in range(codec.ROW_PLANS_KEPT + 1):  # more row sets than are kept: each still read right
+        asked = torch.arange(first, first + 5)
+        assert torch.equal(tier.get_rows(entry.key, asked, range(1, 2))[0], entry.k[1:2, asked])
