@@ -21,6 +21,7 @@ checked there.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 import math
 import struct
@@ -362,9 +363,8 @@ class EntryReader:
         layers = check_layers(layers, i["num_layers"])
         plan = self._planned_rows(None if rows is None else check_rows(rows, i["num_tokens"]))
         k, v = self._read_kv("k", layers, plan), self._read_kv("v", layers, plan)
-        run = None if plan.local is None else consecutive(plan.local)
-        if run is not None:
-            return k[:, run], v[:, run], None
+        if plan.run is not None:
+            return k[:, plan.run], v[:, plan.run], None
         return k, v, plan.local
 
     def _planned_rows(self, rows: torch.Tensor | None) -> _RowPlan:
@@ -439,6 +439,12 @@ class _RowPlan:
     runs: list[Range]
     loaded: int  # rows the runs hold
     local: torch.Tensor | None  # index of each requested row among the loaded ones; None: all rows, in order
+
+    @functools.cached_property
+    def run(self) -> slice | None:
+        """The requested rows as one run of the loaded ones (handed out as a view, nothing to pick), else None:
+        worked out once for a plan that `EntryReader` keeps."""
+        return None if self.local is None else consecutive(self.local)
 
 
 def _as_bytes(t: torch.Tensor) -> np.ndarray:
