@@ -351,12 +351,12 @@ class BlobTier(Tier):
 
     def view_picking(self, key: str, rows: Rows, layers: range | None = None) -> PickedKV | None:
         # The row groups read, with the rows to pick (no gathered copy of them).
-        return self._read(key, lambda r: r.read_picking(layers, rows))
+        return self._read(key, lambda r: r.read_picking(layers, rows, mapped=True))
 
     def view_layers_picking(self, key: str, start: int, stop: int) -> PickedKV | None:
         # Rank-ordered rows as read, with the token order to pick: putting them in token order first (a gathered
         # copy) cost a 1.6K-token naive prefill from disk 13-15 ms of 200-280.
-        return self._read(key, lambda r: r.read_picking(range(start, stop)))
+        return self._read(key, lambda r: r.read_picking(range(start, stop), mapped=True))
 
     def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
         # A look-up, not a read: neither a hit nor a use that protects the entry from eviction.

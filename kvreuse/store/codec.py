@@ -15,7 +15,8 @@ work unchanged; the entry reads back dequantized to its dtype, and its metadata 
 The reader parses the safetensors header itself and asks a `ByteSource` only for the byte ranges it needs,
 which is how disk (pread) and Redis (GETRANGE) serve partial reads without reading the whole entry. K/V bytes
 land straight in the tensor a read returns (`read_into`: a file's preadv, Redis's pieces copied once) and are
-checked there.
+checked there; the KV placer's reads of a mapped file take views of its pages instead (`mapped_view`), which the
+layer order of `encode`'s files makes one strided view per read.
 """
 
 from __future__ import annotations
@@ -32,7 +33,6 @@ from typing import Hashable, Sequence
 import numpy as np
 import torch
 import xxhash
-from safetensors.torch import save as safetensors_save
 
 from kvreuse.store.entry import (DTYPES, EntryMeta, KVEntry, check_layers, check_rows, consecutive,
                                  take_rows)
@@ -47,6 +47,7 @@ MAX_HEADER_BYTES = 64 << 20
 # Row plans an entry's parsed header keeps (EntryReader._planned_rows)
 ROW_PLANS_KEPT = 8
 ST_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "I8": torch.int8}
+ST_NAMES = {dtype: name for name, dtype in ST_DTYPES.items()}
 INT8 = "int8"
 Range = tuple[int, int]  # (offset, length)
 Buffer = memoryview | np.ndarray  # writable bytes a read lands in
@@ -93,6 +94,19 @@ class ByteSource(ABC):
             if sum(len(buffer) for _, buffer in span_parts) != n:
                 raise ValueError("overlapping ranges cannot be read into buffers")
         self._fetch_into(spans, [[buffer for _, buffer in span_parts] for span_parts in parts])
+
+    def mapped_view(self, ranges: Sequence[Range]) -> memoryview | None:
+        """The bytes from the first range's start to the last one's end, without a copy, for a backend whose
+        entry is mapped into memory (None from the others); counted as fetched for the ranges alone (the bytes
+        between them are not touched). The ranges must be in order. EntryDamaged as for `read_ranges`."""
+        mapping = self._mapping()
+        if mapping is None:
+            return None
+        self._spans(ranges)
+        return memoryview(mapping)[ranges[0][0] : ranges[-1][0] + ranges[-1][1]]
+
+    def _mapping(self) -> Buffer | None:
+        return None
 
     def _spans(self, ranges: Sequence[Range]) -> tuple[list[Range], list[tuple[int, int]]]:
         if any(off + n > self.size for off, n in ranges):
@@ -241,7 +255,24 @@ def encode(entry: KVEntry, row_group: int = DEFAULT_ROW_GROUP, *, quantize: bool
     }
     text = json.dumps(info, sort_keys=True)
     metadata = {"format": FORMAT, "entry": text, "entry_checksum": _checksum(text.encode())}
-    return safetensors_save(tensors, metadata=metadata)
+    return _safetensors_bytes(tensors, metadata)
+
+
+def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> bytes:
+    """A safetensors file of `tensors` whose data lie in the order given, widest dtype first (which keeps every
+    tensor aligned). safetensors' own writer orders them by name, k.10 between k.1 and k.2; in layer order, the
+    layers a read takes lie equally spaced, so a mapped file hands them out as one strided view (`mapped_view`)."""
+    order = sorted(tensors, key=lambda name: -tensors[name].element_size())  # stable: layer order kept
+    header: dict[str, object] = {"__metadata__": metadata}
+    end = 0
+    for name in order:
+        t = tensors[name]
+        header[name] = {"dtype": ST_NAMES[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [end, end + t.numel() * t.element_size()]}
+        end += t.numel() * t.element_size()
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data start 8-byte aligned, as safetensors pads its header
+    return b"".join([struct.pack("<Q", len(text)), text, *(_raw_bytes(tensors[name]) for name in order)])
 
 
 @dataclass(frozen=True)
@@ -354,15 +385,17 @@ class EntryReader:
         k, v, picks = self.read_picking(layers, rows)
         return (k, v) if picks is None else (take_rows(k, picks), take_rows(v, picks))
 
-    def read_picking(self, layers: range | None = None, rows: Sequence[int] | torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    def read_picking(self, layers: range | None = None, rows: Sequence[int] | torch.Tensor | None = None,
+                     *, mapped: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """`read` for a caller that picks rows itself as it copies them (the KV placer): K and V of the row groups
         that hold `rows`, with the rows' indices among them to pick; the rows themselves where they run
-        consecutively in the groups (a view, no copy), and no picks then."""
+        consecutively in the groups (a view, no copy), and no picks then. `mapped`: views of the entry's bytes
+        where its source maps them and the groups are one run (`_mapped_rows`), for a caller that only reads
+        them."""
         i = self.info
         layers = check_layers(layers, i["num_layers"])
         plan = self._planned_rows(None if rows is None else check_rows(rows, i["num_tokens"]))
-        k, v = self._read_kv("k", layers, plan), self._read_kv("v", layers, plan)
+        k, v = self._read_kv("k", layers, plan, mapped), self._read_kv("v", layers, plan, mapped)
         if plan.run is not None:
             return k[:, plan.run], v[:, plan.run], None
         return k, v, plan.local
@@ -397,11 +430,37 @@ class EntryReader:
             return _RowPlan(runs, loaded, None)
         return _RowPlan(runs, loaded, torch.from_numpy(local))
 
-    def _read_kv(self, kv: str, layers: range, plan: _RowPlan) -> torch.Tensor:
-        values = self._read_rows(kv, "", layers, plan)
+    def _read_kv(self, kv: str, layers: range, plan: _RowPlan, mapped: bool) -> torch.Tensor:
         if not self.quantized:
-            return values
+            viewed = self._mapped_rows(kv, layers, plan) if mapped else None
+            return self._read_rows(kv, "", layers, plan) if viewed is None else viewed
+        values = self._read_rows(kv, "", layers, plan)
         return dequantize_int8(values, self._read_rows(kv, ".scale", layers, plan), DTYPES[self.info["dtype"]])
+
+    def _mapped_rows(self, kv: str, layers: range, plan: _RowPlan) -> torch.Tensor | None:
+        """The row groups `plan` loads of tensors `{kv}.{layer}`, verified, as one strided view [len(layers), loaded
+        rows, ...] of the mapped entry; None where the source maps nothing, the groups are several runs, or the
+        layers do not lie equally spaced (entries written by safetensors' own writer, in name order)."""
+        if len(plan.runs) != 1:
+            return None
+        ((a, b),) = plan.runs
+        g, T = self.info["row_group"], self.info["num_tokens"]
+        like = self.tensors[f"{kv}.0"]
+        size, row_bytes = like.dtype.itemsize, math.prod(like.shape[1:]) * like.dtype.itemsize
+        names = [f"{kv}.{layer}" for layer in layers]
+        starts = [self.tensors[name].start + a * g * row_bytes for name in names]
+        n = (min(b * g, T) - a * g) * row_bytes
+        step = starts[1] - starts[0] if len(starts) > 1 else n
+        if step < n or starts[0] % size or step % size or starts != list(range(starts[0], starts[-1] + 1, step)):
+            return None
+        view = self.source.mapped_view([(start, n) for start in starts])
+        if view is None:
+            return None
+        for li, name in enumerate(names):  # checked in place: the caller reads them after this
+            self._check_run(name, view[li * step : li * step + n], (a, b), row_bytes)
+        shape = (plan.loaded, *like.shape[1:])
+        strides = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))  # each layer's rows contiguous
+        return torch.frombuffer(view, dtype=like.dtype).as_strided((len(names), *shape), (step // size, *strides))
 
     def _read_rows(self, kv: str, suffix: str, layers: range, plan: _RowPlan) -> torch.Tensor:
         """The row groups `plan` loads of tensors `{kv}.{layer}{suffix}`, verified, as [len(layers), loaded rows,
@@ -423,13 +482,18 @@ class EntryReader:
         self.source.read_into(ranges, buffers)
         data = iter(buffers)
         for name in names:  # checked where they landed: nothing reads them before this
-            sums = self.info["checksums"][name]
-            for a, b in plan.runs:
-                run = next(data)
-                for gi in range(a, b):
-                    if _checksum(run[(gi - a) * g * row_bytes : (gi - a + 1) * g * row_bytes]) != sums[gi]:
-                        raise EntryDamaged(f"checksum mismatch in {name} rows {gi * g}..")
+            for run in plan.runs:
+                self._check_run(name, next(data), run, row_bytes)
         return out
+
+    def _check_run(self, name: str, data: Buffer, groups: Range, row_bytes: int) -> None:
+        """EntryDamaged unless the row groups [a, b) of tensor `name`, which `data` holds end to end, match their
+        checksums."""
+        (a, b), group_bytes = groups, self.info["row_group"] * row_bytes
+        sums = self.info["checksums"][name]
+        for gi in range(a, b):
+            if _checksum(data[(gi - a) * group_bytes : (gi - a + 1) * group_bytes]) != sums[gi]:
+                raise EntryDamaged(f"checksum mismatch in {name} rows {gi * self.info['row_group']}..")
 
 
 @dataclass(frozen=True)

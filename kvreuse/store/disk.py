@@ -3,16 +3,19 @@
 Layout: ROOT/ab/abcdef....kv.safetensors (two-character fan-out keeps directories small). A write goes to a
 unique temp file in the same directory, is fsynced, then renamed over the final name, and the directory is
 fsynced: readers and concurrent writers of one key see one whole file, never a mix. Reads preadv only the
-byte ranges they need, into the tensors they return. Capacity is enforced by a segmented LRU over the files
-this process knows (it scans the directory on open); several processes may share a directory, each keeping its
-own budget.
+byte ranges they need, into the tensors they return; the KV placer's reads (`view_picking`) take views of the
+file's pages instead, from the last files kept mapped (`FileMappings`), checked where they lie. Capacity is
+enforced by a segmented LRU over the files this process knows (it scans the directory on open); several
+processes may share a directory, each keeping its own budget.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import errno
 import logging
+import mmap
 import os
 import shutil
 import stat
@@ -20,7 +23,7 @@ import threading
 import time
 import uuid
 from pathlib import Path
-from typing import Iterator
+from typing import Hashable, Iterator
 
 from kvreuse.store.base import BlobTier
 from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, check_length
@@ -32,17 +35,54 @@ SUFFIX = ".kv.safetensors"
 TMP_PREFIX = ".tmp-"
 STALE_TMP_SECONDS = 3600  # a temp file this old belongs to a writer that died
 IOV_MAX = os.sysconf("SC_IOV_MAX")  # buffers one preadv takes
+MAPPINGS_KEPT = 128  # entry files kept mapped: a few requests' chunks and prefix blocks
+
+
+class FileMappings:
+    """The last `kept` entry files mapped, by path: a read of a file mapped before finds its pages in place (a
+    fresh mapping faulted each page in again, at every read of a few layers). A file replaced under its path
+    (another inode, size or times) is mapped afresh; a view handed out keeps its mapping alive past eviction."""
+
+    def __init__(self, kept: int = MAPPINGS_KEPT):
+        self.kept = kept
+        self._maps: collections.OrderedDict[str, tuple[Hashable, mmap.mmap]] = collections.OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, path: str, source: FileSource) -> mmap.mmap:
+        with self._lock:
+            kept = self._maps.get(path)
+            if kept is not None and kept[0] == source.identity:
+                self._maps.move_to_end(path)
+                return kept[1]
+        # Private and writable only so that torch takes views of it without a warning; nothing writes it.
+        mapping = mmap.mmap(source.fd, source.size, access=mmap.ACCESS_COPY)
+        with self._lock:
+            self._maps[path] = (source.identity, mapping)
+            self._maps.move_to_end(path)
+            while len(self._maps) > self.kept:
+                self._maps.popitem(last=False)
+        return mapping
+
+    def forget(self, path: str) -> None:
+        with self._lock:
+            self._maps.pop(path, None)
 
 
 class FileSource(ByteSource):
-    def __init__(self, fd: int):
-        self.fd = fd
+    def __init__(self, fd: int, path: str, mappings: FileMappings):
+        self.fd, self.path, self.mappings = fd, path, mappings
         st = os.fstat(fd)
         self.size = st.st_size
         self.identity = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
 
     def _fetch(self, spans: list[Range]) -> list[bytes]:
         return [os.pread(self.fd, n, off) for off, n in spans]
+
+    def _mapping(self) -> mmap.mmap | None:
+        # The file's pages themselves, handed out as views for the KV placer to copy from (one copy, as from the
+        # memory tier, where preadv made two). Entry files are replaced by renames, never rewritten or truncated
+        # in place, so what a view shows stays the bytes it was checked as.
+        return self.mappings.get(self.path, self) if self.size else None
 
     def _fetch_into(self, spans: list[Range], buffers: list[list[Buffer]]) -> None:
         # Straight from the page cache into the caller's tensors: one copy of each byte, not two.
@@ -68,6 +108,7 @@ class DiskTier(BlobTier):
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = SegmentedLRU(capacity, protected_share)
         self.lock = threading.Lock()
+        self.mappings = FileMappings()
         self._scan()
 
     def path(self, key: str) -> Path:
@@ -94,6 +135,7 @@ class DiskTier(BlobTier):
             self.policy.adopt(key, size)
 
     def _unlink(self, path: Path) -> None:
+        self.mappings.forget(str(path))  # a file kept mapped would keep its blocks on disk
         try:
             path.unlink(missing_ok=True)
         except OSError as e:  # a read-only store can still be read
@@ -119,7 +161,7 @@ class DiskTier(BlobTier):
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):  # a directory (or device) where the file should be
                 raise EntryDamaged("not a regular file")
-            yield FileSource(fd)
+            yield FileSource(fd, str(self.path(key)), self.mappings)
         finally:
             os.close(fd)
 
@@ -157,6 +199,7 @@ class DiskTier(BlobTier):
         with self.lock:
             self.policy.remove(key)
         path = self.path(key)
+        self.mappings.forget(str(path))
         try:
             path.unlink()
             return True

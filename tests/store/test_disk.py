@@ -1,11 +1,20 @@
-"""The disk tier's directory: what opening it does (tracks, never deletes), what it lists."""
+"""The disk tier's directory: what opening it does (tracks, never deletes), what it lists; the KV placer's reads
+as views of its files' pages."""
 
 from __future__ import annotations
 
+import ctypes
+import json
 import os
 import time
 from pathlib import Path
 
+import pytest
+import torch
+from safetensors.torch import load, save
+
+from kvreuse.store import disk
+from kvreuse.store.codec import encode
 from kvreuse.store.disk import STALE_TMP_SECONDS, TMP_PREFIX, DiskTier
 
 
@@ -59,3 +68,74 @@ def test_a_stray_file_named_like_an_entry_is_not_listed(tmp_path, make_entry):
     (tmp_path / "ab").mkdir()
     (tmp_path / "ab" / "notes.v2.kv.safetensors").write_bytes(b"not ours")
     assert list(DiskTier(tmp_path).keys()) == keys
+
+
+def in_order(picked):
+    k, v, picks = picked
+    return (k, v) if picks is None else (k[:, picks], v[:, picks])
+
+
+def mapped_bytes(tier: DiskTier, key: str) -> range:
+    """The addresses of the key's file as the tier keeps it mapped."""
+    _, mapping = tier.mappings._maps[str(tier.path(key))]
+    start = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+    return range(start, start + len(mapping))
+
+
+@pytest.mark.parametrize("ranked", [False, True])
+def test_the_placer_reads_views_of_a_file_kept_mapped(tmp_path, make_entry, monkeypatch, ranked):
+    """view_picking and view_layers_picking hand out the file's own pages (nothing copied into the tensors they
+    return), from a mapping kept for the next read; a file replaced under its key is mapped afresh, a deleted one
+    is let go."""
+    tier = DiskTier(tmp_path)
+    entry = make_entry(layers=6, tokens=100, extras=ranked)
+    assert tier.put(entry)
+    picked = tier.view_layers_picking(entry.key, 1, 4)
+    mapped = mapped_bytes(tier, entry.key)
+    assert picked[0].data_ptr() in mapped and picked[1].data_ptr() in mapped
+    k, v = in_order(picked)
+    assert torch.equal(k, entry.k[1:4]) and torch.equal(v, entry.v[1:4])
+
+    def remapped(*args, **kwargs):
+        raise AssertionError("a kept file mapped again")
+
+    monkeypatch.setattr(disk.mmap, "mmap", remapped)
+    k, v, picks = tier.view_picking(entry.key, torch.arange(20, 90), range(6))
+    assert k.data_ptr() in mapped and torch.equal(in_order((k, v, picks))[0], entry.k[:, 20:90])
+    monkeypatch.undo()
+    replaced = make_entry(key=entry.key, layers=6, tokens=100)
+    assert tier.delete(entry.key) and str(tier.path(entry.key)) not in tier.mappings._maps
+    assert tier.put(replaced)
+    picked = tier.view_layers_picking(entry.key, 0, 6)
+    assert picked[0].data_ptr() in mapped_bytes(tier, entry.key)
+    assert all(torch.equal(got, want) for got, want in zip(in_order(picked), (replaced.k, replaced.v)))
+
+
+def test_a_byte_changed_in_a_mapped_file_is_a_miss(tmp_path, make_entry):
+    tier = DiskTier(tmp_path)
+    entry = make_entry(layers=4, tokens=100)
+    assert tier.put(entry)
+    assert tier.view_layers_picking(entry.key, 0, 4) is not None
+    path = tier.path(entry.key)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    at = 8 + n + json.loads(data[8 : 8 + n])["v.2"]["data_offsets"][0] + 5 * entry.v[0, 0].nbytes
+    with open(path, "r+b") as f:  # in place, as no writer of ours does: the checks must catch it
+        f.seek(at)
+        f.write(bytes([data[at] ^ 1]))
+    assert tier.view_layers_picking(entry.key, 2, 3) is None and tier.stats()["damaged"] == 1
+
+
+def test_an_entry_file_in_safetensors_name_order_still_reads(tmp_path, make_entry):
+    """Entries written by safetensors' own writer (k.10 between k.1 and k.2): layers that do not lie equally
+    spaced are copied, those that do are views; both are the entry's."""
+    tier = DiskTier(tmp_path)
+    entry = make_entry(layers=12, tokens=40)
+    data = encode(entry)
+    n = int.from_bytes(data[:8], "little")
+    tier._write(entry.key, save(load(data), metadata=json.loads(data[8 : 8 + n])["__metadata__"]))
+    for start, stop in ((0, 12), (2, 6), (9, 12)):
+        k, v = in_order(tier.view_layers_picking(entry.key, start, stop))
+        assert torch.equal(k, entry.k[start:stop]) and torch.equal(v, entry.v[start:stop])
+    k, _ = in_order(tier.view_layers_picking(entry.key, 2, 6))
+    assert k.data_ptr() in mapped_bytes(tier, entry.key)
