@@ -246,11 +246,6 @@ def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: i
 # ---- reports ----------------------------------------------------------------------------------------------
 
 
-def _console() -> Console:
-    console = Console()
-    return console if console.is_terminal else Console(width=200)
-
-
 def print_lengths(rows: list[dict], title: str) -> None:
     table = Table(title=title)
     columns = ["tier", "prefix", "ideal", "load-only", "compute-only", "cake", "layer-wise", "cacheflow",
@@ -270,7 +265,7 @@ def print_lengths(rows: list[dict], title: str) -> None:
             *(f"{ratio:.2f} ({row['paired'][name]:.2f})" for name, ratio in medians.items()),
             f"{row['cake_tokens_computed']:g}", f"{row['layerwise_tokens_computed']:g}",
         )
-    _console().print(table)
+    Console(width=200).print(table)
     print("times: TTFT in ms (restore the prefix, compute the fresh turn, first-token logits), medians. "
           "ideal = min over split points of max(compute of the prefix before it, load of the rest) + the fresh turn, "
           "from the same repeat's compute-only and load-only per-block times. best base = min(load-only, compute-only). "
