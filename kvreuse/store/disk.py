@@ -48,14 +48,20 @@ class FileMappings:
         self._maps: collections.OrderedDict[str, tuple[Hashable, mmap.mmap]] = collections.OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, path: str, source: FileSource) -> mmap.mmap:
+    def get(self, path: str, source: FileSource) -> mmap.mmap | None:
+        """The file mapped, or None where it cannot be (a file system without mmap, no address space left): its
+        reads then copy."""
         with self._lock:
             kept = self._maps.get(path)
             if kept is not None and kept[0] == source.identity:
                 self._maps.move_to_end(path)
                 return kept[1]
-        # Private and writable only so that torch takes views of it without a warning; nothing writes it.
-        mapping = mmap.mmap(source.fd, source.size, access=mmap.ACCESS_COPY)
+        try:
+            # Private and writable only so that torch takes views of it without a warning; nothing writes it.
+            mapping = mmap.mmap(source.fd, source.size, access=mmap.ACCESS_COPY)
+        except OSError as error:
+            log.debug("%s: not mapped (%s); read by copies", path, error)
+            return None
         with self._lock:
             self._maps[path] = (source.identity, mapping)
             self._maps.move_to_end(path)

@@ -139,3 +139,16 @@ def test_an_entry_file_in_safetensors_name_order_still_reads(tmp_path, make_entr
         assert torch.equal(k, entry.k[start:stop]) and torch.equal(v, entry.v[start:stop])
     k, _ = in_order(tier.view_layers_picking(entry.key, 2, 6))
     assert k.data_ptr() in mapped_bytes(tier, entry.key)
+
+
+def test_a_file_that_cannot_be_mapped_is_read_by_copies(tmp_path, make_entry, monkeypatch):
+    tier = DiskTier(tmp_path)
+    entry = make_entry(layers=4, tokens=100)
+    assert tier.put(entry)
+
+    def unmappable(*args, **kwargs):
+        raise OSError(19, "No such device")  # a file system without mmap
+
+    monkeypatch.setattr(disk.mmap, "mmap", unmappable)
+    k, v = in_order(tier.view_layers_picking(entry.key, 0, 4))
+    assert torch.equal(k, entry.k) and torch.equal(v, entry.v) and tier.stats()["unavailable"] == 0
