@@ -440,8 +440,9 @@ class EntryReader:
     def _mapped_rows(self, kv: str, layers: range, plan: _RowPlan) -> torch.Tensor | None:
         """The row groups `plan` loads of tensors `{kv}.{layer}`, verified, as one strided view [len(layers), loaded
         rows, ...] of the mapped entry; None where the source maps nothing, the groups are several runs, or the
-        layers do not lie equally spaced (entries written by safetensors' own writer, in name order)."""
-        if len(plan.runs) != 1:
+        layers do not lie equally spaced (entries written by safetensors' own writer, in name order), or there are
+        none."""
+        if len(plan.runs) != 1 or not layers:
             return None
         ((a, b),) = plan.runs
         g, T = self.info["row_group"], self.info["num_tokens"]

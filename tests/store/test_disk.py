@@ -95,6 +95,8 @@ def test_the_placer_reads_views_of_a_file_kept_mapped(tmp_path, make_entry, monk
     assert picked[0].data_ptr() in mapped and picked[1].data_ptr() in mapped
     k, v = in_order(picked)
     assert torch.equal(k, entry.k[1:4]) and torch.equal(v, entry.v[1:4])
+    k, v = in_order(tier.view_layers_picking(entry.key, 2, 2))  # no layers: nothing to map
+    assert k.shape == v.shape == (0, *entry.k.shape[1:])
 
     def remapped(*args, **kwargs):
         raise AssertionError("a kept file mapped again")
