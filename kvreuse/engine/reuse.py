@@ -24,7 +24,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 import torch
@@ -369,10 +369,11 @@ class ReuseEngine:
             split = split if policy.restores_prefix else None
         while True:
             placed, plan, located = self._placed_plan(request, policy, lost, restored, probes, split)
+            overlap = self._loads_wait(plan, located)
             try:
                 result: FusionResult = self.executor.run(
-                    plan, request.token_ids, extra_capacity, restoration.cache if restoration else None,
-                    overlap_loads=self._loads_wait(plan, located),
+                    plan if overlap else self._whole_reads_where_they_pay(plan, located), request.token_ids,
+                    extra_capacity, restoration.cache if restoration else None, overlap_loads=overlap,
                 )
                 break
             except StoredKVMissing as e:  # evicted or damaged since the lookup: compute it instead
@@ -413,6 +414,14 @@ class ReuseEngine:
         placed = self.lookup(request, policy, lost, restored, probes, split)
         plan = policy.plan(request, placed)
         return placed, plan, span_tiers_of(plan, placed)
+
+    def _whole_reads_where_they_pay(self, plan: FusionPlan, located: list[int]) -> FusionPlan:
+        """`plan` with its spans on tiers that read whole spans best (`reads_whole_spans`) read every layer at once,
+        for an inline run."""
+        tiers = getattr(self.store, "tiers", [self.store])
+        reused = [replace(span, read_whole=True) if tiers[i].reads_whole_spans else span
+                  for span, i in zip(plan.reused, located)]
+        return replace(plan, reused=reused)
 
     def _loads_wait(self, plan: FusionPlan, located: list[int]) -> bool:
         """Whether any of the plan's reads waits on a device or the network: only then does a loader thread

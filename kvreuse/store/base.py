@@ -38,6 +38,9 @@ class KVStore(ABC):
     # a loader thread beside the compute on a CPU host: a CPU-bound read there only contends with it.
     reads_wait = False
     read_latency_seconds = 0.0  # what every read pays before its bytes (a device's seek, a network round trip)
+    # True where a read inline is best of a stored span's every layer at once: its reads lend views (hold no copy)
+    # and each pays a call's cost beside its bytes (a file's open, header and mapping look-up)
+    reads_whole_spans = False
 
     @abstractmethod
     def contains(self, key: str) -> bool: ...

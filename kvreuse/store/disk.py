@@ -104,6 +104,9 @@ class FileSource(ByteSource):
 
 
 class DiskTier(BlobTier):
+    # hotpotqa's 1.6K-token prompts, 10 chunks: 10 reads instead of 50 (6 layers a read), 4-7% less time
+    reads_whole_spans = True
+
     def __init__(self, root: str | os.PathLike, capacity: int | None = None, *, protected_share: float = 0.8,
                  quantize: bool = False, create: bool = True, **expect: str | None):
         """create: make `root` if it does not exist (False: it must exist)."""

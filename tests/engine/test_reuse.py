@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 from kvreuse.fusion.executor import INLINE_LAYERS_PER_READ, LayerLoader
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
+from kvreuse.store.disk import DiskTier
 from kvreuse.store.memory import MemoryTier
 from kvreuse.store.spec import open_store
 from kvreuse.store.tiered import tier_label
@@ -162,6 +163,28 @@ def test_an_inline_run_reads_each_stored_span_a_few_layers_at_a_time(tiny_model,
     assert torch.equal(engine.executor.run(plan, request.token_ids, overlap_loads=False).logits, expected)
     spans, layers = per_layer // tiny_model.num_layers, tiny_model.num_layers
     assert spans > 0 and per_layer == spans * layers and len(reads) == spans * -(-layers // INLINE_LAYERS_PER_READ)
+
+
+def test_a_prefill_from_disk_reads_each_stored_span_once(tiny_model, make_engine, rag_request, monkeypatch,
+                                                          tmp_path):
+    """The disk tier reads whole spans (`reads_whole_spans`: its reads are views of mapped files, each paying a
+    file's open and header): an inline prefill reads every layer of a span at once, with the same logits as a
+    prefill reading a few layers at a time."""
+    reads = []
+    monkeypatch.setattr("kvreuse.fusion.executor.INLINE_LAYERS_PER_READ", 1)  # fewer than the tiny model's layers
+    engine = make_engine(tiny_model, open_store(f"disk:{tmp_path}"))
+    request = rag_request()
+    engine.compile(request)
+    for name in ("view_layers_picking", "view_picking"):
+        read = getattr(engine.store, name)
+        monkeypatch.setattr(engine.store, name, lambda *args, read=read: reads.append(args) or read(*args))
+    whole = engine.prefill(request, "naive")
+    spans = len({args[0] for args in reads})
+    assert spans > 0 and len(reads) == spans
+    monkeypatch.setattr(DiskTier, "reads_whole_spans", False)
+    reads.clear()
+    assert torch.equal(engine.prefill(request, "naive").logits, whole.logits)
+    assert len(reads) == spans * tiny_model.num_layers > spans
 
 
 @pytest.mark.parametrize("method", ["naive", "cacheblend:0.3"])
