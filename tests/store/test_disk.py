@@ -82,13 +82,14 @@ def mapped_bytes(tier: DiskTier, key: str) -> range:
     return range(start, start + len(mapping))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ranked", [False, True])
-def test_the_placer_reads_views_of_a_file_kept_mapped(tmp_path, make_entry, monkeypatch, ranked):
+def test_the_placer_reads_views_of_a_file_kept_mapped(tmp_path, make_entry, monkeypatch, ranked, dtype):
     """view_picking and view_layers_picking hand out the file's own pages (nothing copied into the tensors they
     return), from a mapping kept for the next read; a file replaced under its key is mapped afresh, a deleted one
     is let go."""
     tier = DiskTier(tmp_path)
-    entry = make_entry(layers=6, tokens=100, extras=ranked)
+    entry = make_entry(layers=6, tokens=100, extras=ranked, dtype=dtype)
     assert tier.put(entry)
     picked = tier.view_layers_picking(entry.key, 1, 4)
     mapped = mapped_bytes(tier, entry.key)
@@ -105,7 +106,7 @@ def test_the_placer_reads_views_of_a_file_kept_mapped(tmp_path, make_entry, monk
     k, v, picks = tier.view_picking(entry.key, torch.arange(20, 90), range(6))
     assert k.data_ptr() in mapped and torch.equal(in_order((k, v, picks))[0], entry.k[:, 20:90])
     monkeypatch.undo()
-    replaced = make_entry(key=entry.key, layers=6, tokens=100)
+    replaced = make_entry(key=entry.key, layers=6, tokens=100, dtype=dtype)
     assert tier.delete(entry.key) and str(tier.path(entry.key)) not in tier.mappings._maps
     assert tier.put(replaced)
     picked = tier.view_layers_picking(entry.key, 0, 6)
