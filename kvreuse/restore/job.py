@@ -166,8 +166,7 @@ class PrefixJob:
     def place(self, rows: slice, layers: range, kv: PickedKV) -> None:
         """Write what `read` gave at `rows` through the model's KV placer."""
         rotary, (keys, values, picks) = self.rotary[rows], kv
-        for i, layer in enumerate(layers):
-            self.model.place(self.cache, layer, rows, keys[i], values[i], rotary, None if picks is None else [picks])
+        self.model.place_layers(self.cache, layers, rows, [keys], [values], rotary, None if picks is None else [picks])
 
 
 class JobAxis(ABC):
