@@ -102,7 +102,7 @@ def test_the_step_is_taken_only_by_the_one_loop():
 
 def test_restoration_computes_nothing_itself():
     """restore/ decides which rows are loaded and which computed; the model's loop computes, its placer places."""
-    allowed = {"run_layers", "place", "embed", "logits", "rotary", "new_cache"}
+    allowed = {"run_layers", "place", "place_layers", "embed", "logits", "rotary", "new_cache"}
     for path in sorted((PACKAGE / "restore").rglob("*.py")):
         tree = ast.parse(path.read_text())
         used = {n.func.attr for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
