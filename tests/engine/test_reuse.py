@@ -175,6 +175,9 @@ def test_a_prefill_from_disk_reads_each_stored_span_once(tiny_model, make_engine
     engine = make_engine(tiny_model, open_store(f"disk:{tmp_path}"))
     request = rag_request()
     engine.compile(request)
+    engine.prefill(request, "naive")  # what it writes back (its prefix's blocks) stored before the reads counted
+    engine.wait_for_write_back()
+    engine.store.flush()
     for name in ("view_layers_picking", "view_picking"):
         read = getattr(engine.store, name)
         monkeypatch.setattr(engine.store, name, lambda *args, read=read: reads.append(args) or read(*args))
