@@ -739,24 +739,16 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, out: torch.Tenso
     return out
 
 
-def place_parts(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cos: torch.Tensor, sin: torch.Tensor,
-                rows: slice | torch.Tensor, cache_keys: torch.Tensor, cache_values: torch.Tensor,
-                picks: Sequence[torch.Tensor | None] | None = None) -> None:
-    """Stored KV in parts (keys before RoPE and values [rows_p, heads, dim] of part p, each contiguous) written at
-    `rows` of a cache layer [capacity, heads, dim] (rows of contiguous heads) in one pass: the parts' rows in turn
-    go to `rows` (a slice or int64 indices), keys rotated by the matching rows of cos and sin [n, dim] as `rope`
-    turns them. A part's rows are all of its own in order, or picks[p] of them (int64 indices) where given: the
-    rows of a sparse read picked straight from the tensors a tier keeps. fp32 or bf16, one dtype for all."""
-    place_layers([k.unsqueeze(0) for k in keys], [v.unsqueeze(0) for v in values], [cos], [sin], rows,
-                 [cache_keys], [cache_values], picks)
-
-
 def place_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], cos: Sequence[torch.Tensor],
                  sin: Sequence[torch.Tensor], rows: slice | torch.Tensor, cache_keys: Sequence[torch.Tensor],
                  cache_values: Sequence[torch.Tensor], picks: Sequence[torch.Tensor | None] | None = None) -> None:
-    """`place_parts` for several layers in one call: part p's keys and values [layers, rows_p, heads, dim] (each
-    layer contiguous), layer l into cache_keys[l] and cache_values[l] (one shape and layout for all) with the
-    tables cos[l] and sin[l]."""
+    """Stored KV of several layers, in parts, written at `rows` of a cache's layers in one pass: part p's keys
+    (before RoPE) and values [layers, rows_p, heads, dim] (each layer contiguous), layer l into cache_keys[l] and
+    cache_values[l] [capacity, heads, dim] (rows of contiguous heads; one shape and layout for all). In each layer
+    the parts' rows in turn go to `rows` (a slice or int64 indices), keys rotated by the matching rows of that
+    layer's tables cos[l] and sin[l] [n, dim] as `rope` turns them, values copied. A part's rows are all of its own
+    in order, or picks[p] of them (int64 indices) where given: the rows of a sparse read picked straight from the
+    tensors a tier keeps. fp32 or bf16, one dtype for all."""
     picks = [None] * len(keys) if picks is None else list(picks)
     layers = len(cache_keys)
     counts = [k.shape[1] if p is None else p.numel() for k, p in zip(keys, picks)]
@@ -772,23 +764,23 @@ def place_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], c
             or any(c.shape != (n, dim) or s.shape != (n, dim) or c.stride() != cos[0].stride()
                    or s.stride() != cos[0].stride() for c, s in zip(cos, sin))
             or not _rows(cos[0]) or dim % 2):
-        raise ValueError(f"place_parts: parts {[tuple(k.shape) for k in keys]} and {[tuple(v.shape) for v in values]} "
+        raise ValueError(f"place_layers: parts {[tuple(k.shape) for k in keys]} and {[tuple(v.shape) for v in values]} "
                          f"picking {[None if p is None else (p.dtype, tuple(p.shape)) for p in picks]} into "
                          f"{layers} cache layers {tuple(cache_keys[0].shape)} with tables {tuple(cos[0].shape)}: "
                          "parts of contiguous layers of the cache's heads, picks as 1-d int64, a layer's tables "
                          "[n, dim] for their n rows")
-    bf16 = _is_bf16("place_parts", *keys, *values, *cos, *sin, *cache_keys, *cache_values)
+    bf16 = _is_bf16("place_layers", *keys, *values, *cos, *sin, *cache_keys, *cache_values)
     capacity = cache_keys[0].shape[0]
     if isinstance(rows, slice):
         # the rows torch's indexing takes (a negative start counts from the end): the kernel writes from `first` on
         first, stop, step = rows.indices(capacity)
         to = None
         if len(range(first, stop, step)) != n or step != 1:
-            raise ValueError(f"place_parts: {n} rows into cache rows {rows}")
+            raise ValueError(f"place_layers: {n} rows into cache rows {rows}")
     else:
         to, first = rows.to(torch.long).contiguous(), 0
         if to.shape != (n,) or (n and (int(to.min()) < 0 or int(to.max()) >= capacity)):
-            raise ValueError(f"place_parts: {n} rows into cache rows {tuple(to.shape)} of {capacity}")
+            raise ValueError(f"place_layers: {n} rows into cache rows {tuple(to.shape)} of {capacity}")
     parts, sizes = ctypes.c_void_p * len(keys), ctypes.c_int64 * len(keys)
     per_layer = ctypes.c_void_p * layers
     picked = None if all(p is None for p in picks) else parts(*(None if p is None else p.data_ptr() for p in picks))
@@ -801,7 +793,7 @@ def place_layers(keys: Sequence[torch.Tensor], values: Sequence[torch.Tensor], c
                               per_layer(*(k.data_ptr() for k in cache_keys)),
                               per_layer(*(v.data_ptr() for v in cache_values)), cache_keys[0].stride(0),
                               torch.get_num_threads(), bf16):
-        raise ValueError(f"place_parts: picks outside their parts' rows {[k.shape[1] for k in keys]}")
+        raise ValueError(f"place_layers: picks outside their parts' rows {[k.shape[1] for k in keys]}")
 
 
 def _layers_of_rows(t: torch.Tensor) -> bool:

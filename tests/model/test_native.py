@@ -927,10 +927,16 @@ def test_rope_equals_the_rotation_by_halves_into_rows_of_another_tensor(dtype):
     _assert_matches(native.rope(x, cos, sin), rotated)
 
 
+def _place_one_layer(keys, values, cos, sin, rows, cache_keys, cache_values, picks=None):
+    """`native.place_layers` for one layer: parts [rows_p, heads, dim] into one cache layer with its tables."""
+    native.place_layers([k.unsqueeze(0) for k in keys], [v.unsqueeze(0) for v in values], [cos], [sin], rows,
+                        [cache_keys], [cache_values], picks)
+
+
 @needs_compiler
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("scattered", [False, True])
-def test_place_parts_writes_each_part_s_rows_rotated_where_rope_of_them_joined_would(dtype, scattered):
+def test_place_one_layer_writes_each_part_s_rows_rotated_where_rope_of_them_joined_would(dtype, scattered):
     """A layer's stored KV in parts of several sizes, placed at cache rows (a slice, or indices in any order): the
     keys as `rope` turns the joined keys, the values copied, every other cache row untouched."""
     counts = [5, 1, 12, 7]
@@ -940,7 +946,7 @@ def test_place_parts_writes_each_part_s_rows_rotated_where_rope_of_them_joined_w
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     rows = torch.randperm(40)[: sum(counts)] if scattered else slice(6, 6 + sum(counts))
     cache_keys, cache_values = torch.zeros(40, 3, 16, dtype=dtype), torch.zeros(40, 3, 16, dtype=dtype)
-    native.place_parts(keys, values, cos, sin, rows, cache_keys, cache_values)
+    _place_one_layer(keys, values, cos, sin, rows, cache_keys, cache_values)
     expected_keys, expected_values = torch.zeros_like(cache_keys), torch.zeros_like(cache_values)
     expected_keys[rows] = native.rope(torch.cat(keys), cos, sin)
     expected_values[rows] = torch.cat(values)
@@ -949,7 +955,7 @@ def test_place_parts_writes_each_part_s_rows_rotated_where_rope_of_them_joined_w
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_place_parts_picks_a_part_s_rows_where_told_as_a_gathered_copy_of_them_would_place(dtype):
+def test_place_one_layer_picks_a_part_s_rows_where_told_as_a_gathered_copy_of_them_would_place(dtype):
     """Parts handed out whole with the rows to pick from them (a memory tier's layer for CacheTune's sparse rows),
     beside a part taken in order: placed as the gathered rows would be."""
     held = [torch.randn(9, 3, 16).to(dtype), torch.randn(4, 3, 16).to(dtype), torch.randn(6, 3, 16).to(dtype)]
@@ -960,15 +966,15 @@ def test_place_parts_picks_a_part_s_rows_where_told_as_a_gathered_copy_of_them_w
     cos, sin = (torch.cat([f(angles)] * 2, -1).to(dtype) for f in (torch.cos, torch.sin))
     rows = torch.randperm(30)[:11]
     gathered = [torch.zeros(30, 3, 16, dtype=dtype) for _ in range(2)]
-    native.place_parts(keys, vals, cos, sin, rows, *gathered)
+    _place_one_layer(keys, vals, cos, sin, rows, *gathered)
     picked = [torch.zeros(30, 3, 16, dtype=dtype) for _ in range(2)]
-    native.place_parts(held, values, cos, sin, rows, *picked, picks)
+    _place_one_layer(held, values, cos, sin, rows, *picked, picks)
     assert all(torch.equal(a, b) for a, b in zip(picked, gathered)) and gathered[0].abs().sum() > 0
 
 
 @needs_compiler
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_place_layers_places_each_layer_as_place_parts_would(dtype):
+def test_place_layers_places_each_layer_as_one_layer_at_a_time_would(dtype):
     """Several layers in one call: parts that are views of stored entries (layers further apart than a layer's
     rows, as a run of an entry's rows is), one picked, each layer into its own cache tensors with its own
     tables."""
@@ -985,7 +991,7 @@ def test_place_layers_places_each_layer_as_place_parts_would(dtype):
     native.place_layers(keys, vals, cos, sin, rows, *placed, picks)
     for i in range(len(layers)):
         expected = [torch.zeros(20, 3, 16, dtype=dtype) for _ in range(2)]
-        native.place_parts([k[i] for k in keys], [v[i] for v in vals], cos[i], sin[i], rows, *expected, picks)
+        _place_one_layer([k[i] for k in keys], [v[i] for v in vals], cos[i], sin[i], rows, *expected, picks)
         assert torch.equal(placed[0][i], expected[0]) and torch.equal(placed[1][i], expected[1]), i
     assert not any(torch.equal(placed[kv][0], placed[kv][i]) for kv in range(2) for i in (1, 2))  # layers differ
 
@@ -1007,43 +1013,43 @@ def test_place_layers_refuses_layers_it_cannot_place_alike():
 
 @needs_compiler
 @pytest.mark.parametrize("pick", [[0, 4], [-1, 2], [1, 9]])
-def test_place_parts_refuses_picks_outside_a_part_and_writes_nothing(pick):
+def test_place_one_layer_refuses_picks_outside_a_part_and_writes_nothing(pick):
     keys, cos = [torch.randn(4, 2, 16), torch.randn(3, 2, 16)], torch.randn(5, 16)
     cache = torch.zeros(10, 2, 16)
     with pytest.raises(ValueError, match="picks outside"):
-        native.place_parts(keys, keys, cos, cos, slice(0, 5), cache, cache.clone(), [torch.tensor(pick), None])
+        _place_one_layer(keys, keys, cos, cos, slice(0, 5), cache, cache.clone(), [torch.tensor(pick), None])
     assert cache.eq(0).all()
     with pytest.raises(ValueError, match="picks as 1-d int64"):
-        native.place_parts(keys, keys, cos, cos, slice(0, 5), cache, cache.clone(), [torch.tensor([0., 1.]), None])
+        _place_one_layer(keys, keys, cos, cos, slice(0, 5), cache, cache.clone(), [torch.tensor([0., 1.]), None])
 
 
 @needs_compiler
 @pytest.mark.parametrize("rows", [slice(7, 10), slice(-3, None), slice(-5, -2)])
-def test_place_parts_writes_the_rows_torch_s_indexing_takes_for_a_slice(rows):
+def test_place_one_layer_writes_the_rows_torch_s_indexing_takes_for_a_slice(rows):
     """A slice counting from the cache's end ("the last 3 rows") places where torch's indexing puts it: the kernel
     writes from the slice's start, so a start left negative wrote before the cache's memory."""
     backing = torch.zeros(2, 20, 2, 16)  # each cache layer the last 10 rows of its own: memory before it is in sight
     cache_keys, cache_values = backing[0, 10:], backing[1, 10:]
     keys, values = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
     no_turn = torch.ones(3, 16), torch.zeros(3, 16)  # cos and sin of angle 0: the keys placed as they are
-    native.place_parts([keys], [values], *no_turn, rows, cache_keys, cache_values)
+    _place_one_layer([keys], [values], *no_turn, rows, cache_keys, cache_values)
     expected = torch.zeros_like(backing)
     expected[0, 10:][rows], expected[1, 10:][rows] = keys, values
     assert torch.equal(backing, expected)
 
 
 @needs_compiler
-def test_place_parts_refuses_what_it_cannot_take():
+def test_place_one_layer_refuses_what_it_cannot_take():
     keys, cos = [torch.randn(4, 2, 16), torch.randn(3, 2, 16)], torch.randn(7, 16)
     cache = torch.zeros(10, 2, 16)
-    with pytest.raises(ValueError, match="place_parts"):
-        native.place_parts(keys, keys, cos[:6], cos[:6], slice(0, 6), cache, cache.clone())
+    with pytest.raises(ValueError, match="place_layers"):
+        _place_one_layer(keys, keys, cos[:6], cos[:6], slice(0, 6), cache, cache.clone())
     with pytest.raises(ValueError, match="7 rows into cache rows"):
-        native.place_parts(keys, keys, cos, cos, slice(5, 12), cache, cache.clone())
+        _place_one_layer(keys, keys, cos, cos, slice(5, 12), cache, cache.clone())
     with pytest.raises(ValueError, match="7 rows into cache rows"):
-        native.place_parts(keys, keys, cos, cos, torch.tensor([0, 1, 2, 3, 4, 5, 10]), cache, cache.clone())
+        _place_one_layer(keys, keys, cos, cos, torch.tensor([0, 1, 2, 3, 4, 5, 10]), cache, cache.clone())
     with pytest.raises(ValueError, match="all must be one of"):
-        native.place_parts(keys, keys, cos, cos, slice(0, 7), cache.bfloat16(), cache.bfloat16())
+        _place_one_layer(keys, keys, cos, cos, slice(0, 7), cache.bfloat16(), cache.bfloat16())
 
 
 @needs_compiler
