@@ -193,14 +193,16 @@ static inline int any_above(vec a, vec b) {
    0.83-0.94x, 32 and 64 0.85-1.04x; at one row the tile's loop is short enough that out-of-order execution keeps
    more lines in flight than this (1.02-1.09x), so it does not fetch. */
 #define PANEL_FETCH_AHEAD 16
-/* Products of 2 to this many rows with AVX-512 fetch, while a panel's first row tile runs, the thread's next panel
-   into L2 (a weight's panels lie in turn, and each thread takes its panels in order): over so few rows a panel's
-   sums take less time than its weights take to stream in, and the hardware's prefetchers, which stop at each page's
-   end, left them waiting. A prompt's layers each stream the weights from memory once. On a 2-core Xeon with AMX,
-   fp32 (alternated in one process): decoding steps of 4 sequences 0.85-0.86x the time, of 16 0.92-0.93x; a naive
-   prefill of hotpotqa's 1.6K prompts (65 rows computed) 0.92-0.97x; 225-400 rows (the other reuse methods)
-   level, so larger products do not fetch (full prefill, fetching: 1.01-1.02x). Into L1 instead, where a panel does
-   not fit: 0.91-0.97x at 16-65 rows. One row, as above, keeps more in flight by itself (1.07x with this fetch). */
+/* Products of 2 to this many rows with AVX-512 (fp32 or int8 weights) fetch, while a panel's first row tile runs,
+   the thread's next panel into L2 (a weight's panels lie in turn, and each thread takes its panels in order): over
+   so few rows a panel's sums take less time than its weights take to stream in, and the hardware's prefetchers,
+   which stop at each page's end, left them waiting. A prompt's layers each stream the weights from memory once. On
+   a 2-core Xeon with AMX, fp32 (alternated in one process): decoding steps of 4 sequences 0.85-0.86x the time, of
+   16 0.92-0.93x; a naive prefill of hotpotqa's 1.6K prompts (65 rows computed) 0.92-0.97x; 225-400 rows (the other
+   reuse methods) level, so larger products do not fetch (full prefill, fetching: 1.01-1.02x). Over int8 weights
+   (`--decode-weights int8`): decoding 4 sequences 0.78x, 16 sequences 0.88-0.89x. Into L1 instead, where a panel
+   does not fit: 0.91-0.97x at 16-65 rows; in the second row tile, as AVX2's tile fetches (below): no clear
+   difference. One row, as above, keeps more in flight by itself (1.07x with this fetch). */
 #define PANEL_FETCH_NEXT_ROWS 128
 #if VW == 8 && defined(__FMA__)
 #define PANEL_TILE_AVX2 1
@@ -507,7 +509,7 @@ static inline vec widened(const int8_t *p) {  /* VW int8 as fp32 (GCC's vector c
 
 static inline __attribute__((always_inline)) void panel_tile_int8(const float *x, int64_t x_stride, int64_t in,
         const int8_t *panel, const float *scale, const float *bias, const float *plus, float *y, int64_t y_stride,
-        int64_t columns, const int R) {
+        int64_t columns, const int R, const int8_t *next) {
     const int sets = R <= 2 ? 2 : 1;
     vec sums[2][PANEL_TILE_ROWS][2];
     for (int s = 0; s < sets; s++)
@@ -515,6 +517,7 @@ static inline __attribute__((always_inline)) void panel_tile_int8(const float *x
     int64_t k = 0;
     UNROLL(PANEL_UNROLL)
     for (; k + sets <= in; k += sets) {
+        if (next && k % 2 == 0) __builtin_prefetch(next + k * PANEL_WIDTH, 0, 1);  /* a line: 2 inputs' weights */
         for (int s = 0; s < sets; s++) {
             vec w0 = widened(panel + (k + s) * PANEL_WIDTH), w1 = widened(panel + (k + s) * PANEL_WIDTH + VW);
             for (int r = 0; r < R; r++) {
@@ -602,7 +605,8 @@ static inline int64_t panel_bias(const void *b, int64_t p, int64_t out, float *b
 
 /* Whether a product of `rows` rows fetches each thread's next panel (PANEL_FETCH_NEXT_ROWS) */
 static inline int fetches_next_panel(int64_t rows, int format) {
-    return VW == 16 && format == WEIGHTS_FP32 && rows > 1 && rows <= PANEL_FETCH_NEXT_ROWS;
+    return VW == 16 && (format == WEIGHTS_FP32 || format == WEIGHTS_INT8) && rows > 1
+           && rows <= PANEL_FETCH_NEXT_ROWS;
 }
 
 /* The R rows (R <= PANEL_TILE_ROWS) from row m of a product, xm, through panel p of `count` into ym (+ pm), in the
@@ -614,7 +618,8 @@ static inline __attribute__((always_inline)) void row_tile(const char *xm, int64
     const float *panel = (const float *)panel_bytes;
 #define PANEL_TILE_INT8(R) case R: panel_tile_int8((const float *)xm, x_stride, depth, (const int8_t *)panel_bytes, \
             (const float *)(panel_bytes + depth * PANEL_WIDTH), bias, (const float *)pm, (float *)ym, y_stride, \
-            columns, R); break;
+            columns, R, (const int8_t *)next); break;
+    const char *next = fetch_next && m == 0 && p + 1 < count ? panel_at(panel_bytes, 1, depth, format) : 0;
     if (format == WEIGHTS_INT8) {
         switch (R) {
             PANEL_TILE_INT8(1) PANEL_TILE_INT8(2) PANEL_TILE_INT8(3) PANEL_TILE_INT8(4) PANEL_TILE_INT8(5)
@@ -645,12 +650,11 @@ static inline __attribute__((always_inline)) void row_tile(const char *xm, int64
         return;
     }
 #endif
-    const float *next = fetch_next && m == 0 && p + 1 < count ? (const float *)panel_at(panel, 1, depth, format) : 0;
 #define PANEL_TILE(R) case R: \
             if (fetch) panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym, \
                                   y_stride, columns, R, 1, 0); \
             else panel_tile((const float *)xm, x_stride, depth, panel, bias, (const float *)pm, (float *)ym, \
-                            y_stride, columns, R, 0, next); \
+                            y_stride, columns, R, 0, (const float *)next); \
             break;
     switch (R) {
         PANEL_TILE(1) PANEL_TILE(2) PANEL_TILE(3) PANEL_TILE(4) PANEL_TILE(5) PANEL_TILE(6)
