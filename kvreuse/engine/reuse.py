@@ -132,8 +132,7 @@ class ReuseEngine:
             from kvreuse.controller.fidelity import load_table
             from kvreuse.controller.measure import ensure_profile
 
-            tiers = getattr(self.store, "tiers", [self.store])
-            labelled = {tier_label(self.store, i): tier for i, tier in enumerate(tiers)}
+            labelled = {tier_label(self.store, i): tier for i, tier in enumerate(self._tiers)}
             profile = ensure_profile(self.model, self.fingerprint, self._dtype_name, labelled)
             self._controller = AutoController(profile, load_table(self.fingerprint))
         return self._controller
@@ -321,9 +320,8 @@ class ReuseEngine:
         """Whether these requests' stored prefixes are restored as one batch (see batch_restore)."""
         if len(requests) < 2 or self.batch_restore == "on":
             return len(requests) > 1
-        tiers = getattr(self.store, "tiers", [self.store])
         waits = {block.tier for request in requests for block in self._prefix_blocks(request)
-                 if tiers[block.tier].reads_wait}
+                 if self._tiers[block.tier].reads_wait}
         log.info("%d waiting requests with stored prefixes: restored %s", len(requests),
                  f"together (tiers {sorted(waits)} wait on reads)" if waits
                  else "one after another (every read is CPU work on this store's tiers)")
@@ -415,19 +413,22 @@ class ReuseEngine:
         plan = policy.plan(request, placed)
         return placed, plan, span_tiers_of(plan, placed)
 
+    @property
+    def _tiers(self) -> list[KVStore]:
+        """The store's tiers by index (a plan's `located`, a block's `tier`): a single store is its own tier 0."""
+        return getattr(self.store, "tiers", [self.store])
+
     def _whole_reads_where_they_pay(self, plan: FusionPlan, located: list[int]) -> FusionPlan:
         """`plan` with its spans on tiers that read whole spans best (`reads_whole_spans`) read every layer at once,
         for an inline run."""
-        tiers = getattr(self.store, "tiers", [self.store])
-        reused = [replace(span, read_whole=True) if tiers[i].reads_whole_spans else span
+        reused = [replace(span, read_whole=True) if self._tiers[i].reads_whole_spans else span
                   for span, i in zip(plan.reused, located)]
         return replace(plan, reused=reused)
 
     def _loads_wait(self, plan: FusionPlan, located: list[int]) -> bool:
         """Whether any of the plan's reads waits on a device or the network: only then does a loader thread
         beside the compute pay (kvreuse.fusion.executor.LayerLoader)."""
-        tiers = getattr(self.store, "tiers", [self.store])
-        return any(tiers[i].reads_wait for span, i in zip(plan.reused, located) if span.load.numel())
+        return any(self._tiers[i].reads_wait for span, i in zip(plan.reused, located) if span.load.numel())
 
     def generate(self, request: Request, method: str | None = None, sampling: SamplingParams | None = None
                  ) -> Generation:
