@@ -49,7 +49,7 @@ from kvreuse.restore.batch import BatchRestorer
 from kvreuse.restore.job import IOChannels
 from kvreuse.restore.restorer import StepCosts
 from kvreuse.store.base import KVStore
-from kvreuse.store.entry import KVEntry
+from kvreuse.store.entry import EntryMeta, KVEntry
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE, KeySpace, chunk_key
 from kvreuse.store.spec import DEFAULT_STORE, open_store
 from kvreuse.store.tiered import Probed, TieredStore, tier_label
@@ -185,9 +185,18 @@ class ReuseEngine:
                                             split=split if is_leading_prefix else None))
                 continue
             hit = found.get(keys[i])
+            if hit is not None and not self._fits(hit.meta, segment):
+                hit = None
             placed.append(PlacedSegment(segment, keys[i], hit is not None, None if hit is None else hit.meta.ranking,
                                         tier=None if hit is None else hit.tier))
         return placed
+
+    def _fits(self, meta: EntryMeta, segment: Segment) -> bool:
+        """Whether a stored entry is the KV of `segment` on this model: its layers, tokens and dtype. Keys name the
+        model, so only a writer's bug (or a store shared under one fingerprint by two models) stores another; such
+        an entry is a miss, not a read that fails or places KV of the wrong shape."""
+        return (meta.num_layers == self.model.num_layers and meta.num_tokens == len(segment.token_ids)
+                and meta.dtype == self._dtype_name)
 
     def _probe(self, keys: list[str], with_extras: bool, probes: Probes | None) -> dict[str, Probed]:
         """The store's one walk for these keys, less what `probes` already holds (a probe with extras serves one

@@ -24,7 +24,7 @@ import torch
 from kvreuse.fusion.plan import FusionPlan, Narrowing, ReusedSpan
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.runtime import LayerwiseModel, Rotary, RowGroup
-from kvreuse.store.base import KVStore, metered, view_planned
+from kvreuse.store.base import KVForm, KVStore, metered, view_planned
 from kvreuse.store.entry import consecutive
 
 
@@ -115,10 +115,11 @@ class LayerLoader:
     KV, or `layers_per_read` of each span, are alive at a time (`peak_layers_held` measures it).
     """
 
-    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int,
+    def __init__(self, store: KVStore | None, spans: list[ReusedSpan], num_layers: int, form: KVForm,
                  thread: ThreadPoolExecutor | None = None, lookahead: int = 1, layers_per_read: int = 1):
-        """thread: where the loader reads ahead (the executor's own I/O thread); None: inline."""
-        self.store, self.num_layers, self.layers_per_read = store, num_layers, layers_per_read
+        """form: the rows the cache they are placed in holds (KVCache.form); thread: where the loader reads ahead
+        (the executor's own I/O thread); None: inline."""
+        self.store, self.num_layers, self.form, self.layers_per_read = store, num_layers, form, layers_per_read
         self.spans = [s for s in spans if s.load.numel()]
         self.threaded = thread is not None and bool(self.spans)
         self.read_seconds = 0.0
@@ -151,7 +152,7 @@ class LayerLoader:
         layers = range(layer, stop)
         start = time.perf_counter()
         rows = None if span.reads_whole_entry else span.load
-        kv = view_planned(self.store, span.key, layers, rows, span.load.numel())  # placed, never written
+        kv = view_planned(self.store, span.key, layers, rows, span.load.numel(), self.form)  # placed, never written
         if kv is None:
             raise StoredKVMissing(span.key)
         seconds = time.perf_counter() - start
@@ -341,7 +342,7 @@ class FusionExecutor:
         cache = self._starting_cache(plan, restored, extra_capacity)
         # A prefix restored layer-wise is read from its first stored layer on while the layers below compute.
         lookahead = model.num_layers if any(s.from_layer for s in plan.reused) else 1
-        loader = LayerLoader(self.store, plan.reused, model.num_layers,
+        loader = LayerLoader(self.store, plan.reused, model.num_layers, cache.form,
                              self.io_thread() if overlap_loads else None, lookahead,
                              1 if overlap_loads else INLINE_LAYERS_PER_READ)
         try:

@@ -40,6 +40,11 @@ class KVCache:
         return torch.empty((rows, *self._shape), dtype=self._dtype, device=self._device)
 
     @property
+    def form(self) -> tuple[torch.dtype, tuple[int, ...]]:
+        """What one row of a layer's keys or values is: its dtype and shape (heads, head_dim)."""
+        return self._dtype, self._shape
+
+    @property
     def capacity(self) -> int:
         return self._positions.shape[0]
 

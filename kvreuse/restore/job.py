@@ -159,7 +159,7 @@ class PrefixJob:
         # Part of a block when the rest was computed, or the last prompt token lies in it.
         part = None if length == block.stored_tokens else torch.arange(local.start, local.stop)
         with self.channels[block.tier], metered() as meter:
-            kv = view_planned(self.store, block.key, layers, part, length)  # placed, never written
+            kv = view_planned(self.store, block.key, layers, part, length, self.cache.form)  # placed, never written
         self.bytes_loaded += meter.bytes
         return kv
 

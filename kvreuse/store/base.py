@@ -26,6 +26,7 @@ KV = tuple[torch.Tensor, torch.Tensor]
 # Keys and values of some layers with the rows to pick from each (None: they are the rows asked for)
 PickedKV = tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]
 Rows = Sequence[int] | torch.Tensor
+KVForm = tuple[torch.dtype, tuple[int, ...]]  # a KV row's dtype and shape: (heads, head_dim)
 T = TypeVar("T")
 
 
@@ -260,7 +261,7 @@ class BlobTier(Tier):
                 if source is None:
                     return None
                 reader = self._reader(key, source)
-                if not self.accepts(key, reader.info["model_fingerprint"], reader.info["dtype"]):
+                if not self.accepts(key, reader.info.model_fingerprint, reader.info.dtype):
                     return None
                 return fn(reader)
         except EntryDamaged as e:
@@ -387,18 +388,24 @@ class BlobTier(Tier):
         return self._unless_unavailable(key, self._remove)
 
 
-def view_planned(store: KVStore, key: str, layers: range, rows: Rows | None, num_rows: int) -> PickedKV | None:
+def view_planned(store: KVStore, key: str, layers: range, rows: Rows | None, num_rows: int, form: KVForm
+                 ) -> PickedKV | None:
     """What a plan loads, for the KV placer: `layers` of the entry's `rows` (None: all of them), or the layers with
     the rows to pick from them (`view_layers_picking`, `view_picking`); None if the entry is missing or damaged, or
-    is not the `num_rows` rows the plan counted on (another entry under the key)."""
-    if rows is None:
-        picked = store.view_layers_picking(key, layers.start, layers.stop)
-    else:
-        picked = store.view_picking(key, rows, layers)
+    does not hold what the plan counted on: the layers, the `num_rows` rows, or rows of the `form` its cache
+    holds (another entry under the key: a writer's bug, or a store two models share under one fingerprint)."""
+    try:
+        if rows is None:
+            picked = store.view_layers_picking(key, layers.start, layers.stop)
+        else:
+            picked = store.view_picking(key, rows, layers)
+    except ValueError:  # the layers or rows lie outside the entry (check_layers, check_rows)
+        return None
     if picked is None:
         return None
     k, _, picks = picked
-    if k.shape[0] != len(layers) or (k.shape[1] if picks is None else picks.numel()) != num_rows:
+    if (k.shape[0] != len(layers) or (k.shape[1] if picks is None else picks.numel()) != num_rows
+            or (k.dtype, tuple(k.shape[2:])) != form):
         return None
     return picked
 

@@ -28,11 +28,13 @@ import math
 import struct
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Annotated, Hashable, Literal, Sequence
 
 import numpy as np
+import pydantic
 import torch
 import xxhash
+from pydantic import BaseModel, ConfigDict, Field
 
 from kvreuse.store.entry import (DTYPES, EntryMeta, KVEntry, check_layers, check_rows, consecutive,
                                  take_rows)
@@ -275,6 +277,45 @@ def _safetensors_bytes(tensors: dict[str, torch.Tensor], metadata: dict[str, str
     return b"".join([struct.pack("<Q", len(text)), text, *(_raw_bytes(tensors[name]) for name in order)])
 
 
+Count = Annotated[int, Field(ge=1)]
+Index = Annotated[int, Field(ge=0)]
+
+
+class EntryInfo(BaseModel):
+    """An entry's metadata (`encode`'s `info`), typed: one that passes its checksum yet lacks a field or holds one of
+    the wrong type or range (another writer's bug, a hand-made file) is damage here, not a crash in a later read."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+
+    key: str
+    model_fingerprint: str
+    dtype: Literal["float32", "bfloat16", "float16"]
+    storage: Literal["float32", "bfloat16", "float16", "int8"]
+    quantized: Literal["int8"] | None
+    num_layers: Count
+    num_tokens: Count
+    num_kv_heads: Count
+    head_dim: Count
+    compile_mode: str
+    boundary_layers: list[Index]
+    row_group: Count
+    row_order: list[int] | None = None  # format /1 entries have none: rows in token order
+    checksums: dict[str, list[str]]  # XXH3-64 in hex, per row group of a K/V tensor, one for an extra
+
+
+class _TensorHeader(BaseModel):
+    """One tensor's line of the safetensors header."""
+
+    model_config = ConfigDict(strict=True, frozen=True)
+
+    dtype: Literal["F32", "BF16", "F16", "I8"]
+    shape: list[Index]
+    data_offsets: Annotated[list[Index], Field(min_length=2, max_length=2)]
+
+
+_TENSOR_TABLE = pydantic.TypeAdapter(dict[str, _TensorHeader])
+
+
 @dataclass(frozen=True)
 class _TensorInfo:
     dtype: torch.dtype
@@ -292,7 +333,9 @@ class EntryReader:
             self._parse_header(key)
         except EntryDamaged:
             raise
-        except (ValueError, KeyError, TypeError, AttributeError, struct.error) as e:  # a malformed header is damage
+        # A malformed header is damage (pydantic's ValidationError is a ValueError; JSON nested past Python's
+        # recursion limit, as another file's bytes can be, raises RecursionError).
+        except (ValueError, KeyError, TypeError, AttributeError, struct.error, RecursionError) as e:
             raise EntryDamaged(f"malformed header: {e}") from e
 
     def _parse_header(self, key: str) -> None:
@@ -305,22 +348,22 @@ class EntryReader:
             raise EntryDamaged(f"not a {FORMAT} entry")
         if _checksum(meta["entry"].encode()) != meta["entry_checksum"]:
             raise EntryDamaged("metadata checksum mismatch")
-        info = json.loads(meta["entry"])
-        if info["key"] != key:
-            raise EntryDamaged(f"entry holds key {info['key']!r}, not {key!r}")
+        info = EntryInfo.model_validate_json(meta["entry"])
+        if info.key != key:
+            raise EntryDamaged(f"entry holds key {info.key!r}, not {key!r}")
         self.info = info
         self.tensors = {
-            name: _TensorInfo(ST_DTYPES[t["dtype"]], tuple(t["shape"]), 8 + n + t["data_offsets"][0],
-                              t["data_offsets"][1] - t["data_offsets"][0])
-            for name, t in header.items()
+            name: _TensorInfo(ST_DTYPES[t.dtype], tuple(t.shape), 8 + n + t.data_offsets[0],
+                              t.data_offsets[1] - t.data_offsets[0])
+            for name, t in _TENSOR_TABLE.validate_python(header).items()
         }
         self._validate_layout()
         # original row -> stored row; None: stored in token order
-        order = info.get("row_order")
+        order = info.row_order
         self._position = None
         if order is not None:
             order = np.asarray(order, dtype=np.int64)
-            if order.shape != (info["num_tokens"],) or not np.array_equal(np.sort(order), np.arange(len(order))):
+            if order.shape != (info.num_tokens,) or not np.array_equal(np.sort(order), np.arange(len(order))):
                 raise EntryDamaged("row_order is not a permutation of the entry's rows")
             self._position = np.argsort(order)
         # rows asked for -> their plan: a plan reads the same rows of an entry every few layers, and the copies of
@@ -335,45 +378,54 @@ class EntryReader:
 
     @property
     def quantized(self) -> bool:
-        return self.info["storage"] == INT8
+        return self.info.storage == INT8
 
     def _validate_layout(self) -> None:
         i = self.info
-        T, H, D = i["num_tokens"], i["num_kv_heads"], i["head_dim"]
-        stored = torch.int8 if self.quantized else DTYPES[i["dtype"]]
-        expected = {f"{kv}.{layer}": (stored, (T, H, D)) for kv in "kv" for layer in range(i["num_layers"])}
+        T, H, D = i.num_tokens, i.num_kv_heads, i.head_dim
+        stored = torch.int8 if self.quantized else DTYPES[i.dtype]
+        expected = {f"{kv}.{layer}": (stored, (T, H, D)) for kv in "kv" for layer in range(i.num_layers)}
         if self.quantized:
             expected |= {f"{name}.scale": (torch.float32, (T, H)) for name in list(expected)}
-        if not expected.keys() <= self.tensors.keys() or set(i["checksums"]) != self.tensors.keys():
+        if not expected.keys() <= self.tensors.keys() or set(i.checksums) != self.tensors.keys():
             raise EntryDamaged("tensor list does not match the metadata")
         # Metadata under a valid checksum can still be wrong (another writer's bug, a hand-made file): what the
         # reads divide by and index into is checked here, so that it is damage, not a crash.
-        g = i["row_group"]
-        if type(g) is not int or g < 1:
-            raise EntryDamaged(f"row_group {g!r} is not a positive integer")
-        for name, sums in i["checksums"].items():
-            groups = max(-(-T // g), 1) if name[:2] in ("k.", "v.") else 1
-            if not isinstance(sums, list) or len(sums) != groups:
-                raise EntryDamaged(f"{name} has {len(sums) if isinstance(sums, list) else 'no'} checksums, "
-                                   f"not {groups}")
+        for name, sums in i.checksums.items():
+            groups = max(-(-T // i.row_group), 1) if name[:2] in ("k.", "v.") else 1
+            if len(sums) != groups:
+                raise EntryDamaged(f"{name} has {len(sums)} checksums, not {groups}")
         for name, t in self.tensors.items():
             nbytes = math.prod(t.shape) * t.dtype.itemsize
             if t.nbytes != nbytes or t.start + nbytes > self.source.size:
                 raise EntryDamaged(f"tensor {name} has a bad extent (truncated entry?)")
             if name in expected and (t.dtype, t.shape) != expected[name]:
                 raise EntryDamaged(f"tensor {name} is {t.dtype}{list(t.shape)}, not {expected[name]}")
+        self._validate_extras()
+
+    def _validate_extras(self) -> None:
+        """`ranking` [num_tokens] and `boundary` [stages, num_tokens, hidden], of a KV dtype, where present: what
+        `KVEntry` accepts, and what a method indexes by token."""
+        i, kv_dtypes = self.info, set(DTYPES.values())
+        ranking, boundary = self.tensors.get("ranking"), self.tensors.get("boundary")
+        if ranking is not None and (ranking.dtype not in kv_dtypes or ranking.shape != (i.num_tokens,)):
+            raise EntryDamaged(f"ranking is {ranking.dtype}{list(ranking.shape)}, not [{i.num_tokens}] of a KV dtype")
+        if boundary is not None and (boundary.dtype not in kv_dtypes or len(boundary.shape) != 3
+                                     or boundary.shape[:2] != (len(i.boundary_layers), i.num_tokens)):
+            raise EntryDamaged(f"boundary is {boundary.dtype}{list(boundary.shape)}, not "
+                               f"[{len(i.boundary_layers)}, {i.num_tokens}, hidden] of a KV dtype")
 
     def meta(self, with_extras: bool = True) -> EntryMeta:
         i = self.info
         extras = {name: self._read_whole(name) if with_extras and name in self.tensors else None
                   for name in ("ranking", "boundary")}
-        return EntryMeta(i["model_fingerprint"], i["dtype"], i["num_layers"], i["num_tokens"], i["compile_mode"],
-                         extras["ranking"], extras["boundary"], list(i["boundary_layers"]), i["quantized"])
+        return EntryMeta(i.model_fingerprint, i.dtype, i.num_layers, i.num_tokens, i.compile_mode,
+                         extras["ranking"], extras["boundary"], list(i.boundary_layers), i.quantized)
 
     def _read_whole(self, name: str) -> torch.Tensor:
         t = self.tensors[name]
         (data,) = self.source.read_ranges([(t.start, t.nbytes)])
-        if _checksum(data) != self.info["checksums"][name][0]:
+        if _checksum(data) != self.info.checksums[name][0]:
             raise EntryDamaged(f"checksum mismatch in {name}")
         out = torch.empty(t.shape, dtype=t.dtype)
         _as_bytes(out)[:] = np.frombuffer(data, dtype=np.uint8)
@@ -393,8 +445,8 @@ class EntryReader:
         where its source maps them and the groups are one run (`_mapped_rows`), for a caller that only reads
         them."""
         i = self.info
-        layers = check_layers(layers, i["num_layers"])
-        plan = self._planned_rows(None if rows is None else check_rows(rows, i["num_tokens"]))
+        layers = check_layers(layers, i.num_layers)
+        plan = self._planned_rows(None if rows is None else check_rows(rows, i.num_tokens))
         k, v = self._read_kv("k", layers, plan, mapped), self._read_kv("v", layers, plan, mapped)
         if plan.run is not None:
             return k[:, plan.run], v[:, plan.run], None
@@ -411,7 +463,7 @@ class EntryReader:
         return plan
 
     def _plan_rows(self, rows: torch.Tensor | None) -> _RowPlan:
-        g, T = self.info["row_group"], self.info["num_tokens"]
+        g, T = self.info.row_group, self.info.num_tokens
         num_groups = -(-T // g)
         if rows is None:
             return _RowPlan([(0, num_groups)], T, None if self._position is None else torch.from_numpy(self._position))
@@ -435,7 +487,7 @@ class EntryReader:
             viewed = self._mapped_rows(kv, layers, plan) if mapped else None
             return self._read_rows(kv, "", layers, plan) if viewed is None else viewed
         values = self._read_rows(kv, "", layers, plan)
-        return dequantize_int8(values, self._read_rows(kv, ".scale", layers, plan), DTYPES[self.info["dtype"]])
+        return dequantize_int8(values, self._read_rows(kv, ".scale", layers, plan), DTYPES[self.info.dtype])
 
     def _mapped_rows(self, kv: str, layers: range, plan: _RowPlan) -> torch.Tensor | None:
         """The row groups `plan` loads of tensors `{kv}.{layer}`, verified, as one strided view [len(layers), loaded
@@ -445,7 +497,7 @@ class EntryReader:
         if len(plan.runs) != 1 or not layers:
             return None
         ((a, b),) = plan.runs
-        g, T = self.info["row_group"], self.info["num_tokens"]
+        g, T = self.info.row_group, self.info.num_tokens
         like = self.tensors[f"{kv}.0"]
         size, row_bytes = like.dtype.itemsize, math.prod(like.shape[1:]) * like.dtype.itemsize
         names = [f"{kv}.{layer}" for layer in layers]
@@ -466,7 +518,7 @@ class EntryReader:
     def _read_rows(self, kv: str, suffix: str, layers: range, plan: _RowPlan) -> torch.Tensor:
         """The row groups `plan` loads of tensors `{kv}.{layer}{suffix}`, verified, as [len(layers), loaded rows,
         ...]."""
-        g, T = self.info["row_group"], self.info["num_tokens"]
+        g, T = self.info.row_group, self.info.num_tokens
         like = self.tensors[f"{kv}.0{suffix}"]  # every layer's tensor has this dtype and shape
         row_bytes = math.prod(like.shape[1:]) * like.dtype.itemsize
         names = [f"{kv}.{layer}{suffix}" for layer in layers]
@@ -490,11 +542,11 @@ class EntryReader:
     def _check_run(self, name: str, data: Buffer, groups: Range, row_bytes: int) -> None:
         """EntryDamaged unless the row groups [a, b) of tensor `name`, which `data` holds end to end, match their
         checksums."""
-        (a, b), group_bytes = groups, self.info["row_group"] * row_bytes
-        sums = self.info["checksums"][name]
+        (a, b), group_bytes = groups, self.info.row_group * row_bytes
+        sums = self.info.checksums[name]
         for gi in range(a, b):
             if _checksum(data[(gi - a) * group_bytes : (gi - a + 1) * group_bytes]) != sums[gi]:
-                raise EntryDamaged(f"checksum mismatch in {name} rows {gi * self.info['row_group']}..")
+                raise EntryDamaged(f"checksum mismatch in {name} rows {gi * self.info.row_group}..")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from kvreuse.fusion.executor import INLINE_LAYERS_PER_READ, LayerLoader
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.store.disk import DiskTier
+from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.memory import MemoryTier
 from kvreuse.store.spec import open_store
 from kvreuse.store.tiered import tier_label
@@ -380,6 +381,35 @@ def test_any_bytes_in_place_of_a_stored_chunk_answer_as_if_it_were_not_stored(ti
         computed = engine.prefill(request, "naive")  # that chunk computed with the request
         engine.wait_for_write_back()
         engine.store.tiers[0]._write(damaged.key, garbage)
+        out = engine.prefill(request, "naive")
+        assert out.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK)) - 1
+        torch.testing.assert_close(out.logits, computed.logits, atol=1e-5, rtol=0)
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("layers, tokens, heads, dtype", [
+    (+1, 0, 0, torch.float32), (-1, 0, 0, torch.float32), (0, -1, 0, torch.float32), (0, 0, +1, torch.float32),
+    (0, 0, 0, torch.bfloat16)])
+def test_another_model_s_kv_under_a_chunk_s_key_answers_as_if_it_were_not_stored(tiny_model, make_engine, rag_request,
+                                                                                layers, tokens, heads, dtype):
+    """A writer's bug, or one store two models share under one fingerprint: an entry under a chunk's key whose
+    layers, tokens, heads or dtype are not this model's is a miss (the look-up and the plan's read check it), never
+    a failed request or KV of another shape placed."""
+    engine = make_engine(tiny_model)
+    try:
+        request = rag_request()
+        engine.compile(request, ["naive"])
+        foreign = [p for p in engine.lookup(request, parse_method("naive")) if p.key][-1]
+        ours = engine.store.get(foreign.key)
+        engine.store.delete(foreign.key)
+        computed = engine.prefill(request, "naive")  # that chunk computed with the request
+        engine.wait_for_write_back()
+        engine.store.delete(foreign.key)
+        L, T, H, D = ours.k.shape
+        shape = (L + layers, T + tokens, H + heads, D)
+        meta = EntryMeta("tiny-model", dtype_name(dtype), shape[0], shape[1])
+        assert engine.store.put(KVEntry(foreign.key, torch.randn(shape).to(dtype), torch.randn(shape).to(dtype), meta))
         out = engine.prefill(request, "naive")
         assert out.stats.chunk_hits == len(request.of_kind(SegmentKind.CHUNK)) - 1
         torch.testing.assert_close(out.logits, computed.logits, atol=1e-5, rtol=0)

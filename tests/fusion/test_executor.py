@@ -64,7 +64,8 @@ def test_an_inline_loader_hands_out_a_read_s_layers_at_once_up_to_where_another_
         tier.put(entry)
     spans = [ReusedSpan(entries[0].key, 0, 5, torch.arange(5), True),
              ReusedSpan(entries[1].key, 5, 5, torch.arange(1, 5), True, from_layer=3)]
-    loader = LayerLoader(tier, spans, layers, layers_per_read=INLINE_LAYERS_PER_READ)
+    form = (torch.float32, (2, 4))
+    loader = LayerLoader(tier, spans, layers, form, layers_per_read=INLINE_LAYERS_PER_READ)
     handed, layer = [], 0
     while layer < layers:
         stored = loader.take(layer)
@@ -78,7 +79,7 @@ def test_an_inline_loader_hands_out_a_read_s_layers_at_once_up_to_where_another_
     assert handed == [(0, 3, 1), (3, INLINE_LAYERS_PER_READ - 3, 2), (INLINE_LAYERS_PER_READ, 2, 2)]
     assert loader.peak_layers_held == INLINE_LAYERS_PER_READ  # the layers handed out, and those read ahead
     with ThreadPoolExecutor(max_workers=1) as thread:
-        threaded = LayerLoader(tier, spans, layers, thread)
+        threaded = LayerLoader(tier, spans, layers, form, thread)
         for layer in range(layers):
             assert threaded.take(layer).layers == 1
             threaded.placed(1)

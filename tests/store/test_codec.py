@@ -76,7 +76,8 @@ def test_inconsistent_entries_are_refused(make_entry, change, message):
         KVEntry(change.get("key", e.key), change.get("k", e.k), e.v, meta)
 
 
-@pytest.mark.parametrize("header", [b"123", b"[]", b'{"__metadata__": 5}', b'{"__metadata__": {}}', b"\xff\xfe"])
+@pytest.mark.parametrize("header", [b"123", b"[]", b'{"__metadata__": 5}', b'{"__metadata__": {}}', b"\xff\xfe",
+                                    b"[" * 100_000])  # nested past Python's recursion limit, as other bytes can be
 def test_malformed_headers_are_damage(make_entry, header):
     data = len(header).to_bytes(8, "little") + header
     with pytest.raises(EntryDamaged):
@@ -173,30 +174,70 @@ def test_a_disk_read_of_more_buffers_than_one_preadv_takes_reads_them_in_turn(tm
     assert torch.equal(k, entry.k) and torch.equal(v, entry.v)
 
 
-def resigned(data: bytes, edit) -> bytes:
-    """The entry with its metadata edited and signed again: consistent bytes from a writer that got it wrong."""
+def edited_header(data: bytes, edit) -> bytes:
+    """The entry with its safetensors header (the parsed JSON) edited, the data after it as it was."""
     n = int.from_bytes(data[:8], "little")
     header = json.loads(data[8 : 8 + n])
-    info = json.loads(header["__metadata__"]["entry"])
-    edit(info)
-    text = json.dumps(info, sort_keys=True)
-    header["__metadata__"].update(entry=text, entry_checksum=_checksum(text.encode()))
+    edit(header)
     packed = json.dumps(header).encode()
     packed += b" " * (-len(packed) % 8)
     return len(packed).to_bytes(8, "little") + packed + data[8 + n :]
 
 
+def resigned(data: bytes, edit) -> bytes:
+    """The entry with its metadata edited and signed again: consistent bytes from a writer that got it wrong."""
+    def edit_signed(header: dict) -> None:
+        info = json.loads(header["__metadata__"]["entry"])
+        edit(info)
+        text = json.dumps(info, sort_keys=True)
+        header["__metadata__"].update(entry=text, entry_checksum=_checksum(text.encode()))
+    return edited_header(data, edit_signed)
+
+
 @pytest.mark.parametrize("edit, message", [
-    (lambda i: i.update(row_group=0), "row_group 0"),
-    (lambda i: i.update(row_group="16"), "row_group '16'"),
+    (lambda i: i.update(row_group=0), "row_group"),
+    (lambda i: i.update(row_group="16"), "row_group"),
     (lambda i: i["checksums"].update({"k.0": i["checksums"]["k.0"][:1]}), "k.0 has 1 checksums, not 7"),
-    (lambda i: i["checksums"].update({"v.3": "abc"}), "v.3 has no checksums"),
+    (lambda i: i["checksums"].update({"v.3": "abc"}), "checksums.`v.3`"),
+    (lambda i: i.pop("compile_mode"), "compile_mode"),
+    (lambda i: i.pop("quantized"), "quantized"),
+    (lambda i: i.update(boundary_layers=5), "boundary_layers"),
+    (lambda i: i.update(boundary_layers=None), "boundary_layers"),
+    (lambda i: i.update(num_layers=0), "num_layers"),
+    (lambda i: i.update(num_layers=True), "num_layers"),
+    (lambda i: i.update(dtype="float64"), "dtype"),
+    (lambda i: i.update(model_fingerprint=7), "model_fingerprint"),
 ])
 def test_metadata_signed_but_wrong_is_damage(make_entry, edit, message):
     entry = make_entry()  # 100 tokens: 7 row groups of 16
-    assert torch.equal(decode(BufferSource(resigned(encode(entry), lambda i: None)), entry.key).k, entry.k)
+    reader = EntryReader(BufferSource(resigned(encode(entry), lambda i: None)), entry.key)
+    assert torch.equal(reader.read()[0], entry.k) and reader.meta().compile_mode == entry.meta.compile_mode
     with pytest.raises(EntryDamaged, match=message):
         decode(BufferSource(resigned(encode(entry), edit)), entry.key)
+
+
+def _tensor(name: str, **fields):
+    def edit(header: dict) -> None:
+        header[name].update(fields)
+    return edit
+
+
+@pytest.mark.parametrize("edit, message", [
+    (_tensor("ranking", shape=[4, 25]), "ranking is"),  # the same bytes, another shape
+    (_tensor("ranking", dtype="I8", shape=[400]), "ranking is"),  # the same bytes, another dtype
+    (_tensor("boundary", shape=[1, 200, 8]), "boundary is"),
+    (_tensor("ranking", shape=[-100]), "shape"),
+    (_tensor("k.0", dtype="F64"), "dtype"),
+    (_tensor("k.0", data_offsets=[0]), "data_offsets"),
+])
+def test_a_tensor_table_that_does_not_fit_the_metadata_is_damage(make_entry, edit, message):
+    """The safetensors table outside the signed metadata: every tensor's dtype, shape and extent is checked
+    against what the metadata says the entry holds, extras included (CacheTune indexes its ranking by token)."""
+    entry = make_entry(extras=True)
+    reader = EntryReader(BufferSource(edited_header(encode(entry), lambda h: None)), entry.key)
+    assert torch.equal(reader.meta().ranking, entry.meta.ranking)
+    with pytest.raises(EntryDamaged, match=message):
+        EntryReader(BufferSource(edited_header(encode(entry), edit)), entry.key)
 
 
 @pytest.mark.parametrize("quantize", [False, True])

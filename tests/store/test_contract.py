@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvreuse.store.base import view_planned
 from kvreuse.store.keys import InvalidKey, KeySpace, chunk_key
 
 
@@ -176,3 +177,21 @@ def test_stats_count_hits_and_misses(tier, make_entry):
     tiers = stats.get("tiers", [stats])
     assert tiers[0]["hits"] == 1
     assert sum(t["misses"] for t in tiers) >= 1
+
+
+@pytest.mark.parametrize("layers, rows, num_rows, form", [
+    (range(0, 5), None, 100, (torch.float32, (2, 16))),  # a layer the entry does not hold
+    (range(0, 4), torch.tensor([3, 100]), 2, (torch.float32, (2, 16))),  # a row it does not hold
+    (range(0, 4), None, 99, (torch.float32, (2, 16))),  # not the rows the plan counted on
+    (range(0, 4), None, 100, (torch.float32, (3, 16))),  # rows of another shape than the cache's
+    (range(0, 4), None, 100, (torch.bfloat16, (2, 16))),  # of another dtype
+])
+def test_a_planned_read_of_an_entry_that_does_not_hold_what_the_plan_counts_on_is_a_miss(tier, make_entry, layers,
+                                                                                         rows, num_rows, form):
+    """view_planned, the plan's read: where the entry under a key is not the one the plan was made for (a writer's
+    bug, a store two models share), None, as for a missing entry; the engine then recomputes it."""
+    entry = make_entry()  # 4 layers, 100 tokens, 2 heads of 16, fp32
+    tier.put(entry)
+    k, _, _ = view_planned(tier, entry.key, range(0, 4), None, 100, (torch.float32, (2, 16)))
+    assert_same(k, entry.k)
+    assert view_planned(tier, entry.key, layers, rows, num_rows, form) is None
