@@ -136,7 +136,10 @@ def _unavailable(store: TieredStore) -> int:
 def cmd_clear(args: argparse.Namespace) -> int:
     with _opened(args) as store:
         _console().print(f"deleted {store.clear()} entries")
-    return 0
+        left = sum(1 for _ in store.keys())  # a read-only folder, a tier gone meanwhile
+    if left:
+        _console(stderr=True).print(f"{left} entries could not be deleted")
+    return 1 if left else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -188,7 +188,7 @@ class DiskTier(BlobTier):
         if not self.policy.fits(len(data)):
             raise OSError(errno.ENOSPC, f"{len(data)} bytes exceed the tier's capacity {self.policy.capacity}")
         final = self.path(key)
-        final.parent.mkdir(exist_ok=True)
+        final.parent.mkdir(parents=True, exist_ok=True)  # the root too, if it was deleted under us
         tmp = final.parent / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:

@@ -23,6 +23,7 @@ from redis.retry import Retry
 
 from kvreuse.store.base import BlobTier, TierUnavailable
 from kvreuse.store.codec import Buffer, ByteSource, EntryDamaged, Range, scatter
+from kvreuse.store.keys import KEY_PATTERN
 
 DEFAULT_PART_SIZE = 4 << 20
 REPLACED_PARTS_TTL_S = 30  # far longer than any read, short enough not to hold memory
@@ -156,7 +157,15 @@ class RedisTier(BlobTier):
         commit.set(self._manifest(key), f"{version}:{len(data)}:{self.part_size}", get=True)
         for name in names:
             commit.persist(name)
-        old = commit.execute()[0]
+        try:
+            old = commit.execute()[0]
+        except redis.ResponseError as e:
+            # A transaction runs its other commands past a failed one: the parts were made to persist, and no
+            # manifest names them. A value of another type under the manifest's name is damage: dropped, so that
+            # the next put stores the entry.
+            with contextlib.suppress(redis.RedisError):
+                self.client.delete(*names, *([self._manifest(key)] if _is_wrong_type(e) else []))
+            raise
         if old is not None:
             self._drop_parts(key, old)
 
@@ -189,7 +198,8 @@ class RedisTier(BlobTier):
             names = list(self.client.scan_iter(match=self._manifest("*"), count=1000))
         except self.backend_errors as e:
             raise TierUnavailable(f"{self.name}: cannot list its entries: {e}") from e
-        return (name.decode()[start:] for name in names)
+        keys = (name.decode(errors="replace")[start:] for name in names)
+        return (key for key in keys if KEY_PATTERN.fullmatch(key))  # a stray name there is not an entry
 
     def usage(self) -> dict[str, int]:
         if self.in_outage():

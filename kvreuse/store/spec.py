@@ -13,6 +13,7 @@ A spec is a list of tier specs, or one string of them joined by commas.
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Sequence
 from urllib.parse import urlsplit
@@ -32,7 +33,8 @@ _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
 
 def parse_size(text: str) -> int:
     m = _SIZE.fullmatch(text)
-    size = int(float(m.group(1)) * _UNITS[(m.group(2) or "").upper()]) if m else 0
+    value = float(m.group(1)) * _UNITS[(m.group(2) or "").upper()] if m else 0.0
+    size = int(value) if math.isfinite(value) else 0  # hundreds of digits: a float's infinity
     if size <= 0:
         raise ValueError(f"bad size {text!r}: expected a positive number with an optional unit, e.g. 2GB or 512MiB")
     return size
@@ -69,8 +71,11 @@ def _disk_path_and_size(rest: str) -> tuple[str, str | None]:
     path, _, size = rest.rpartition(":")
     # A tail that starts like a number is a size, mistyped or not: taken as part of the path, "50XB" would make a
     # new directory "kv:50XB" of unlimited size.
-    if path and (not size or size.lstrip()[:1] in "0123456789+-."):
+    looks_like_a_size = size.lstrip()[:1] in "0123456789+-."
+    if path and (not size or looks_like_a_size):
         return path, size
+    if not path and size and looks_like_a_size:  # disk:5GB, disk::5GB: a size, no path; not a folder "5GB"
+        raise ValueError(f"bad store spec 'disk:{rest}': expected disk:PATH[:SIZE], it names no path")
     return rest, None
 
 
@@ -82,7 +87,10 @@ def _size_in(spec: str, size: str) -> int:
 
 
 def open_redis(spec: str, **expect: str | bool | None) -> RedisTier:
-    db = urlsplit(spec).path.strip("/")
+    url = urlsplit(spec)
+    if not url.hostname:
+        raise ValueError(f"bad store spec {spec!r}: expected redis://HOST:PORT[/DB], it names no host")
+    db = url.path.strip("/")
     if db and not db.isdigit():
         raise ValueError(f"bad store spec {spec!r}: the database after the port must be a number, got {db!r}")
     try:

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from kvreuse.cli.cache import add_commands
+from kvreuse.store.disk import DiskTier
 from kvreuse.store.spec import open_store
 
 from ..store.conftest import make_entry  # noqa: F401, F811  (the store tests' entry fixture)
@@ -43,6 +44,20 @@ def test_ls_stats_rm_clear(disk_store, capsys, monkeypatch):
     assert run("cache", "rm", entries[0].key) == 1 and "not found" in capsys.readouterr().err
     assert run("cache", "clear") == 0 and "deleted 2 entries" in capsys.readouterr().out
     assert list(open_store(spec).keys()) == []
+
+
+def test_clear_that_deletes_nothing_says_so_and_fails(disk_store, capsys, monkeypatch):
+    """A read-only folder: every delete fails; `clear` said "deleted 0 entries" and succeeded."""
+    spec, entries = disk_store
+
+    def read_only(self, key):
+        raise PermissionError(13, "Read-only file system")
+
+    monkeypatch.setattr(DiskTier, "_remove", read_only)
+    assert run("cache", "clear", "--store", spec) == 1
+    assert f"{len(entries)} entries could not be deleted" in capsys.readouterr().err
+    monkeypatch.undo()
+    assert sorted(open_store(spec).keys()) == sorted(e.key for e in entries)
 
 
 def test_inspecting_a_disk_folder_that_does_not_exist_does_not_create_it(tmp_path):

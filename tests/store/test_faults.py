@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import shutil
 import signal
 import threading
 import time
@@ -324,6 +325,39 @@ def test_redis_key_of_another_type_is_not_contained(redis_server, make_entry):
     tier.client.rpush(tier._manifest(entry.key), b"x")
     assert not tier.contains(entry.key) and tier.get(entry.key) is None
     tier.clear()
+
+
+def test_a_put_over_a_manifest_of_another_type_leaves_no_part_for_good(redis_server, make_entry):
+    """The commit's SET fails on a value of another type, and the transaction still makes the parts persist:
+    they are dropped with the damaged value, and the next put stores the entry."""
+    tier = RedisTier(redis_server.url, prefix="type-put-test", part_size=8192, outage_pause=0)
+    entry = make_entry()
+    tier.client.rpush(tier._manifest(entry.key), b"x")
+    assert not tier.put(entry) and tier.stats()["write_errors"] == 1
+    assert all(tier.client.ttl(name) > 0 for name in leftovers(tier))  # nothing left for good
+    assert tier.put(entry) and torch.equal(tier.get(entry.key).k, entry.k)
+    tier.clear()
+
+
+def test_a_stray_name_among_redis_manifests_is_not_listed_as_an_entry(redis_server, make_entry):
+    """Another client's key under the manifests' prefix (not a store key) is not an entry: listing the tier, and
+    clearing it, go on past it (they stopped at an InvalidKey)."""
+    tier = RedisTier(redis_server.url, prefix="stray-test")
+    entry = make_entry()
+    tier.put(entry)
+    tier.client.set(tier._manifest("not/a.key"), b"x")
+    assert list(tier.keys()) == [entry.key]
+    assert tier.clear() == 1 and tier.get(entry.key) is None
+    tier.client.delete(tier._manifest("not/a.key"))
+
+
+def test_a_disk_tier_whose_directory_was_deleted_writes_again(tmp_path, make_entry):
+    tier = DiskTier(tmp_path / "store")
+    first, second = make_entry(), make_entry()
+    assert tier.put(first)
+    shutil.rmtree(tmp_path / "store")
+    assert tier.get(first.key) is None
+    assert tier.put(second) and torch.equal(tier.get(second.key).k, second.k)
 
 
 @pytest.mark.timeout(30)

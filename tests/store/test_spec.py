@@ -41,6 +41,9 @@ def test_list_form_keeps_commas_in_paths(tmp_path):
     ("throttled:floppy:memory:1GB", "DEVICE in"),
     ("", "no tiers"),
     ("memory:1GB,,disk:/x", "no tiers"),
+    ("memory:" + "9" * 400, "bad size"),  # a float's infinity, not an OverflowError
+    ("disk:5GB", "names no path"),  # not a folder '5GB' of unlimited size
+    ("disk::5GB", "names no path"),
 ])
 def test_bad_specs_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
@@ -64,6 +67,7 @@ def test_a_disk_path_with_a_colon(tmp_path):
 @pytest.mark.parametrize("spec,message", [
     ("redis://127.0.0.1:6379/abc", "database after the port must be a number, got 'abc'"),
     ("redis://127.0.0.1:port/0", "bad store spec 'redis://127.0.0.1:port/0': Port"),
+    ("redis://", "names no host"),
 ])
 def test_bad_redis_urls_name_the_spec(spec, message):
     with pytest.raises(ValueError, match=message):
