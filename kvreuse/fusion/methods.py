@@ -256,7 +256,7 @@ def _unit(name: str, text: str, what: str = "ratio") -> float:
 
 
 def _count(name: str, text: str) -> int:
-    if not text.isdigit():
+    if not (text.isascii() and text.isdigit()):  # str.isdigit alone takes '²' (which int() refuses) and '١٦'
         raise ValueError(f"method {name}: token count {text!r} must be a whole number >= 0")
     return int(text)
 

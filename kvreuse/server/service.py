@@ -60,10 +60,14 @@ class Prepared:
 
 def method_spec(options: KvreuseOptions | None, default: str) -> str:
     """The method a request runs: its own `kvreuse.method`, or the server's, with `kvreuse.ratio` applied."""
-    method = (options.method if options else None) or default
+    requested = None if options is None or options.method is None else options.method.strip()
+    if requested == "":
+        raise bad_request("kvreuse.method is empty: name a method (e.g. cacheblend:0.15) or leave it out for the "
+                          "server's default", "kvreuse.method")
+    method = requested or default
     if options is not None and options.ratio is not None:
         name, _, arg = method.partition(":")
-        if options.method and arg:
+        if requested and arg:
             raise bad_request(f"kvreuse.ratio: method {method!r} already sets its parameter", "kvreuse.ratio")
         if name not in RATIO_METHODS:
             raise bad_request(f"kvreuse.ratio: {name} takes no ratio (only {', '.join(sorted(RATIO_METHODS))})",

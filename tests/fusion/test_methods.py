@@ -93,6 +93,8 @@ def test_request_ending_in_a_chunk_computes_its_last_row(tiny_engine, rag_reques
         ("cachetune:-0.1", r"ratio must be in \[0, 1\]"),
         ("cacheblend:abc", "is not a number"),
         ("legolink:x", "whole number"),
+        ("legolink:\u00b2", "whole number"),  # str.isdigit's digits that int() refuses
+        ("legolink:\u0661\u0666", "whole number"),  # and those it takes: ASCII digits only
         ("naive:3", "takes no parameter"),
     ],
 )

@@ -39,6 +39,8 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
     [
         (chat_body(kvreuse={"method": "naive", "colour": "red"}), "kvreuse.colour", ["Extra inputs"]),
         (chat_body(kvreuse={"method": "blend"}), "kvreuse.method", ["unknown method 'blend'"]),
+        (chat_body(kvreuse={"method": ""}), "kvreuse.method", ["is empty"]),  # not the server's default, silently
+        (chat_body(kvreuse={"method": "legolink:\u00b2"}), "kvreuse.method", ["whole number"]),
         (chat_body(kvreuse={"method": "naive", "ratio": 0.2}), "kvreuse.ratio", ["naive takes no ratio"]),
         (chat_body(kvreuse={"ratio": 1.5}), "kvreuse.ratio", ["less than or equal to 1"]),
         (chat_body(temperature="hot"), "temperature", ["valid number"]),

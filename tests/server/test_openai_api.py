@@ -114,6 +114,9 @@ def test_a_request_chooses_its_method_and_ratio(client):
     response = client.chat.completions.create(messages=QUESTION, **GREEDY,
                                               extra_body={"kvreuse": {"method": "cacheblend", "ratio": 0.3}})
     assert kvreuse_usage(response.usage)["method"] == "cacheblend:0.3"
+    spaced = client.chat.completions.create(messages=QUESTION, **GREEDY,
+                                            extra_body={"kvreuse": {"method": " cacheblend ", "ratio": 0.3}})
+    assert kvreuse_usage(spaced.usage)["method"] == "cacheblend:0.3"  # the name read as the engine reads it
 
 
 def test_context_cache_api_and_cache_ids(client, http):
