@@ -115,6 +115,9 @@ class Scheduler:
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
         self._running: list[_Sequence] = []
+        # Jobs taken from the queue whose prompts are being computed: they hold running slots before they join
+        # `_running` (a long prompt takes seconds), for admission and for the gauges alike.
+        self._prefilling = 0
         self.pool = KVPool.for_model(engine.model, max_running, pool_bytes)
         self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
         self._lock = threading.Lock()
@@ -154,13 +157,14 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        return len(self._running)
+        """Jobs decoding or having their prompt computed."""
+        return len(self._running) + self._prefilling
 
     def submit(self, job: GenerationJob) -> None:
         with self._lock:
-            free_slots = max(0, self.max_running - len(self._running))
-            if len(self._waiting) >= self.max_waiting + free_slots:
-                raise QueueFull(f"the server is at capacity: {len(self._running)} requests are running and "
+            running = self.running
+            if len(self._waiting) >= self.max_waiting + max(0, self.max_running - running):
+                raise QueueFull(f"the server is at capacity: {running} requests are running and "
                                 f"{len(self._waiting)} waiting")
             self._waiting.append(job)
         self._wake.set()
@@ -254,6 +258,7 @@ class Scheduler:
         with self._lock:
             take = min(self.max_running - len(self._running), self.max_prefill_batch, len(self._waiting))
             jobs = [self._waiting.popleft() for _ in range(max(take, 0))]
+            self._prefilling = len(jobs)
         if not jobs:
             return False
         admitted = time.perf_counter()
@@ -267,10 +272,15 @@ class Scheduler:
                     fused = next(prefills)
                 reported += 1
                 self._start(job, fused, queued=admitted - job.arrived)
+                with self._lock:
+                    self._prefilling -= 1
         except Exception as e:  # a bug in the batch itself: its jobs fail, the engine and running sequences go on
             log.exception("batch prefill failed")
             for job in jobs[reported:]:
                 job.on_event(JobEvent(error=e))
+        finally:
+            with self._lock:
+                self._prefilling = 0
         return True
 
     def _between_prompt_layers(self, job: GenerationJob) -> None:

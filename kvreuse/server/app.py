@@ -196,6 +196,10 @@ def create_app(service: EngineService) -> FastAPI:
     async def health() -> dict[str, Any]:
         return {"status": "ok", "running": service.scheduler.running, "waiting": service.scheduler.waiting}
 
+    @app.head("/health", include_in_schema=False)  # load balancers probe with HEAD too
+    async def health_probe() -> Response:
+        return Response()
+
     @app.get("/metrics", response_class=Response)
     async def metrics() -> Response:
         return Response(service.metrics.render(), media_type=CONTENT_TYPE_LATEST)

@@ -82,8 +82,9 @@ def install_handlers(app: FastAPI) -> None:
     async def http_error(_: Request, exc: HTTPException) -> JSONResponse:
         # FastAPI's only 400 is a body it could not parse (not UTF-8, nested too deeply for the parser)
         param = "body" if exc.status_code == 400 else None
+        # Starlette's own headers kept: a 405's Allow lists the methods the path takes
         return APIError(exc.status_code, f"{exc.detail}" + (f": {exc.__cause__}" if exc.__cause__ else ""),
-                        param).response()
+                        param, headers=exc.headers).response()
 
     @app.exception_handler(Exception)
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:

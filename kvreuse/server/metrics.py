@@ -70,7 +70,8 @@ class Metrics:
         self.batch_size = Histogram("kvreuse_decode_batch_size", "sequences per batched decode step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         Gauge("kvreuse_num_requests_waiting", "requests queued", registry=r).set_function(waiting)
-        Gauge("kvreuse_num_requests_running", "sequences being decoded", registry=r).set_function(running)
+        Gauge("kvreuse_num_requests_running", "requests decoding or having their prompt computed",
+              registry=r).set_function(running)
         Gauge("kvreuse_write_back_pending", "store writes of what requests computed (chunks to compile, prefix "
               "blocks) waiting for the engine thread", registry=r).set_function(pending_writes)
         r.register(StoreEvents(store))

@@ -83,7 +83,7 @@ class RequireAPIKey:
         if scope["type"] == "http" and self.expected and scope["path"] not in OPEN_PATHS:
             if not self._authorized(dict(scope["headers"]).get(b"authorization")):
                 error = APIError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                                 code="invalid_api_key")
+                                 code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})  # RFC 6750
                 return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
 

@@ -192,6 +192,36 @@ def test_a_full_queue_refuses_the_job(tiny_chat_engine):
         scheduler.submit(job_for(tiny_chat_engine, "three?", queue.Queue()))
 
 
+def test_a_job_whose_prompt_is_being_computed_holds_its_running_slot(tiny_chat_engine, monkeypatch):
+    """Out of the queue and not yet decoding, a job being prefilled counts as running: admission leaves its slot
+    taken (the server let in one request more than its limits per prompt under way) and the gauges show it."""
+    scheduler = Scheduler(tiny_chat_engine, max_running=2, max_waiting=2)
+    computing, release, real_run = threading.Event(), threading.Event(), tiny_chat_engine.executor.run
+
+    def held_run(*args, **kwargs):
+        computing.set()
+        release.wait(60)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_chat_engine.executor, "run", held_run)
+    outcomes = [queue.Queue() for _ in range(4)]
+    scheduler.submit(job_for(tiny_chat_engine, "a long prompt?", outcomes[0]))
+    scheduler.start()
+    try:
+        assert computing.wait(60)
+        assert (scheduler.running, scheduler.waiting) == (1, 0)
+        for i, events in enumerate(outcomes[1:]):  # one for the free running slot, two waiting
+            scheduler.submit(job_for(tiny_chat_engine, f"short {i}?", events))
+        with pytest.raises(QueueFull, match="1 requests are running and 3 waiting"):
+            scheduler.submit(job_for(tiny_chat_engine, "one too many?", queue.Queue()))
+        release.set()
+        assert all(outcome(events)[1].result.finish_reason == "length" for events in outcomes)
+    finally:
+        release.set()
+        scheduler.stop()
+    assert scheduler.running == scheduler.waiting == 0
+
+
 def test_cancelled_and_timed_out_jobs_end_with_their_reason(tiny_chat_engine, scheduler):
     endless = SamplingParams(max_tokens=8000, ignore_eos=True)
     cancelled, timed_out = queue.Queue(), queue.Queue()

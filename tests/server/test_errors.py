@@ -97,7 +97,10 @@ def test_unknown_model_cache_and_route_are_404(http):
     assert_error(http.post(CHAT, json=chat_body(cache_ids=["kvc-0123"])), 404, "cache_ids[0]", "no cache")
     assert_error(http.get("/v1/caches/kvc-0123"), 404, "cache_id")
     assert_error(http.get("/v1/nothing-here"), 404, None)
-    assert_error(http.put("/v1/models"), 405, None)
+    not_allowed = http.put("/v1/models")
+    assert_error(not_allowed, 405, None)
+    assert not_allowed.headers["allow"] == "GET"
+    assert http.head("/health").status_code == 200
 
 
 def test_bad_cache_creation(http):
@@ -197,7 +200,9 @@ def test_the_api_key_guards_everything_but_health_and_metrics(make_server):
     with server.http() as http:
         assert http.get("/health").status_code == http.get("/metrics").status_code == 200
         for path in ("/openapi.json", "/docs", "/v1/nothing-here"):
-            assert_error(http.get(path), 401, None, "API key")
+            refused = http.get(path)
+            assert_error(refused, 401, None, "API key")
+            assert refused.headers["www-authenticate"] == "Bearer"
         assert http.get("/openapi.json", headers={"authorization": "Bearer secret"}).json()["paths"]
         assert http.get("/v1/models", headers={"authorization": "bearer secret"}).status_code == 200
         for wrong in ("Bearer secre", "Bearer secrets", "Basic secret", "secret", "Bearer"):
