@@ -119,7 +119,7 @@ class Scheduler:
         # `_running` (a long prompt takes seconds), for admission and for the gauges alike.
         self._prefilling = 0
         self.pool = KVPool.for_model(engine.model, max_running, pool_bytes)
-        self._calls: deque[tuple[Callable[[], Any], Future]] = deque()
+        self._calls: deque[tuple[Callable[[], Any], Future, threading.Event | None]] = deque()
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = False
@@ -169,11 +169,14 @@ class Scheduler:
             self._waiting.append(job)
         self._wake.set()
 
-    def call(self, fn: Callable[[], Any]) -> Future:
-        """Run `fn` on the engine thread between two steps (torch work that must not race the decode)."""
+    def call(self, fn: Callable[[], Any], abandoned: threading.Event | None = None) -> Future:
+        """Run `fn` on the engine thread between two steps (torch work that must not race the decode). Layers it
+        runs (a context cache compiled: a prompt's time) pause as a prompt's do: running sequences take their
+        decoding steps by max_token_gap, and once `abandoned` is set (its caller gone or timed out) it stops at
+        the next layer with JobCancelled."""
         future: Future = Future()
         with self._lock:
-            self._calls.append((fn, future))
+            self._calls.append((fn, future, abandoned))
         self._wake.set()
         return future
 
@@ -221,13 +224,21 @@ class Scheduler:
         with self._lock:
             if not self._calls:
                 return False
-            fn, future = self._calls.popleft()
+            fn, future, abandoned = self._calls.popleft()
         if future.set_running_or_notify_cancel():
             try:
-                future.set_result(fn())
+                with self.engine.model.between_layers(functools.partial(self._between_call_layers, abandoned)):
+                    future.set_result(fn())
             except Exception as e:  # handed to the caller, who decides what it means
                 future.set_exception(e)
         return True
+
+    def _between_call_layers(self, abandoned: threading.Event | None) -> None:
+        """Between two layers a call runs: as `_between_prompt_layers`, for a call its caller may abandon."""
+        if abandoned is not None and abandoned.is_set():
+            raise JobCancelled("its caller gave up (gone or timed out) while it ran")
+        if self.max_token_gap is not None:
+            self._decode_outside_steps(self.max_token_gap)
 
     def _end_everything(self) -> None:
         with self._lock:
@@ -235,7 +246,7 @@ class Scheduler:
             calls = list(self._calls)
             self._calls.clear()
         self._fail_all(error)
-        for _, future in calls:
+        for _, future, _ in calls:
             if future.set_running_or_notify_cancel():
                 future.set_exception(error)
 

@@ -338,13 +338,15 @@ class EngineService:
     async def _compiled(self, ids: list[int], salt: str | None, disconnected: Callable[[], Awaitable[bool]]
                         ) -> list[str]:
         """Compile on the engine thread, as admission treats a prompt: a bounded number pending (429 beyond),
-        abandoned past the request timeout (408) or once the client has gone, if it has not started."""
+        abandoned past the request timeout (408) or once the client has gone, before it starts or at its next
+        layer; running sequences decode between its layers by --max-token-gap-ms."""
         if self._compiling >= self.config.max_concurrency:
             self.metrics.queue_rejections.inc()
             raise APIError(429, f"{self._compiling} caches are being created; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
         self._compiling += 1  # only ever changed on the event loop
-        compiled = asyncio.wrap_future(self.scheduler.call(lambda: self._compile(ids, salt)))
+        abandoned = threading.Event()
+        compiled = asyncio.wrap_future(self.scheduler.call(lambda: self._compile(ids, salt), abandoned))
         deadline = asyncio.get_running_loop().time() + self.config.request_timeout
         try:
             while True:
@@ -361,7 +363,8 @@ class EngineService:
                 if await disconnected():
                     raise APIError(499, "the client disconnected", code="cancelled")
         finally:
-            compiled.cancel()  # a no-op once done; a compilation not yet started never runs
+            abandoned.set()  # a no-op once done; a compilation under way stops at its next layer
+            compiled.cancel()  # one not yet started never runs
             self._compiling -= 1
 
     def _compile(self, ids: list[int], salt: str | None) -> list[str]:

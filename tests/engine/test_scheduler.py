@@ -8,6 +8,7 @@ import pytest
 
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobTimeout, QueueFull, Scheduler, ShuttingDown
+from kvreuse.fusion.segments import Request, Segment, SegmentKind
 from kvreuse.model.resolved_step import OneQueryEach
 
 GREEDY = SamplingParams(max_tokens=8, ignore_eos=True)
@@ -251,6 +252,65 @@ def test_running_sequences_decode_between_two_calls(tiny_chat_engine, scheduler)
     steps_before = [call.result(timeout=60) for call in calls]
     assert steps_before[0] < steps_before[1] < steps_before[2], steps_before
     assert outcome(events)[1].result is not None
+
+
+def compile_call(engine, text: str, layers_run: list[int], after_layer=lambda layer: None):
+    """A call that compiles `text` as the server compiles a context cache (one chunk, nothing else), recording
+    the layers its prompt runs."""
+    request = Request([Segment(SegmentKind.CHUNK, engine.tokenizer.encode(text))])
+
+    def run() -> int:
+        step = engine.model.step
+
+        def recorded(layer, *args):
+            layers_run.append(layer)
+            result = step(layer, *args)
+            after_layer(layer)
+            return result
+
+        engine.model.step = recorded
+        try:
+            return engine.compile(request, ["naive"])
+        finally:
+            del engine.model.step
+
+    return request, run
+
+
+def test_a_call_abandoned_while_it_runs_stops_at_the_next_layer(tiny_chat_engine, scheduler):
+    """A context cache whose client left (or timed out) once its compilation started: it stops between two
+    layers, as a prompt does, instead of holding the engine for all of them; nothing is stored."""
+    abandoned, layers_run = threading.Event(), []
+    request, run = compile_call(tiny_chat_engine, "a long text nobody waits for any more", layers_run,
+                                lambda layer: abandoned.set())
+    scheduler.start()
+    with pytest.raises(JobCancelled, match="gave up"):
+        scheduler.call(run, abandoned).result(timeout=60)
+    assert layers_run == [0] and tiny_chat_engine.model.num_layers > 1
+    assert not any(p.hit for p in tiny_chat_engine.lookup(request, "naive") if p.key)
+    assert scheduler.call(lambda: "the engine goes on").result(timeout=60) == "the engine goes on"
+
+
+@pytest.mark.parametrize("gap", [0.0, None])
+def test_running_sequences_decode_between_the_layers_of_a_call(tiny_chat_engine, gap):
+    """max_token_gap 0: a running sequence takes a decoding step between every two layers of a call that computes
+    (a context cache compiled), as between a prompt's; None: calls run whole, as prompts do."""
+    steps = []
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_token_gap=gap,
+                          on_decode_step=steps.append)
+    try:
+        events = start_with_a_decoding_sequence(scheduler, tiny_chat_engine)
+        _, compile_run = compile_call(tiny_chat_engine, "a text to compile beside a stream", [])
+
+        def run() -> int:
+            before = len(steps)
+            compile_run()
+            return len(steps) - before
+
+        assert scheduler.call(run).result(timeout=60) == (tiny_chat_engine.model.num_layers - 1 if gap == 0.0 else 0)
+        assert outcome(events)[1].result is not None
+    finally:
+        scheduler.stop()
 
 
 def test_ending_everything_goes_ahead_of_the_calls_queued(tiny_chat_engine, scheduler):

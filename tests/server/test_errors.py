@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -177,6 +178,32 @@ def test_cache_creations_are_bounded_timed_and_dropped_when_their_client_goes(ma
     with server.http() as http:
         assert http.post("/v1/caches", json=body).status_code == 200
     assert len(compiled) == 1  # none of the abandoned creations ran once the engine went on
+
+
+def test_a_cache_creation_whose_client_goes_while_it_compiles_stops_at_the_next_layer(make_server, monkeypatch):
+    """Once started, a compilation its client abandoned ran every layer, holding the engine (and every stream)
+    for a prompt's time; it now stops between two layers, as a prompt does, and stores nothing."""
+    server = make_server()
+    model, layers_run, release = server.service.engine.model, [], threading.Event()
+    step = model.step
+
+    def held_at_the_first_layer(layer, *args):
+        layers_run.append(layer)
+        if layer == 0:
+            release.wait(30)
+        return step(layer, *args)
+
+    monkeypatch.setattr(model, "step", held_at_the_first_layer)
+    body = {"model": MODEL_NAME, "text": "A passage its client does not wait for."}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{server.url}/v1/caches", json=body, timeout=0.3)
+    wait_until(lambda: server.service._compiling == 0)  # the service saw its client go
+    release.set()
+    wait_until(lambda: server.service.scheduler.call(lambda: True).result(timeout=30))
+    monkeypatch.setattr(model, "step", step)
+    assert layers_run == [0] and model.num_layers > 1
+    with server.http() as http:
+        assert http.post("/v1/caches", json=body).json()["stored"]
 
 
 def test_a_cache_creation_pending_when_the_server_stops_answers_503(make_server):
