@@ -81,7 +81,7 @@ class GenerationParams(BaseModel):
     documents: list[NonEmptyText] = Field(default_factory=list, description="reusable chunks, placed in order")
     cache_ids: list[Text] = Field(default_factory=list, description="ids from POST /v1/caches, placed first")
     kvreuse: KvreuseOptions | None = None
-    cache_salt: Text | None = Field(None, min_length=1, description="tenant: store entries are shared only within it")
+    cache_salt: NonEmptyText | None = Field(None, description="tenant: store entries are shared only within it")
 
     @field_validator("stop")
     @classmethod
@@ -336,7 +336,7 @@ class CacheCreateRequest(BaseModel):
     model: Text | None = None
     text: NonEmptyText | None = Field(None, description="a document; tokenized exactly as in `documents`")
     token_ids: list[int] | None = Field(None, min_length=1)
-    cache_salt: Text | None = Field(None, min_length=1)
+    cache_salt: NonEmptyText | None = None
 
 
 class CacheInfo(BaseModel):

@@ -50,6 +50,7 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(messages=[{"role": "wizard", "content": "hi"}]), "messages[0].role", []),
         (chat_body(messages=[*MESSAGES, {"role": "assistant", "content": "Hi."}]), "messages", ["user's"]),
         (chat_body(documents=["fine", ""]), "documents[1]", ["at least 1 character"]),
+        (chat_body(cache_salt=""), "cache_salt", ["at least 1 character"]),
         (chat_body(documents="not a list"), "documents", []),
         (chat_body(n=2), "n", ["only n=1"]),
         (chat_body(logprobs=True), "logprobs", ["not supported"]),
