@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -25,12 +26,17 @@ class SamplingParams:
             whole = isinstance(value, int) and not isinstance(value, bool)
             if not whole and not (name == "seed" and value is None):
                 raise TypeError(f"{name}: expected a whole number, got {value!r}")
+        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise TypeError(f"{name}: expected a number, got {value!r}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN compares False either way
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed < 2**64:  # what a torch.Generator takes
+            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
 
 
 class Sampler:

@@ -139,10 +139,14 @@ def build_request(
     conversation grows, its stored blocks are reused. Each chunk is tokenized alone (with `chunk_separator`
     appended, so chunks do not run into each other).
     """
-    if isinstance(chunks, str) or not all(isinstance(c, str) for c in chunks):
+    # A list or tuple only: an iterator checked here would be used up before the chunks are tokenized (a request
+    # without them, silently), and a dict's keys or a set's order are not chunks in an order.
+    if not isinstance(chunks, (list, tuple)) or not all(isinstance(c, str) for c in chunks):
         raise TypeError(f"chunks: expected a list of texts, got {_shown(chunks)}")
-    if not isinstance(question, str) or (system is not None and not isinstance(system, str)):
-        raise TypeError(f"question and system: expected text, got {_shown(question)} and {_shown(system)}")
+    if not isinstance(question, str):
+        raise TypeError(f"question: expected text, got {_shown(question)}")
+    if system is not None and not isinstance(system, str):
+        raise TypeError(f"system: expected text, got {_shown(system)}")
     if any(not c.strip() for c in chunks):
         raise ValueError("chunks: every chunk must contain text")
     if not question.strip():

@@ -506,13 +506,16 @@ def test_an_engine_over_a_bare_tier_reuses_as_over_a_tiered_store(tiny_model, ma
 @pytest.mark.parametrize("call, message", [
     (lambda e: e.build_request("one document", "Q?"), "chunks: expected a list of texts, got str"),
     (lambda e: e.build_request([123], "Q?"), "chunks: expected a list of texts"),
-    (lambda e: e.build_request(["doc"], None), "question and system: expected text, got NoneType"),
-    (lambda e: e.build_request(["doc"], "Q?", system=123), "question and system: expected text"),
+    (lambda e: e.build_request((d for d in ["doc"]), "Q?"), "chunks: expected a list of texts, got generator"),
+    (lambda e: e.build_request({"doc": 1}, "Q?"), "chunks: expected a list of texts, got dict"),
+    (lambda e: e.build_request(["doc"], None), "question: expected text, got NoneType"),
+    (lambda e: e.build_request(["doc"], "Q?", system=123), "system: expected text, got int"),
     (lambda e: e.prefill(e.build_request(["doc"], "Q?"), 5), "method: expected a method name"),
     (lambda e: e.compile(e.build_request(["doc"], "Q?"), "cacheblend:0.15"), "methods: expected a list"),
 ])
 def test_arguments_of_the_wrong_type_are_named(tiny_chat_engine, call, message):
-    """A string where a list of documents goes made one chunk per character, silently."""
+    """A string where a list of documents goes made one chunk per character, silently; an iterator, a request
+    without its chunks (used up by the check)."""
     with pytest.raises(TypeError, match=re.escape(message)):
         call(tiny_chat_engine)
 

@@ -30,7 +30,9 @@ def test_a_tiny_top_p_keeps_the_top_token(top_p):
 
 
 @pytest.mark.parametrize(
-    "field, value", [("max_tokens", 0), ("temperature", -0.5), ("top_p", 0.0), ("top_p", 1.5)]
+    "field, value", [("max_tokens", 0), ("temperature", -0.5), ("temperature", float("nan")),
+                     ("temperature", float("inf")), ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
+                     ("seed", -1), ("seed", 2**64)]
 )
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
@@ -49,6 +51,7 @@ def test_one_stop_string_is_one_stop_not_one_per_character():
 @pytest.mark.parametrize("fields, message", [
     ({"max_tokens": 16.0}, "max_tokens: expected a whole number"), ({"max_tokens": True}, "max_tokens"),
     ({"seed": "7"}, "seed: expected a whole number"), ({"stop": ["ok", 3]}, "stop: expected a text or a list"),
+    ({"temperature": "0.5"}, "temperature: expected a number"), ({"top_p": None}, "top_p: expected a number"),
 ])
 def test_parameters_of_the_wrong_type_name_the_field(fields, message):
     with pytest.raises(TypeError, match=message):
