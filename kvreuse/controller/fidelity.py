@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import asdict, dataclass, field
 from importlib import resources
 from pathlib import Path
 
 from kvreuse.fusion.methods import Auto, parse_method
-from kvreuse.model.identity import cache_root
+from kvreuse.model.identity import cache_root, save_json
 
 log = logging.getLogger(__name__)
 
@@ -29,12 +30,32 @@ class Fidelity:
     agreement: float  # token F1 between the method's output and full prefill's
     examples: int = 0
 
+    def __post_init__(self) -> None:
+        # What method auto compares with a floor: a value of another kind (a table edited or written by hand) is
+        # refused where it is read, not met as a TypeError by every later request.
+        if not _number(self.first_token_kl) or not self.first_token_kl >= 0:
+            raise ValueError(f"first_token_kl: expected a number >= 0, got {self.first_token_kl!r}")
+        if not _number(self.agreement) or not 0 <= self.agreement <= 1:
+            raise ValueError(f"agreement: expected a number in [0, 1], got {self.agreement!r}")
+        if type(self.examples) is not int or self.examples < 0:
+            raise ValueError(f"examples: expected a whole number >= 0, got {self.examples!r}")
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
 
 @dataclass(frozen=True)
 class FidelityTable:
     model: str  # fingerprint
     methods: dict[str, Fidelity]
     sources: list[str] = field(default_factory=list)  # the eval runs it was built from
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str):
+            raise ValueError(f"model: expected a fingerprint, got {self.model!r}")
+        if not isinstance(self.sources, list) or not all(isinstance(s, str) for s in self.sources):
+            raise ValueError(f"sources: expected a list of texts, got {self.sources!r}")
 
     def of(self, method: str) -> Fidelity | None:
         """The method's measured fidelity; for a ratio that was not measured, the fidelity of the largest
@@ -50,7 +71,7 @@ class FidelityTable:
         try:
             methods = {m: Fidelity(**f) for m, f in data["methods"].items()}
             return cls(data["model"], _choosable_only(methods), data.get("sources", []))
-        except (KeyError, TypeError, AttributeError) as e:
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
             raise ValueError(f"not a kvreuse fidelity table: {e}") from None
 
 
@@ -139,8 +160,8 @@ def _as_table(data: object) -> FidelityTable:
                    for row in data["methods"]}
         source = f"{data['settings']['dataset']}: {data['methods'][0]['examples']} examples"
         return FidelityTable(data["settings"]["model"], _choosable_only(methods), [source])
-    except (KeyError, TypeError, IndexError) as e:
-        raise ValueError(f"neither kvreuse eval results nor a fidelity table: {e!r}") from None
+    except (KeyError, TypeError, IndexError, ValueError) as e:
+        raise ValueError(f"neither kvreuse eval results nor a fidelity table: {e}") from None
 
 
 def user_table_path(model: str) -> Path:
@@ -166,6 +187,4 @@ def load_table(model: str) -> FidelityTable | None:
 
 
 def save_table(table: FidelityTable, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(table.to_json(), indent=1))
-    return path
+    return save_json(path, table.to_json())

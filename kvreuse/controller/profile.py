@@ -10,13 +10,11 @@ folder; the server and `method: auto` read it back.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from kvreuse.model.identity import cache_root
+from kvreuse.model.identity import cache_root, save_json
 from kvreuse.model.attention import AttentionCall
 
 
@@ -133,13 +131,7 @@ def profile_path(model: str, dtype: str) -> Path:
 
 
 def save_profile(profile: MachineProfile, path: Path | None = None) -> Path:
-    path = path or profile_path(profile.model, profile.dtype)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".profile-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(profile.to_json(), f, indent=1)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
-    return path
+    return save_json(path or profile_path(profile.model, profile.dtype), profile.to_json())
 
 
 def merged(saved: MachineProfile, measured: MachineProfile) -> MachineProfile:

@@ -8,12 +8,28 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Callable
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("KVREUSE_CACHE_DIR", Path.home() / ".cache" / "kvreuse"))
+
+
+def save_json(path: Path, data: object) -> Path:
+    """`data` as JSON at `path` (its folder made), atomically: written to a temporary file beside it and renamed
+    into place, so that a reader never sees half a file and a failure leaves the old one, and no temporary file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}-")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f, indent=1)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
 
 
 def file_digest(path: Path) -> str:

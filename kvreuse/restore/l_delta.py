@@ -8,11 +8,9 @@ JSON file in the kvreuse cache folder (`kvreuse profile l-delta` writes it) and 
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 
-from kvreuse.model.identity import cache_root
+from kvreuse.model.identity import cache_root, save_json
 
 
 def profile_path() -> Path:
@@ -67,10 +65,5 @@ def save(model_fingerprint: str, tier: str, token_seconds: dict[int, float], lay
         "token_seconds": {str(n): t for n, t in sorted(token_seconds.items())},
         "layer_seconds": {str(n): t for n, t in sorted(layer_seconds.items())},
     }
-    path = profile_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".l_delta-")
-    with os.fdopen(fd, "w") as f:
-        json.dump(profiles, f, indent=1)
-    os.replace(tmp, path)  # atomic: a reader never sees half a file
+    save_json(profile_path(), profiles)
     return l_delta

@@ -167,3 +167,44 @@ def test_profile_costs_keeps_the_saved_tiers_and_tuned_ratios_it_does_not_measur
     assert profile.compute != earlier.compute  # measured again
     assert "kept from the saved profile: tiers hdd, memory, ssd; tuned ratios cacheblend@memory 0.3" in (
         capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("edit, field", [
+    (lambda t: t["methods"]["naive"].update(first_token_kl="abc"), "first_token_kl"),
+    (lambda t: t["methods"]["naive"].update(first_token_kl=None), "first_token_kl"),
+    (lambda t: t["methods"]["naive"].update(first_token_kl=float("nan")), "first_token_kl"),
+    (lambda t: t["methods"]["naive"].update(first_token_kl=-0.1), "first_token_kl"),
+    (lambda t: t["methods"]["naive"].update(agreement=1.5), "agreement"),
+    (lambda t: t["methods"]["naive"].update(examples=2.5), "examples"),
+    (lambda t: t.update(model=["m"]), "model"),
+    (lambda t: t.update(sources=5), "sources"),
+])
+def test_a_table_holding_values_of_another_kind_is_refused_where_it_is_read(tmp_path, monkeypatch, caplog, edit,
+                                                                            field):
+    """Folded into a new table, such a file was saved as it was and then failed every request of method auto
+    (a TypeError comparing it with the floor); now it is refused by name, folded or loaded."""
+    table = {"model": "m", "methods": {"naive": {"first_token_kl": 0.4, "agreement": 0.5, "examples": 10}},
+             "sources": ["x: 10 examples"]}
+    edit(table)
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(table))
+    with pytest.raises(ValueError, match=f"{bad}: .*{field}"):
+        from_eval_results([bad])
+    monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))
+    path = user_table_path("m")
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(table))
+    assert load_table("m") is None and field in caplog.text
+
+
+def test_a_table_that_cannot_be_saved_leaves_the_old_one_and_no_temporary_file(tmp_path, monkeypatch):
+    path = save_table(FidelityTable("m", {"naive": Fidelity(0.4, 0.5, 10)}), tmp_path / "table.json")
+    old = path.read_text()
+
+    def fails(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(json, "dump", fails)
+    with pytest.raises(OSError):
+        save_table(FidelityTable("m", {"naive": Fidelity(0.1, 0.9, 10)}), path)
+    assert path.read_text() == old and [p.name for p in tmp_path.iterdir()] == ["table.json"]
