@@ -8,7 +8,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvreuse.cli.arguments import add_model, positive_int
+from kvreuse.cli.arguments import add_model, output_folder, positive_int
 
 
 @dataclass(frozen=True)
@@ -63,7 +63,7 @@ def add_commands(subparsers) -> None:
         add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file, one chunk per passage")
         add("--limit", type=positive_int, default=analysis.limit, metavar="N",
             help=f"the first N examples (default {analysis.limit})")
-        add("--out", type=Path, default=Path("docs/img"), metavar="DIR", help="where NAME.png and NAME.json go")
+        add("--out", type=output_folder, default="docs/img", metavar="DIR", help="where NAME.png and NAME.json go")
         add_model(sub)
         if "ratio" in analysis.reads:
             add("--ratio", type=_share, default=DEFAULT_RATIO, metavar="R",

@@ -49,6 +49,16 @@ def positive_float(text: str) -> float:
     return value
 
 
+def output_folder(text: str) -> Path:
+    """A folder a command writes into (made if missing): checked when it starts, so that a file in its place
+    does not lose a long run at its end."""
+    path = Path(text)
+    existing = next(p for p in (path, *path.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"{text!r}: {str(existing)!r} is a file, not a folder")
+    return path
+
+
 def output_file(text: str) -> Path:
     """A file a command writes at its end: checked when it starts, so that a bad path does not lose a long run."""
     path = Path(text)

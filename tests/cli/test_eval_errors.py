@@ -46,3 +46,15 @@ def test_an_out_folder_of_another_dataset_is_refused(tiny_model_dir, tmp_path, c
     assert main(["eval", *argv]) == 2
     assert "holds the report of dataset 'hotpotqa'; give dataset '2wikimqa' a folder of its own" in (
         capsys.readouterr().err)
+
+
+@pytest.mark.parametrize("command", [["eval", "--dataset", QA_FILE], ["analyze", "hkvd", "--dataset", QA_FILE],
+                                     ["bench", "ttft"]])
+def test_a_file_in_the_place_of_the_out_folder_is_refused_before_any_work(command, tmp_path, capsys):
+    """It failed at the end, the run lost: eval after its first example, analyze after all of it."""
+    in_the_way = tmp_path / "a-file"
+    in_the_way.write_text("")
+    for out in (in_the_way, in_the_way / "below"):
+        with pytest.raises(SystemExit) as exit_info:
+            main([*command, "--out", str(out)])
+        assert exit_info.value.code == 2 and "is a file, not a folder" in capsys.readouterr().err
