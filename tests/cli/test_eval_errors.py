@@ -48,8 +48,7 @@ def test_an_out_folder_of_another_dataset_is_refused(tiny_model_dir, tmp_path, c
         capsys.readouterr().err)
 
 
-@pytest.mark.parametrize("command", [["eval", "--dataset", QA_FILE], ["analyze", "hkvd", "--dataset", QA_FILE],
-                                     ["bench", "ttft"]])
+@pytest.mark.parametrize("command", [["eval", "--dataset", QA_FILE], ["analyze", "hkvd", "--dataset", QA_FILE]])
 def test_a_file_in_the_place_of_the_out_folder_is_refused_before_any_work(command, tmp_path, capsys):
     """It failed at the end, the run lost: eval after its first example, analyze after all of it."""
     in_the_way = tmp_path / "a-file"
