@@ -99,6 +99,13 @@ class _Sequence:
     last_token: int = -1
 
 
+def _given_up(abandoned: threading.Event | None, _now: float) -> BaseException | None:
+    """A call's failure between two of its layers: its caller gave up on it (gone or timed out)."""
+    if abandoned is not None and abandoned.is_set():
+        return JobCancelled("its caller gave up (gone or timed out) while it ran")
+    return None
+
+
 class Scheduler:
     def __init__(self, engine: ReuseEngine, max_running: int = 8, max_waiting: int = 128,
                  on_decode_step: Callable[[int], None] | None = None, max_prefill_batch: int = 4,
@@ -227,18 +234,12 @@ class Scheduler:
             fn, future, abandoned = self._calls.popleft()
         if future.set_running_or_notify_cancel():
             try:
-                with self.engine.model.between_layers(functools.partial(self._between_call_layers, abandoned)):
+                with self.engine.model.between_layers(functools.partial(self._between_layers,
+                                                                        functools.partial(_given_up, abandoned))):
                     future.set_result(fn())
             except Exception as e:  # handed to the caller, who decides what it means
                 future.set_exception(e)
         return True
-
-    def _between_call_layers(self, abandoned: threading.Event | None) -> None:
-        """Between two layers a call runs: as `_between_prompt_layers`, for a call its caller may abandon."""
-        if abandoned is not None and abandoned.is_set():
-            raise JobCancelled("its caller gave up (gone or timed out) while it ran")
-        if self.max_token_gap is not None:
-            self._decode_outside_steps(self.max_token_gap)
 
     def _end_everything(self) -> None:
         with self._lock:
@@ -279,7 +280,7 @@ class Scheduler:
             for job in jobs:
                 if reported:  # the streams' token waits for one prompt, not for the whole batch
                     self._decode_outside_steps(self.max_token_gap or 0.0)
-                with self.engine.model.between_layers(functools.partial(self._between_prompt_layers, job)):
+                with self.engine.model.between_layers(functools.partial(self._between_layers, job.failure)):
                     fused = next(prefills)
                 reported += 1
                 self._start(job, fused, queued=admitted - job.arrived)
@@ -292,17 +293,19 @@ class Scheduler:
                 self._prefilling = 0
         return True
 
-    def _between_prompt_layers(self, job: GenerationJob) -> None:
-        """Between two layers of `job`'s prompt, computed on the engine thread (`LayerwiseModel.between_layers`):
+    def _between_layers(self, failure: Callable[[float], BaseException | None]) -> None:
+        """Between two layers of a job's prompt or of a call (a context cache compiled), computed on the engine
+        thread (`LayerwiseModel.between_layers`):
 
-        - a job cancelled or timed out meanwhile stops there: its error, raised through its prefill, is what the
-          batch reports for it (a client gone during a long prompt frees the engine at its next layer);
+        - work whose `failure` (at the time now) names an error stops there: a job cancelled or timed out meanwhile
+          (its error, raised through its prefill, is what the batch reports for it: a client gone during a long
+          prompt frees the engine at its next layer), a call its caller abandoned;
         - with max_token_gap set, the running sequences take a decoding step once they have waited that long for a
           token: a long prompt no longer stops every stream for its whole prefill (seconds here), at the cost of
           those steps in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every
           method's plan pauses alike (a stored prefix restored by compute and I/O threads side by side runs on
           those threads, without pauses)."""
-        if error := job.failure(time.perf_counter()):
+        if error := failure(time.perf_counter()):
             raise error
         if self.max_token_gap is not None:
             self._decode_outside_steps(self.max_token_gap)

@@ -289,8 +289,8 @@ class EntryInfo(BaseModel):
 
     key: str
     model_fingerprint: str
-    dtype: Literal["float32", "bfloat16", "float16"]
-    storage: Literal["float32", "bfloat16", "float16", "int8"]
+    dtype: Literal[tuple(DTYPES)]  # the names the store keeps (kvreuse.store.entry.DTYPES)
+    storage: Literal[(*DTYPES, INT8)]
     quantized: Literal["int8"] | None
     num_layers: Count
     num_tokens: Count
@@ -308,7 +308,7 @@ class _TensorHeader(BaseModel):
 
     model_config = ConfigDict(strict=True, frozen=True)
 
-    dtype: Literal["F32", "BF16", "F16", "I8"]
+    dtype: Literal[tuple(ST_DTYPES)]
     shape: list[Index]
     data_offsets: Annotated[list[Index], Field(min_length=2, max_length=2)]
 
