@@ -6,7 +6,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from kvreuse.cli.arguments import add_dtype, add_model, positive_int
+from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int
 from kvreuse.cli.bench import add_restore_arguments
 
 DEFAULT_TIERS = "memory,disk,ssd,hdd"
@@ -23,8 +23,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
     from kvreuse.store.spec import open_store
 
     loaded = load_model(args.model, args.dtype)
-    out = Path(args.out) if args.out else None
-    saved = load_profile(loaded.fingerprint, args.dtype, out)
+    saved = load_profile(loaded.fingerprint, args.dtype, args.out)
     with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as scratch:
         stores = {tier: open_store(tier_spec(tier, scratch), model_fingerprint=loaded.fingerprint, dtype=args.dtype)
                   for tier in args.tiers.split(",")}
@@ -39,7 +38,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
             profile = _calibrate(loaded, stores, profile, args.calibration_repeats)
         for store in stores.values():
             store.close()
-    path = save_profile(profile, out)
+    path = save_profile(profile, args.out)
     Console(width=140).print(profile_table(profile, loaded.name))
     print(f"saved to {path}")
     return 0
@@ -67,7 +66,7 @@ def cmd_fidelity(args: argparse.Namespace) -> int:
     from kvreuse.controller.fidelity import from_eval_results, save_table, user_table_path
 
     table = from_eval_results([Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results])
-    path = save_table(table, Path(args.out) if args.out else user_table_path(table.model))
+    path = save_table(table, args.out or user_table_path(table.model))
     for method, fidelity in sorted(table.methods.items(), key=lambda mf: mf[1].first_token_kl):
         print(f"{method:>18}: first-token KL {fidelity.first_token_kl:.3f}, agreement {fidelity.agreement:.3f} "
               f"({fidelity.examples} examples)")
@@ -96,13 +95,13 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
                        help="also choose each tier's CacheTune ratio (golden-section search over measured TTFT) "
                             "and CacheBlend's load-hiding ratio")
     costs.add_argument("--calibration-repeats", type=positive_int, default=2)
-    costs.add_argument("--out", default=None, help="profile file (default: in the kvreuse cache folder)")
+    costs.add_argument("--out", type=output_file, default=None, help="profile file (default: in the kvreuse cache folder)")
     costs.set_defaults(func=cmd_costs)
 
     fidelity = kinds.add_parser("fidelity", help="the model's fidelity table for method auto, from eval results")
     fidelity.add_argument("results", nargs="+", help="kvreuse eval output folders (or their results.json), and "
                           "earlier fidelity tables to fold in")
-    fidelity.add_argument("--out", default=None, help="table file (default: in the kvreuse cache folder)")
+    fidelity.add_argument("--out", type=output_file, default=None, help="table file (default: in the kvreuse cache folder)")
     fidelity.set_defaults(func=cmd_fidelity)
 
     l_delta = kinds.add_parser("l-delta", help="CacheFlow's L_delta (layer-wise vs token-wise restoration) per tier")
