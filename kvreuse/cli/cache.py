@@ -19,6 +19,7 @@ from rich.table import Table
 from kvreuse.cli.arguments import output_file, positive_int
 from kvreuse.store.base import TierUnavailable
 from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
+from kvreuse.store.keys import InvalidKey, check_key
 from kvreuse.store.spec import open_store
 from kvreuse.store.throttled import DEVICES
 from kvreuse.store.tiered import TieredStore
@@ -41,7 +42,7 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
 
     command("ls", cmd_ls, "list entries")
     command("stats", cmd_stats, "entries, bytes and capacity of each tier")
-    command("rm", cmd_rm, "delete entries by key").add_argument("keys", nargs="+", metavar="KEY")
+    command("rm", cmd_rm, "delete entries by key").add_argument("keys", nargs="+", metavar="KEY", type=_store_key)
     command("clear", cmd_clear, "delete every entry")
     bench = command("bench", cmd_bench, "measure each tier's read/write bandwidth and latency on this machine")
     bench.add_argument("--dir", help="directory for the disk tier (default: a temp dir under /var/tmp)")
@@ -55,6 +56,14 @@ def add_commands(subparsers: argparse._SubParsersAction) -> None:
     for field in dataclasses.fields(EntryShape):
         checked = {"dtype": {"choices": ENTRY_DTYPES}}.get(field.name, {"type": positive_int})
         bench.add_argument(f"--{field.name.replace('_', '-')}", default=field.default, **checked)
+
+
+def _store_key(text: str) -> str:
+    """Checked before any is deleted: an invalid key among several stopped `rm` half way."""
+    try:
+        return check_key(text)
+    except InvalidKey as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _devices(text: str) -> list[str]:
@@ -73,12 +82,10 @@ def _console(stderr: bool = False) -> Console:
 
 @contextlib.contextmanager
 def _opened(args: argparse.Namespace) -> Iterator[TieredStore]:
+    # Bad input (ValueError, a missing folder) is named by the CLI's entry point, which exits 2 as for any command.
     if not args.store:
-        raise SystemExit(f"no store given: pass --store SPEC or set ${STORE_ENV}")
-    try:  # a mistyped disk path is refused, not created and shown as an empty store
-        store = open_store(args.store, create_folders=False)
-    except (ValueError, FileNotFoundError) as e:  # a bad spec: say what is wrong, no traceback
-        raise SystemExit(str(e)) from e
+        raise ValueError(f"no store given: pass --store SPEC or set ${STORE_ENV}")
+    store = open_store(args.store, create_folders=False)  # a mistyped disk path is refused, not created empty
     try:
         yield store
     except TierUnavailable as e:

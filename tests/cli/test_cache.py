@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from kvreuse.cli import main
 from kvreuse.cli.cache import add_commands
 from kvreuse.store.disk import DiskTier
 from kvreuse.store.spec import open_store
@@ -60,21 +61,30 @@ def test_clear_that_deletes_nothing_says_so_and_fails(disk_store, capsys, monkey
     assert sorted(open_store(spec).keys()) == sorted(e.key for e in entries)
 
 
-def test_inspecting_a_disk_folder_that_does_not_exist_does_not_create_it(tmp_path):
+def test_inspecting_a_disk_folder_that_does_not_exist_does_not_create_it(tmp_path, capsys):
     """A mistyped path would be created and shown as an empty store."""
     missing = tmp_path / "nodir" / "sub"
     for command in ("ls", "stats", "clear"):
-        with pytest.raises(SystemExit, match=f"{missing}: no such folder"):
-            run("cache", command, "--store", f"memory:1GB,throttled:ssd:disk:{missing}:1GB")
+        assert main(["cache", command, "--store", f"memory:1GB,throttled:ssd:disk:{missing}:1GB"]) == 2
+        assert f"kvreuse: error: {missing}: no such folder" in capsys.readouterr().err
     assert not (tmp_path / "nodir").exists()
 
 
-def test_commands_name_bad_input(capsys, monkeypatch):
+def test_commands_name_bad_input_and_exit_2_as_every_command(capsys, monkeypatch):
     monkeypatch.delenv("KVREUSE_STORE", raising=False)
-    with pytest.raises(SystemExit, match="no store given"):
-        run("cache", "ls")
-    with pytest.raises(SystemExit, match="bad store spec 'nowhere'"):
-        run("cache", "ls", "--store", "nowhere")
+    assert main(["cache", "ls"]) == 2
+    assert capsys.readouterr().err.startswith("kvreuse: error: no store given")
+    assert main(["cache", "ls", "--store", "nowhere"]) == 2
+    assert "kvreuse: error: bad store spec 'nowhere'" in capsys.readouterr().err
+
+
+def test_rm_checks_every_key_before_deleting_any(disk_store, capsys):
+    """An invalid key among several stopped `rm` half way, the keys before it deleted and those after it kept."""
+    spec, entries = disk_store
+    with pytest.raises(SystemExit) as exit_info:
+        run("cache", "rm", "--store", spec, entries[0].key, "../escape", entries[1].key)
+    assert exit_info.value.code == 2 and "invalid store key '../escape'" in capsys.readouterr().err
+    assert sorted(open_store(spec).keys()) == sorted(e.key for e in entries)
 
 
 @pytest.mark.parametrize("option, value", [("--emulate", "ssd,floppy"), ("--layers", "-1"), ("--dtype", "float64x")])
