@@ -19,6 +19,21 @@ TIER_SPECS = {
 }
 
 
+def check_tiers(text: str, redis: bool = True) -> list[str]:
+    """The comma-separated tiers of a command line, each a name of TIER_SPECS (or "redis", where the command starts
+    a private server) or a store spec (KIND:...): a misspelt name is refused when the command starts, not once the
+    model has loaded and the run begins."""
+    names = (*TIER_SPECS, "redis") if redis else tuple(TIER_SPECS)
+    expected = f"expected {', '.join(names)} or a store spec such as disk:/var/kv"
+    tiers = [tier.strip() for tier in text.split(",") if tier.strip()]
+    if not tiers:
+        raise ValueError(f"no tier named: {expected}")
+    unknown = [tier for tier in tiers if tier not in names and ":" not in tier]
+    if unknown:
+        raise ValueError(f"unknown tier {unknown[0]!r}: {expected}")
+    return tiers
+
+
 def tier_spec(tier: str, scratch: str) -> str:
     """A known tier name's spec (disk under `scratch`); anything else is taken as a store spec already."""
     return TIER_SPECS.get(tier, tier).format(scratch=scratch)

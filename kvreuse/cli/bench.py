@@ -10,6 +10,7 @@ from pathlib import Path
 from kvreuse.bench.fusion import DEFAULT_METHODS as FUSION_METHODS
 from kvreuse.bench.peers.vllm_peer import default_venv
 from kvreuse.bench.peers import PEERS
+from kvreuse.bench.tiers import check_tiers
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
 from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int, whole_number
@@ -34,6 +35,14 @@ def _ints(text: str) -> list[int]:
 
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def tiers(text: str, redis: bool = True) -> list[str]:
+    """--tiers: a misspelt tier is named when the command starts, before the model loads."""
+    try:
+        return check_tiers(text, redis)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_commands(commands: argparse._SubParsersAction) -> None:
@@ -139,7 +148,7 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, help="JSONL file in the schemas of ../shared/datasets/README.md")
     parser.add_argument("--limit", type=positive_int, default=10)
     parser.add_argument("--methods", default=FUSION_METHODS)
-    parser.add_argument("--tiers", default="memory,disk",
+    parser.add_argument("--tiers", type=tiers, default="memory,disk",
                         help="memory, disk, redis (a private redis-server), ssd, hdd, net10g (emulated) or store "
                              "specs, comma-separated")
     parser.add_argument("--repeats", type=positive_int, default=3)
@@ -154,7 +163,7 @@ def cmd_fusion(args: argparse.Namespace) -> int:
 
     methods = parse_method_list(args.methods)  # a bad name fails here, before the model loads
     with torch.inference_mode():
-        report = run(args.dataset, args.limit, methods, args.tiers.split(","), args.repeats, args.model)
+        report = run(args.dataset, args.limit, methods, args.tiers, args.repeats, args.model)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
     return 0
@@ -183,7 +192,7 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL file (schemas of ../shared/datasets/README.md) whose passages make the prompts' "
                              "text; default: seeded synthetic text")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help="kvreuse methods, comma-separated (full is added)")
-    parser.add_argument("--tiers", default=DEFAULT_TIERS,
+    parser.add_argument("--tiers", type=tiers, default=DEFAULT_TIERS,
                         help="memory, disk, redis, ssd, hdd, net10g (emulated) or store specs, comma-separated")
     parser.add_argument("--lengths", type=_ints, default=[1024, 2048],
                         help="prompt lengths in tokens, comma-separated (capped at the model's window)")
@@ -203,7 +212,7 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
 def settings_from(args: argparse.Namespace) -> TtftSettings:
     methods = parse_method_list(args.methods)  # a bad name fails here, before the model loads
     peers = known_peers(_names(args.peers), PEERS)
-    return TtftSettings(methods=methods, tiers=_names(args.tiers),
+    return TtftSettings(methods=methods, tiers=args.tiers,
                         lengths=args.lengths, chunks=args.chunks, prompts=args.prompts, repeats=args.repeats,
                         dataset=args.dataset, model=args.model, peers=peers, redis_url=args.redis_url,
                         vllm_venv=args.vllm_venv, dtype=args.dtype)

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import tempfile
 from pathlib import Path
 
 from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int
-from kvreuse.cli.bench import add_restore_arguments
+from kvreuse.cli.bench import add_restore_arguments, tiers
 
 DEFAULT_TIERS = "memory,disk,ssd,hdd"
 
@@ -26,7 +27,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
     saved = load_profile(loaded.fingerprint, args.dtype, args.out)
     with tempfile.TemporaryDirectory(prefix="kvreuse-profile-", dir="/var/tmp") as scratch:
         stores = {tier: open_store(tier_spec(tier, scratch), model_fingerprint=loaded.fingerprint, dtype=args.dtype)
-                  for tier in args.tiers.split(",")}
+                  for tier in args.tiers}
         profile = measure_profile(loaded.runtime, loaded.fingerprint, args.dtype, stores, args.repeats)
         if saved is not None:
             profile = merged(saved, profile)
@@ -88,7 +89,8 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     costs = kinds.add_parser("costs", help="the controller's machine profile: compute per layer, reads per tier")
     add_model(costs)
     add_dtype(costs)
-    costs.add_argument("--tiers", default=DEFAULT_TIERS, help="tiers to profile, comma-separated "
+    costs.add_argument("--tiers", type=functools.partial(tiers, redis=False), default=DEFAULT_TIERS,
+                       help="tiers to profile, comma-separated "
                        "(memory, disk, or the emulated ssd, hdd, net10g)")
     costs.add_argument("--repeats", type=positive_int, default=5, help="timings per figure (their median is kept)")
     costs.add_argument("--calibrate", action="store_true",
