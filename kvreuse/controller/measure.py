@@ -122,9 +122,16 @@ def _request_seconds(model: LayerwiseModel, repeats: int) -> float:
     return _median_seconds(lambda: model.logits(model.embed(ids)[-1:]), repeats)
 
 
+def _never_falling(seconds: list[float]) -> list[float]:
+    """More rows never take less time, and noise only ever adds time: a count timed slower than a larger one keeps
+    the larger one's time. (One slow sample of 8 rows on a busy machine made the curve fall, t_c negative, and a
+    saved profile that CacheTune's ratio refused.)"""
+    return [min(seconds[i:]) for i in range(len(seconds))]
+
+
 @torch.inference_mode()
 def measure_compute(model: LayerwiseModel, repeats: int = 5) -> ComputeProfile:
-    dense = [_dense_seconds(model, rows, repeats) for rows in ROW_GRID]
+    dense = _never_falling([_dense_seconds(model, rows, repeats) for rows in ROW_GRID])
     score_seconds, causal_score_seconds, key_seconds, call_seconds = _fit_attention(_attention_samples(model, repeats))
     qkv_share = _dense_seconds(model, ROW_GRID[-1], repeats, qkv_only=True) / dense[-1]
     return ComputeProfile(ROW_GRID, dense, score_seconds, key_seconds, call_seconds, _place_seconds(model, repeats),
