@@ -16,7 +16,7 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     )
     add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="the question or instruction (fresh text)")
-    gen.add_argument("--document", action="append", default=[], metavar="FILE",
+    gen.add_argument("--document", type=_document, action="append", default=[], metavar="FILE",
                      help="a text file placed before the prompt as a reusable chunk (repeatable)")
     gen.add_argument("--method", default=None, help="reuse method, e.g. cacheblend:0.15, naive, full (default: the guarded one, see README)")
     gen.add_argument("--store", default=DEFAULT_STORE, help="store spec, e.g. disk:/var/cache/kvreuse")
@@ -29,6 +29,20 @@ def add_commands(commands: argparse._SubParsersAction) -> None:
     gen.set_defaults(func=cmd_generate)
 
 
+def _document(path: str) -> str:
+    """A --document's text, read when the command starts: what is wrong with the file is named before the model
+    loads, with the file's name."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{path!r} is not UTF-8 text (byte {e.start})") from None
+    except OSError as e:
+        raise argparse.ArgumentTypeError(f"{path!r}: {e.strerror}") from None
+    if not text.strip():
+        raise argparse.ArgumentTypeError(f"{path!r} holds no text")
+    return text
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
     from kvreuse.engine.reuse import ReuseEngine
     from kvreuse.engine.sampling import SamplingParams
@@ -36,10 +50,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop
     )
-    documents = [Path(p).read_text() for p in args.document]
     engine = ReuseEngine.load(args.model, args.store, args.dtype, args.decode_weights)
     try:
-        request = engine.build_request(documents, args.prompt)
+        request = engine.build_request(args.document, args.prompt)
         if args.warm:
             engine.compile(request, [args.method])
         result = engine.generate(request, args.method, params)

@@ -17,9 +17,20 @@ def test_generate_reuses_a_warmed_document(tmp_path, capsys, embedded_model):
     assert loaded > 0  # the document (and template head) came from the store
 
 
-def test_missing_document_is_a_clear_error(tmp_path, capsys):
-    assert main(["generate", "--prompt", "hi", "--document", str(tmp_path / "none.txt")]) == 2
-    assert "none.txt" in capsys.readouterr().err
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file or directory"), (b"\xff\xfebinary", "is not UTF-8 text (byte 0)"), (b"", "holds no text"),
+    (b" \n\t", "holds no text")])
+def test_a_document_that_is_no_text_is_named_before_the_model_loads(content, message, tmp_path, capsys, monkeypatch):
+    import kvreuse.engine.reuse
+
+    monkeypatch.setattr(kvreuse.engine.reuse.ReuseEngine, "load", lambda *a: pytest.fail("loaded the model"))
+    doc = tmp_path / "doc.txt"
+    if content is not None:
+        doc.write_bytes(content)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--prompt", "hi", "--document", str(doc)])
+    assert exit_info.value.code == 2 and f"--document: {str(doc)!r}" in (err := capsys.readouterr().err)
+    assert message in err
 
 
 def test_generate_decodes_over_int8_weights_when_asked(tiny_model_dir, capsys, monkeypatch):
