@@ -179,14 +179,20 @@ def _numbered_rows(path: Path) -> list[tuple[int, object]]:
     if not path.is_file():
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with path.open("rb") as f:  # decoded line by line, so that a line that is not UTF-8 is named
+        for number, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8-sig" if number == 1 else "utf-8")  # a BOM some editors write first
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{path}:{number}: not UTF-8 text (byte {e.start} of the line)") from None
             if not line.strip():
                 continue
             try:
                 rows.append((number, json.loads(line)))
             except json.JSONDecodeError as e:
                 raise DatasetError(f"{path}:{number}: not valid JSON ({e.msg})") from None
+            except RecursionError:
+                raise DatasetError(f"{path}:{number}: JSON nested too deeply") from None
     if not rows:
         raise DatasetError(f"dataset file {str(path)!r} holds no rows")
     return rows

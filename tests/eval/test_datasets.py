@@ -122,6 +122,23 @@ def test_lines_are_counted_in_the_file_blank_ones_included(tmp_path):
         load_dataset(path)
 
 
+def test_a_line_that_is_not_utf8_or_nested_too_deeply_is_named_by_its_line(tmp_path):
+    """Python's own errors named no file nor line (UnicodeDecodeError) or were a traceback (RecursionError)."""
+    path = tmp_path / "odd.jsonl"
+    path.write_bytes((json.dumps(QA_ROW) + "\n").encode() + b'{"id": "caf\xe9"}\n')
+    with pytest.raises(DatasetError, match="odd.jsonl:2: not UTF-8 text"):
+        load_dataset(path)
+    path.write_text(json.dumps(QA_ROW) + "\n" + "[" * 100_000 + "]" * 100_000 + "\n")
+    with pytest.raises(DatasetError, match="odd.jsonl:2: JSON nested too deeply"):
+        load_dataset(path)
+
+
+def test_a_byte_order_mark_before_the_first_row_is_read_past(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(QA_ROW) + "\n").encode())
+    assert [p.id for p in load_dataset(path).prompts] == ["q1"]
+
+
 def test_an_id_used_twice_is_refused(tmp_path):
     """Results are cached by id: a second row of the same id would never run, its twin counted twice."""
     rows = [QA_ROW, {**QA_ROW, "question": "Who else?"}]
