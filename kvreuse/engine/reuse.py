@@ -40,7 +40,7 @@ from kvreuse.fusion.compile import compile_chunk
 from kvreuse.fusion.executor import FusionExecutor, FusionResult, FusionStats, StoredKVMissing
 from kvreuse.fusion.methods import Auto, Method, parse_method
 from kvreuse.fusion.plan import Block, FusionPlan, PlacedSegment, PrefixSplit
-from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request
+from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request, describe
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.model.runtime import DECODE_WEIGHTS
@@ -271,6 +271,10 @@ class ReuseEngine:
     # ---- requests --------------------------------------------------------------------------------------
 
     def check_fits(self, request: Request, extra_tokens: int = 0) -> None:
+        """`request` fits the model's window with `extra_tokens` more (every entry point with a request calls it
+        first)."""
+        if not isinstance(request, Request):
+            raise TypeError(f"request: expected a Request (build_request makes one), got {describe(request)}")
         window = self.model.config.max_position_embeddings
         for i, chunk in enumerate(request.of_kind(SegmentKind.CHUNK)):
             if len(chunk.token_ids) > window:
@@ -441,7 +445,9 @@ class ReuseEngine:
 
     def generate(self, request: Request, method: str | None = None, sampling: SamplingParams | None = None
                  ) -> Generation:
-        sampling = sampling or SamplingParams()
+        sampling = SamplingParams() if sampling is None else sampling
+        if not isinstance(sampling, SamplingParams):
+            raise TypeError(f"sampling: expected SamplingParams, got {describe(sampling)}")
         started = time.perf_counter()
         fused = self.prefill(request, method, extra_capacity=sampling.max_tokens)
         return self.generate_after(fused, sampling, started, len(request))

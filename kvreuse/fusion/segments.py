@@ -120,7 +120,8 @@ def chat_request(tokenizer, history: list[dict], chunks: list[list[int]], questi
     return Request([s for s in segments if s.token_ids], salt, template_tail)
 
 
-def _shown(value: object) -> str:
+def describe(value: object) -> str:
+    """A value as an error message shows what was given instead: its type, then its start."""
     return f"{type(value).__name__} {value!r}"[:80]
 
 
@@ -142,11 +143,15 @@ def build_request(
     # A list or tuple only: an iterator checked here would be used up before the chunks are tokenized (a request
     # without them, silently), and a dict's keys or a set's order are not chunks in an order.
     if not isinstance(chunks, (list, tuple)) or not all(isinstance(c, str) for c in chunks):
-        raise TypeError(f"chunks: expected a list of texts, got {_shown(chunks)}")
+        raise TypeError(f"chunks: expected a list of texts, got {describe(chunks)}")
     if not isinstance(question, str):
-        raise TypeError(f"question: expected text, got {_shown(question)}")
+        raise TypeError(f"question: expected text, got {describe(question)}")
     if system is not None and not isinstance(system, str):
-        raise TypeError(f"system: expected text, got {_shown(system)}")
+        raise TypeError(f"system: expected text, got {describe(system)}")
+    if history is not None and not isinstance(history, (list, tuple)):
+        raise TypeError(f"history: expected a list of messages, got {describe(history)}")
+    if salt is not None and not isinstance(salt, str):
+        raise TypeError(f"salt: expected text, got {describe(salt)}")
     if any(not c.strip() for c in chunks):
         raise ValueError("chunks: every chunk must contain text")
     if not question.strip():

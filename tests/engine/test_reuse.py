@@ -512,6 +512,13 @@ def test_an_engine_over_a_bare_tier_reuses_as_over_a_tiered_store(tiny_model, ma
     (lambda e: e.build_request(["doc"], "Q?", system=123), "system: expected text, got int"),
     (lambda e: e.prefill(e.build_request(["doc"], "Q?"), 5), "method: expected a method name"),
     (lambda e: e.compile(e.build_request(["doc"], "Q?"), "cacheblend:0.15"), "methods: expected a list"),
+    (lambda e: e.build_request(["doc"], "Q?", history=5), "history: expected a list of messages, got int 5"),
+    (lambda e: e.ask(["doc"], "Q?", history="hi"), "history: expected a list of messages, got str"),
+    (lambda e: e.build_request(["doc"], "Q?", salt=5), "salt: expected text, got int 5"),
+    (lambda e: e.prefill("Q?"), "request: expected a Request (build_request makes one), got str 'Q?'"),
+    (lambda e: e.compile("Q?"), "request: expected a Request"),
+    (lambda e: e.generate(e.build_request(["doc"], "Q?"), sampling={"max_tokens": 4}),
+     "sampling: expected SamplingParams, got dict"),
 ])
 def test_arguments_of_the_wrong_type_are_named(tiny_chat_engine, call, message):
     """A string where a list of documents goes made one chunk per character, silently; an iterator, a request
