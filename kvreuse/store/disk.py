@@ -161,6 +161,7 @@ class DiskTier(BlobTier):
             # O_NONBLOCK: a FIFO planted at the path would otherwise block the open until someone writes to it.
             fd = os.open(self.path(key), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
         except FileNotFoundError:
+            self._vanished(key)
             yield None
             return
         except OSError as e:
@@ -182,7 +183,14 @@ class DiskTier(BlobTier):
         try:
             return stat.S_ISREG(os.lstat(self.path(key)).st_mode)  # a directory or link there is not an entry
         except FileNotFoundError:
+            self._vanished(key)
             return False
+
+    def _vanished(self, key: str) -> None:
+        """An entry file removed by someone else (`kvreuse cache rm` or `clear` beside a server, the folder
+        deleted) stops counting in the tier's usage and budget once it is found missing."""
+        with self.lock:
+            self.policy.remove(key)
 
     def _write(self, key: str, data: bytes) -> None:
         if not self.policy.fits(len(data)):
@@ -228,6 +236,9 @@ class DiskTier(BlobTier):
         return self.policy.room_left()
 
     def usage(self) -> dict[str, int]:
+        if not self.root.is_dir():  # deleted under us: none of the entries it held is left
+            with self.lock:
+                self.policy.forget_all()
         return {"entries": len(self.policy), "bytes_used": self.policy.used, "capacity": self.policy.capacity or 0}
 
 

@@ -65,6 +65,12 @@ class SegmentedLRU:
         if size is not None:
             self.used -= size
 
+    def forget_all(self) -> None:
+        """Every key gone at once (their files deleted by someone else), nothing evicted."""
+        self.probation.clear()
+        self.protected.clear()
+        self.used = self.protected_used = 0
+
     def _demote_over_protected_share(self) -> None:
         if self.protected_capacity is None:
             return

@@ -6,6 +6,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import shutil
 import time
 from pathlib import Path
 
@@ -155,3 +156,22 @@ def test_a_file_that_cannot_be_mapped_is_read_by_copies(tmp_path, make_entry, mo
     monkeypatch.setattr(disk.mmap, "mmap", unmappable)
     k, v = in_order(tier.view_layers_picking(entry.key, 0, 4))
     assert torch.equal(k, entry.k) and torch.equal(v, entry.v) and tier.stats()["unavailable"] == 0
+
+
+def test_entries_deleted_by_someone_else_stop_counting_once_found_missing(tmp_path, make_entry):
+    """`kvreuse cache rm` or `clear` beside a server, or its folder deleted: the server's stats and budget still
+    counted the vanished entries, for good."""
+    entries = [make_entry() for _ in range(3)]
+    tier = DiskTier(tmp_path / "kv", capacity=10 << 20)
+    for entry in entries:
+        assert tier.put(entry)
+    size = tier.path(entries[2].key).stat().st_size  # the one left
+    DiskTier(tmp_path / "kv").delete(entries[0].key)  # another process's
+    assert not tier.contains(entries[0].key)
+    DiskTier(tmp_path / "kv").delete(entries[1].key)
+    assert tier.get(entries[1].key) is None
+    assert (tier.stats()["entries"], tier.stats()["bytes_used"]) == (1, size)
+    assert tier.room_left() == (10 << 20) - size
+    shutil.rmtree(tmp_path / "kv")
+    assert (tier.stats()["entries"], tier.stats()["bytes_used"]) == (0, 0)
+    assert tier.put(entries[0]) and list(tier.keys()) == [entries[0].key] and tier.stats()["entries"] == 1
