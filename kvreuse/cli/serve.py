@@ -51,6 +51,9 @@ def add_commands(commands) -> None:
     serve.add_argument("model", nargs="?", default=None,
                        help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="model names clients use")
+    serve.add_argument("--allowed-origins", nargs="+", default=None, metavar="ORIGIN",
+                       help="web pages that may call the API from a browser (CORS), e.g. https://app.example.com; "
+                            "'*': any (default: none)")
     serve.add_argument("--config", default=None, help="YAML file of settings (keys as the flags, e.g. max_queue)")
     for flag, (kind, help_text) in FLAGS.items():
         serve.add_argument(flag, type=kind, default=None, help=help_text)
@@ -59,7 +62,7 @@ def add_commands(commands) -> None:
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     flags = {name: getattr(args, name) for name in
-             ["model", "served_model_name", *(f[2:].replace("-", "_") for f in FLAGS)]}
+             ["model", "served_model_name", "allowed_origins", *(f[2:].replace("-", "_") for f in FLAGS)]}
     return load_config(flags, args.config)
 
 

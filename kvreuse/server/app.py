@@ -12,6 +12,7 @@ from typing import Any
 
 import uvicorn
 from fastapi import APIRouter, FastAPI, Query, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
@@ -143,10 +144,14 @@ def create_app(service: EngineService) -> FastAPI:
 
     app = FastAPI(title="kvreuse", summary="OpenAI-compatible serving with reusable documents", lifespan=lifespan)
     install_handlers(app)
-    # the last added runs first: count every request, then check its key, then cap its body
+    # the last added runs first: answer a browser's preflight, count every request, then check its key, then cap
+    # its body (a preflight carries no key: it must be answered before the key is asked for)
     app.add_middleware(BodyLimit, max_bytes=service.config.max_request_bytes)
     app.add_middleware(RequireAPIKey, api_key=service.config.api_key)
     app.add_middleware(RequestMetrics, metrics=service.metrics)
+    if service.config.allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=service.config.allowed_origins,
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])  # client libraries add their own
 
     v1 = APIRouter(prefix="/v1", responses=ERRORS)
 

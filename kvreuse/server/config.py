@@ -26,6 +26,7 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     api_key: str | None = None  # when set, /v1/* needs "Authorization: Bearer <key>"
+    allowed_origins: list[str] = field(default_factory=list)  # web pages that may call the API (CORS); "*": any
     served_model_name: list[str] = field(default_factory=list)  # names clients use; default: the model's name
     store: str = DEFAULT_STORE
     prefix_block_size: int = 256  # tokens per stored block of a conversation's exact prefix (whole blocks reused)

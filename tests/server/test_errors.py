@@ -237,6 +237,24 @@ def test_the_api_key_guards_everything_but_health_and_metrics(make_server):
             assert_error(http.get("/v1/models", headers={"authorization": wrong}), 401, None, "API key")
 
 
+def test_allowed_origins_answer_a_browsers_preflight_before_its_key_is_asked(make_server, http):
+    """A web page calling the API from a browser sends OPTIONS first, without the key: it got 405 (or 401)."""
+    preflight = {"origin": "https://app.example", "access-control-request-method": "POST",
+                 "access-control-request-headers": "authorization, content-type, x-stainless-os"}
+    assert http.options(CHAT, headers=preflight).status_code == 405  # no origin allowed: no CORS
+    server = make_server(api_key="secret", allowed_origins=["https://app.example"])
+    with server.http() as browser:
+        answered = browser.options(CHAT, headers=preflight)
+        assert answered.status_code == 200 and answered.headers["access-control-allow-origin"] == "https://app.example"
+        assert "POST" in answered.headers["access-control-allow-methods"]
+        assert "x-stainless-os" in answered.headers["access-control-allow-headers"]
+        assert browser.options(CHAT, headers={**preflight, "origin": "https://evil.example"}).status_code == 400
+        listed = browser.get("/v1/models", headers={"origin": "https://app.example", "authorization": "Bearer secret"})
+        assert listed.status_code == 200 and listed.headers["access-control-allow-origin"] == "https://app.example"
+        refused = browser.get("/v1/models", headers={"origin": "https://app.example"})
+        assert refused.status_code == 401 and refused.headers["access-control-allow-origin"] == "https://app.example"
+
+
 def post_json(http, url: str, body: dict):
     """POST `body` as JSON escaped to ASCII, as any client may send it: a lone surrogate travels as \\ud800."""
     return http.post(url, content=json.dumps(body).encode(), headers={"content-type": "application/json"})
