@@ -1,6 +1,6 @@
 """The `kvreuse` command: argument parsing for every layer, in one package.
 
-`parser.py` builds the command tree; each module registers one command group (`add_commands`) and holds its
+`parser.py` builds the command tree; each module adds one command's arguments (`add_arguments`) and holds its
 handlers, which call into the library. Nothing here imports them (nor torch) before they are needed: the
 executable (`command`) first starts itself again with its heap in huge pages where that pays
 (kvreuse.model.huge_pages).

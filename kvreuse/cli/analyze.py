@@ -54,8 +54,7 @@ def _share(text: str) -> float:
     return value
 
 
-def add_commands(subparsers) -> None:
-    analyze = subparsers.add_parser("analyze", help="reproduce a paper's observation on this model (PNG + JSON)")
+def add_arguments(analyze: argparse.ArgumentParser) -> None:
     names = analyze.add_subparsers(dest="analysis", required=True, metavar="NAME")
     for name, analysis in ANALYSES.items():
         sub = names.add_parser(name, help=analysis.help)

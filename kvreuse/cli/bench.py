@@ -45,8 +45,7 @@ def tiers(text: str, redis: bool = True) -> list[str]:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
-    bench = commands.add_parser("bench", help="benchmarks")
+def add_arguments(bench: argparse.ArgumentParser) -> None:
     benches = bench.add_subparsers(dest="bench", required=True)
     prefill = benches.add_parser("prefill", help="full prefill: our runtime vs transformers and vLLM, per dtype")
     add_model(prefill)

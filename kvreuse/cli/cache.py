@@ -1,7 +1,7 @@
 """`kvreuse cache ls|stats|rm|clear|bench`: look after a store and measure its tiers.
 
-`add_commands(subparsers)` registers the commands on the main CLI's argparse subparsers; each sub-command sets
-`func`, which takes the parsed args and returns an exit code.
+`add_arguments(cache)` adds the sub-commands to the main CLI's `cache` parser; each sets `func`, which takes the
+parsed args and returns an exit code.
 """
 
 from __future__ import annotations
@@ -28,8 +28,7 @@ STORE_ENV = "KVREUSE_STORE"
 ENTRY_DTYPES = ("float32", "bfloat16", "float16")  # what `cache bench`'s synthetic entries may hold
 
 
-def add_commands(subparsers: argparse._SubParsersAction) -> None:
-    cache = subparsers.add_parser("cache", help="list, inspect, clear and benchmark a KV store")
+def add_arguments(cache: argparse.ArgumentParser) -> None:
     sub = cache.add_subparsers(dest="cache_command", required=True)
     store_help = f"store spec, tiers top to bottom, e.g. memory:2GB,disk:/var/kv (default: ${STORE_ENV})"
 

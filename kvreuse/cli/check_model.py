@@ -20,12 +20,11 @@ EXIT_CODES = """exit codes:
   3  no verdict: check-model crashed (a kvreuse bug; the traceback is printed)"""
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
-    check = commands.add_parser(
-        "check-model", help="run the correctness gate on a model", epilog=EXIT_CODES,
-        description="Compare kvreuse's runtime with transformers on the model, in fp32: prefill logits (whole and "
-                    "continuing a cache), greedy decoding, pooled decoding of several sequences, re-rotated keys.",
-        formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(check: argparse.ArgumentParser) -> None:
+    check.description = ("Compare kvreuse's runtime with transformers on the model, in fp32: prefill logits (whole "
+                         "and continuing a cache), greedy decoding, pooled decoding of several sequences, re-rotated "
+                         "keys.")
+    check.epilog, check.formatter_class = EXIT_CODES, argparse.RawDescriptionHelpFormatter
     check.add_argument("model", nargs="?", default=None, help="HF directory or .gguf file (default: embedded model)")
     check.set_defaults(func=cmd_check_model)
 

@@ -12,8 +12,7 @@ from kvreuse.cli.arguments import add_model, output_folder, positive_float, posi
 DEFAULT_METHODS = "full,naive,prefix,cacheblend:0.15,cacheblend:0.05,legolink:2,legolink:16,legolink0,cachetune:0.15"
 
 
-def add_commands(subparsers) -> None:
-    ev = subparsers.add_parser("eval", help="compare reuse methods with full prefill on a benchmark JSONL file")
+def add_arguments(ev: argparse.ArgumentParser) -> None:
     add = ev.add_argument
     add("--dataset", required=True, type=Path, metavar="PATH", help="normalised JSONL file (QA, SAMSum, Multi-News)")
     add("--methods", default=DEFAULT_METHODS, metavar="LIST",

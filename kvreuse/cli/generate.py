@@ -10,10 +10,7 @@ from kvreuse.cli.arguments import add_model_args
 from kvreuse.store.spec import DEFAULT_STORE
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
-    gen = commands.add_parser(
-        "generate", help="answer a prompt, optionally over reusable documents; print the text and its TTFT"
-    )
+def add_arguments(gen: argparse.ArgumentParser) -> None:
     add_model_args(gen)
     gen.add_argument("--prompt", required=True, help="the question or instruction (fresh text)")
     gen.add_argument("--document", type=_document, action="append", default=[], metavar="FILE",

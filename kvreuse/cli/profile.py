@@ -83,8 +83,7 @@ def cmd_l_delta(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_commands(commands: argparse._SubParsersAction) -> None:
-    profile = commands.add_parser("profile", help="measure this machine and model for the controller and restoration")
+def add_arguments(profile: argparse.ArgumentParser) -> None:
     kinds = profile.add_subparsers(dest="profile", required=True)
     costs = kinds.add_parser("costs", help="the controller's machine profile: compute per layer, reads per tier")
     add_model(costs)

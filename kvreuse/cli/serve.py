@@ -42,12 +42,9 @@ FLAGS = {
 }
 
 
-def add_commands(commands) -> None:
-    serve = commands.add_parser(
-        "serve", help="OpenAI-compatible HTTP server with reusable documents, a context-cache API and metrics",
-        description="Settings come from defaults, then --config (or $KVREUSE_CONFIG, YAML), then KVREUSE_* "
-        "environment variables (e.g. KVREUSE_PORT), then these flags.",
-    )
+def add_arguments(serve: argparse.ArgumentParser) -> None:
+    serve.description = ("Settings come from defaults, then --config (or $KVREUSE_CONFIG, YAML), then KVREUSE_* "
+                         "environment variables (e.g. KVREUSE_PORT), then these flags.")
     serve.add_argument("model", nargs="?", default=None,
                        help="HF directory or .gguf file (default: the embedded SmolLM2-135M-Instruct)")
     serve.add_argument("--served-model-name", nargs="+", default=None, help="model names clients use")

@@ -1,4 +1,4 @@
-"""`kvreuse cache ...` through a local argparse runner (the main CLI calls the same add_commands)."""
+"""`kvreuse cache ...` through a local argparse runner (the main CLI calls the same add_arguments)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import json
 import pytest
 
 from kvreuse.cli import main
-from kvreuse.cli.cache import add_commands
+from kvreuse.cli.cache import add_arguments
 from kvreuse.store.disk import DiskTier
 from kvreuse.store.spec import open_store
 
@@ -17,7 +17,7 @@ from ..store.conftest import make_entry  # noqa: F401, F811  (the store tests' e
 
 def run(*argv: str) -> int:
     parser = argparse.ArgumentParser(prog="kvreuse")
-    add_commands(parser.add_subparsers(dest="command", required=True))
+    add_arguments(parser.add_subparsers(dest="command", required=True).add_parser("cache"))
     args = parser.parse_args(argv)
     return args.func(args)
 
