@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from kvreuse.model.loader import DTYPES
-from kvreuse.model.runtime import DECODE_WEIGHTS
+from kvreuse.model.options import DECODE_WEIGHTS, DTYPE_NAMES
 
 
 def add_model(parser: argparse.ArgumentParser) -> None:
@@ -15,7 +14,7 @@ def add_model(parser: argparse.ArgumentParser) -> None:
 
 
 def add_dtype(parser: argparse.ArgumentParser, help: str | None = None) -> None:
-    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help=help)
+    parser.add_argument("--dtype", default="float32", choices=sorted(DTYPE_NAMES), help=help)
 
 
 def add_model_args(parser: argparse.ArgumentParser) -> None:

