@@ -185,7 +185,7 @@ def gate_length(model: LayerwiseModel) -> int:
     """The fewest tokens of the gate's prompt, which its prefill checks take whole: past `core_length` and the rows
     products of the model's dtype take through native's panels (`native.most_panel_rows`: 2048 with AVX2, 1024 for
     bf16 with AVX-512, 32 where the CPU has AMX; oneDNN takes more), so that both kinds of product are checked
-    (fp32 with AVX-512 takes the panels for any rows: one kind). The other checks take its first `core_length`
+    (fp32 with AVX-512 and AMX takes the panels for any rows: one kind). The other checks take its first `core_length`
     tokens: on the whole prompt they took the gate from 12.6 s to 19.5 s on SmolLM2 here, and the re-rotated keys
     would compare products through oneDNN with products in panels (fp32 rounding of 8.8e-6 of the keys' scale at
     width 4096, against KEYS_TOLERANCE 1e-5; docs/RESULTS.md)."""

@@ -219,8 +219,8 @@ int panel_width(void) { return PANEL_WIDTH; }
    fp32, 0.92 at 96, 0.97-0.98 at 256, 0.99-1.01 at 1024, 1.01 at 2048; bf16 0.77 at 48, 0.89 at 96, 0.94 at 256,
    0.99 at 2048. AVX2 on a 2-core Zen 3 EPYC (fp32), with the assembly tile: 0.79 at 96 rows, 0.92 at 256 and 512,
    0.91 at 1024, 0.95 at 2048, 0.99 at 4096; with GCC's tile: 0.74 at 16 rows, 0.85 at 96, 1.02 at 256, 0.98-0.99
-   at 384-1024, where oneDNN's times move less from run to run. fp32 with AVX-512 takes any number of rows all the
-   same (kvreuse.model.native.ANY_ROWS: a prompt's layers then run as the resolved native calls). */
+   at 384-1024, where oneDNN's times move less from run to run. fp32 with AVX-512 takes more rows all the same
+   (kvreuse.model.native.most_panel_rows: a prompt's layers then run as the resolved native calls). */
 int panel_rows_most(void) { return VW == 16 ? 1024 : PANEL_TILE_AVX2 ? 2048 : 256; }
 
 /* fetch: a constant where called, 1 for a tile that streams its panel from memory (PANEL_FETCH_AHEAD); next: the

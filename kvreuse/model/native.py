@@ -234,14 +234,19 @@ VECTOR_BF16_PANEL_ROWS = 4
 # step whose products all take the panels runs as the native calls resolved once (ResolvedStep): a layer's norm and
 # q/k/v product in one call, its end (o-projection, residual, norm, MLP) in another, where oneDNN's products leave
 # them to torch's ops between. Full prefill on that Xeon took 0.75-0.84x the time at 2K tokens, 0.90-0.93x at 4K.
+# On a Zen 4 EPYC (AVX-512, no AMX) the same comparison gave 1.00 at 2K, 1.01 at 3K and 1.03 at 4K (6 rounds
+# alternated in one process, docs/RESULTS.md): its products in panels past 2048 rows lose more than the resolved
+# calls save, so fp32 takes the panels for any rows only where the CPU has AMX (the Xeons measured).
 ANY_ROWS = sys.maxsize
+FP32_PANEL_ROWS_WITHOUT_AMX = 2048
 
 
 def most_panel_rows(dtype: torch.dtype) -> int:
     """The most rows of `dtype` `linear` sends through `panel_rows` rather than oneDNN, for the library as built:
-    fp32 ANY_ROWS with AVX-512; else 1024 with AVX-512, 2048 with AVX2 (its tile in assembly; native.c's
-    `panel_rows_most` gives the measurements), bf16 AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles
-    (VECTOR_BF16_PANEL_ROWS if Linux refuses the process the tiles); 0 without the library. The reuse methods'
+    fp32 ANY_ROWS with AVX-512 and AMX-BF16, FP32_PANEL_ROWS_WITHOUT_AMX with AVX-512 alone; else 1024 with
+    AVX-512, 2048 with AVX2 (its tile in assembly; native.c's `panel_rows_most` gives the measurements), bf16
+    AMX_BF16_PANEL_ROWS where the CPU multiplies bf16 in AMX tiles (VECTOR_BF16_PANEL_ROWS if Linux refuses the
+    process the tiles); 0 without the library. The reuse methods'
     products of a few hundred rows gain most: naive's question rows, CacheBlend's and CacheTune's recomputed ones
     (docs/RESULTS.md, "Products of up to 1024 rows in panels")."""
     if not available():
@@ -250,7 +255,7 @@ def most_panel_rows(dtype: torch.dtype) -> int:
     if dtype == torch.bfloat16 and built.amx_bf16:
         return min(built.most_rows, AMX_BF16_PANEL_ROWS if _amx_permitted() else VECTOR_BF16_PANEL_ROWS)
     if dtype == torch.float32 and built.avx512:
-        return ANY_ROWS
+        return ANY_ROWS if built.amx_bf16 else FP32_PANEL_ROWS_WITHOUT_AMX
     return built.most_rows
 
 

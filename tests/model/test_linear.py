@@ -12,7 +12,7 @@ from kvreuse.model.linear import linear, route
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-# both sides of most_panel_rows where it has a limit (1024 or 2048; fp32 with AVX-512 has none)
+# both sides of most_panel_rows where it has a limit (1024 or 2048; fp32 with AVX-512 and AMX has none)
 @pytest.mark.parametrize("rows", [1, 3, 16, 256, 257, 600, 1024, 1025, 2048, 2049])
 @pytest.mark.parametrize("bias", [False, True])
 @torch.inference_mode()
@@ -150,7 +150,7 @@ def test_a_weight_packed_while_the_native_kernels_were_off_gets_its_panels_when_
 
 
 @pytest.mark.skipif(not native.available() or native.most_panel_rows(torch.float32) != native.ANY_ROWS,
-                    reason="fp32 products of any rows take the panels with AVX-512 only")
+                    reason="fp32 products of any rows take the panels with AVX-512 and AMX only")
 @torch.inference_mode()
 def test_with_avx512_fp32_products_of_any_rows_take_the_panels_and_make_no_onednn_copy():
     from kvreuse.model import linear as linear_module

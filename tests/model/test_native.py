@@ -357,7 +357,7 @@ def test_the_library_says_whether_the_cpu_has_amx_bf16():
 @pytest.mark.parametrize("granted", [True, False])
 def test_where_the_cpu_has_amx_bf16_takes_panels_up_to_a_few_rows_only(monkeypatch, granted):
     """oneDNN's bf16 product in AMX tiles outruns the panels past a few rows: the panels' own tiles where Linux
-    grants them, fewer in vdpbf16ps where it does not; fp32 keeps its own (any rows with AVX-512)."""
+    grants them, fewer in vdpbf16ps where it does not; fp32 takes any rows in panels with AVX-512 there."""
     built = native._built(native.library())
     routed_as_if_amx_bf16(monkeypatch, True)
     monkeypatch.setattr(native, "_amx_permitted", lambda: granted)
@@ -370,6 +370,9 @@ def test_where_the_cpu_has_amx_bf16_takes_panels_up_to_a_few_rows_only(monkeypat
         assert route(torch.randn(most + 1, 24, dtype=torch.bfloat16), layer) == "onednn-packed"
     routed_as_if_amx_bf16(monkeypatch, False)
     assert native.most_panel_rows(torch.bfloat16) == built.most_rows
+    # fp32 past 2048 rows: oneDNN on a Zen 4, where the panels' products lose more than the resolved calls save
+    assert native.most_panel_rows(torch.float32) == (
+        native.FP32_PANEL_ROWS_WITHOUT_AMX if built.avx512 else built.most_rows)
 
 
 def _reference_attention(q, keys, values, positions, lengths, q_pos, window, scale):
