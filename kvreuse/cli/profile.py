@@ -96,13 +96,15 @@ def add_arguments(profile: argparse.ArgumentParser) -> None:
                        help="also choose each tier's CacheTune ratio (golden-section search over measured TTFT) "
                             "and CacheBlend's load-hiding ratio")
     costs.add_argument("--calibration-repeats", type=positive_int, default=2)
-    costs.add_argument("--out", type=output_file, default=None, help="profile file (default: in the kvreuse cache folder)")
+    costs.add_argument("--out", type=output_file, default=None,
+                       help="profile file (default: in the kvreuse cache folder)")
     costs.set_defaults(func=cmd_costs)
 
     fidelity = kinds.add_parser("fidelity", help="the model's fidelity table for method auto, from eval results")
     fidelity.add_argument("results", nargs="+", help="kvreuse eval output folders (or their results.json), and "
                           "earlier fidelity tables to fold in")
-    fidelity.add_argument("--out", type=output_file, default=None, help="table file (default: in the kvreuse cache folder)")
+    fidelity.add_argument("--out", type=output_file, default=None,
+                          help="table file (default: in the kvreuse cache folder)")
     fidelity.set_defaults(func=cmd_fidelity)
 
     l_delta = kinds.add_parser("l-delta", help="CacheFlow's L_delta (layer-wise vs token-wise restoration) per tier")

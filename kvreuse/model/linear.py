@@ -8,18 +8,18 @@ products the panels do not take go to oneDNN either way; packed they gain most a
 decoding). The packs are copies: the projections' weights take twice their size in memory (SmolLM2 in fp32: 0.54 GB
 more).
 
-Up to native.most_panel_rows(dtype) rows (fp32 any number with AVX-512 and AMX, 2048 with AVX-512 alone or AVX2, bf16 1024 with AVX-512: a
-decoding step, a prefill's logits, the rows a reuse method recomputes, and fp32 prompts with AVX-512, whose layers
-then run as native calls resolved once) run in kvreuse.model.native's `panel_rows`, over another copy of each weight
-laid out in panels of outputs: every weight is read from memory once per step, in order, while the products run
-close to the FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core Zen 4 EPYC, SmolLM2's
-fp32 projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster at 1-3 rows than dot
-products over the plain weights; bf16 1.3x at 16 rows). That copy is another 0.54 GB for SmolLM2 in fp32 (0.27 in
-bf16); oneDNN's copy is made only once a product runs there, so fp32 with AVX-512 and AMX does without it. bf16 takes the panels
-where the CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to native's `few_rows`, over the plain weights.
-Where the CPU has AMX-BF16, the panels multiply bf16 in AMX tiles, and oneDNN too, 2-9x vdpbf16ps's rate from 16
-rows on: there bf16 takes the panels (in the tiles) up to 32 rows, what a decoding step's products read from memory
-(`native.AMX_BF16_PANEL_ROWS`), and oneDNN past that.
+Up to native.most_panel_rows(dtype) rows (fp32 any number with AVX-512 and AMX, 2048 with AVX-512 alone or AVX2,
+bf16 1024 with AVX-512: a decoding step, a prefill's logits, the rows a reuse method recomputes, and fp32 prompts
+with AVX-512, whose layers then run as native calls resolved once) run in kvreuse.model.native's `panel_rows`, over
+another copy of each weight laid out in panels of outputs: every weight is read from memory once per step, in order,
+while the products run close to the FMA units' rate, where oneDNN's product of a few rows does neither (on a 2-core
+Zen 4 EPYC, SmolLM2's fp32 projections 1.25-1.35x faster at 16 rows, 1.09x at 96, level from 1024; 1.25-1.37x faster
+at 1-3 rows than dot products over the plain weights; bf16 1.3x at 16 rows). That copy is another 0.54 GB for
+SmolLM2 in fp32 (0.27 in bf16); oneDNN's copy is made only once a product runs there, so fp32 with AVX-512 and AMX
+does without it. bf16 takes the panels where the CPU has AVX512-BF16; elsewhere a bf16 layer's 1-3 rows go to
+native's `few_rows`, over the plain weights. Where the CPU has AMX-BF16, the panels multiply bf16 in AMX tiles, and
+oneDNN too, 2-9x vdpbf16ps's rate from 16 rows on: there bf16 takes the panels (in the tiles) up to 32 rows, what a
+decoding step's products read from memory (`native.AMX_BF16_PANEL_ROWS`), and oneDNN past that.
 
 Projections that take the same input (q/k/v; the MLP's gate and up) run as one product over their weights
 stacked: one call instead of three or two, over a wider output. SmolLM2 in fp32 on a Zen 4 EPYC, each form
@@ -211,8 +211,8 @@ def _panels_take_any_rows(weight: torch.Tensor) -> bool:
 
 def _packed_weights(layers: Sequence[nn.Linear], onednn: bool = False) -> _Packed:
     """The layers' packed forms: the panels where they take the weight's dtype, oneDNN's layout once a product runs
-    there (`onednn`). Where the panels take every row count (fp32 with AVX-512 and AMX) none does, and oneDNN's copy would be
-    another 0.54 GB for SmolLM2 in fp32."""
+    there (`onednn`). Where the panels take every row count (fp32 with AVX-512 and AMX) none does, and oneDNN's copy
+    would be another 0.54 GB for SmolLM2 in fp32."""
     packed = _packed.get(layers[0])
     first = layers[0].weight
     if packed is None or not packed.made_from(layers) or (

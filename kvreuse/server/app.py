@@ -150,8 +150,8 @@ def create_app(service: EngineService) -> FastAPI:
     app.add_middleware(RequireAPIKey, api_key=service.config.api_key)
     app.add_middleware(RequestMetrics, metrics=service.metrics)
     if service.config.allowed_origins:
-        app.add_middleware(CORSMiddleware, allow_origins=service.config.allowed_origins,
-                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])  # client libraries add their own
+        app.add_middleware(CORSMiddleware, allow_origins=service.config.allowed_origins,  # client libraries send
+                           allow_methods=["GET", "POST", "DELETE"], allow_headers=["*"])  # headers of their own
 
     v1 = APIRouter(prefix="/v1", responses=ERRORS)
 
