@@ -271,8 +271,8 @@ class ReuseEngine:
     # ---- requests --------------------------------------------------------------------------------------
 
     def check_fits(self, request: Request, extra_tokens: int = 0) -> None:
-        """`request` fits the model's window with `extra_tokens` more (every entry point with a request calls it
-        first)."""
+        """`request` is a Request that fits the model's window with `extra_tokens` more (compile, prefill and
+        prefill_batch ask first)."""
         if not isinstance(request, Request):
             raise TypeError(f"request: expected a Request (build_request makes one), got {describe(request)}")
         window = self.model.config.max_position_embeddings
