@@ -109,13 +109,17 @@ class ResultCache:
         self.path = path
         self.records: dict[str, MethodResult] = {}
         if path.is_file():
-            for line in path.read_text(encoding="utf-8").splitlines():
-                # a line cut by a run killed mid-write, or of an older layout, is recomputed
+            data = path.read_bytes()
+            for line in data.decode("utf-8", errors="replace").splitlines():
+                # a line cut by a run killed mid-write, damaged, or of an older layout, is recomputed
                 try:
                     entry = json.loads(line)
                     self.records[entry["key"]] = MethodResult(**entry["result"])
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue
+            if data and not data.endswith(b"\n"):  # the next record would be glued to that cut line, and lost
+                with path.open("ab") as f:
+                    f.write(b"\n")
 
     @staticmethod
     def key(settings: RunSettings, prompt: ChunkedPrompt, method: str) -> str:

@@ -109,13 +109,16 @@ def test_an_output_opening_with_a_newline_is_generated_again_without_the_stop(tm
 def test_run_resumes_from_the_cache_file(tmp_path):
     path = tmp_path / "r.jsonl"
     first = run(FakeEngine(), toy_dataset(), METHODS, SETTINGS, ResultCache(path), False)
-    with path.open("a") as f:
-        f.write('{"key": "older layout", "result": {"score": 1}}\n')
-        f.write('{"key": "half a line')  # a run killed mid-write
+    with path.open("ab") as f:
+        f.write(b'{"key": "older layout", "result": {"score": 1}}\n')
+        f.write(b'{"key": "damaged \xff\xfe"}\n')
+        f.write(b'{"key": "half a line')  # a run killed mid-write
 
     again = FakeEngine()
     assert run(again, toy_dataset(), METHODS, SETTINGS, ResultCache(path), False) == first
     assert sum(again.calls.values()) == 0
+    added = run(FakeEngine(), toy_dataset(), [*METHODS, "auto"], SETTINGS, ResultCache(path), False)
+    assert len(ResultCache(path).records) == len(added)  # the first record after the cut line was not glued to it
 
 
 def test_a_method_added_later_runs_alone_against_recomputed_reference_logits(tmp_path):
