@@ -20,6 +20,7 @@ a request never waits for a store write, and a conversation whose history grows 
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
@@ -100,6 +101,8 @@ class ReuseEngine:
         self.placement = placement
         self._closed = False
         self.write_back = WriteBack()
+        # Every compile mode this engine has stored chunks in (compiles run on the write-back thread too)
+        self._compile_modes, self._compile_modes_lock = {"plain"}, threading.Lock()
         self._batch_restorer: BatchRestorer | None = None
         profile = controller.profile if controller else load_profile(self.fingerprint, self._dtype_name)
         if profile is not None:
@@ -158,6 +161,13 @@ class ReuseEngine:
         mode = method.compile_mode if segment.kind == SegmentKind.CHUNK else "plain"
         return chunk_key(segment.token_ids, self._key_space(request.salt, mode))
 
+    def chunk_keys(self, token_ids: Sequence[int], salt: str | None) -> list[str]:
+        """Every key a chunk of these tokens may be stored under in tenant `salt`: one per compile mode this engine
+        has stored chunks in (deleting a chunk must remove all of them, not only the default mode's)."""
+        with self._compile_modes_lock:
+            modes = sorted(self._compile_modes)
+        return [chunk_key(token_ids, self._key_space(salt, mode)) for mode in modes]
+
     def restorer_for(self, request: Request | None) -> PrefixRestorer:
         """The prefix restorer keyed in the request's tenant (None: no tenant); I/O channels and learnt rates are
         the machine's, shared by every tenant."""
@@ -211,6 +221,8 @@ class ReuseEngine:
 
     def _compile(self, segment: Segment, key: str, method: Method) -> None:
         dummies = int(method.compile_mode.partition(":")[2] or 0) if segment.kind == SegmentKind.CHUNK else 0
+        with self._compile_modes_lock:
+            self._compile_modes.add(method.compile_mode)
         dummy_id = self.model.config.bos_token_id or 0
         entry = compile_chunk(self.model, segment.token_ids, key, self.fingerprint, dummies, dummy_id)
         if self.placement is not None and isinstance(self.store, TieredStore) and len(self.store.tiers) > 1:

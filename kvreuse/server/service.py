@@ -386,4 +386,7 @@ class EngineService:
     async def delete_cache(self, id_: str, salt: str | None) -> None:
         cache = self.find_cache(id_, salt)
         self.caches.remove(id_, salt)
-        await asyncio.to_thread(lambda: [self.engine.store.delete(k) for k in cache.keys])
+        # Requests that used the cache with another compile mode's method (legolink0) stored its KV under that
+        # mode's key too: the delete removes every one.
+        keys = {*cache.keys, *self.engine.chunk_keys(cache.token_ids, salt)}
+        await asyncio.to_thread(lambda: [self.engine.store.delete(k) for k in keys])

@@ -141,6 +141,23 @@ def test_context_cache_api_and_cache_ids(client, http):
         client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body=body)
 
 
+def test_deleting_a_cache_removes_its_kv_in_every_compile_mode_a_request_stored(server, client, http):
+    """A request using the cache with legolink0 stored the cache's KV in that mode too: the delete answered
+    "deleted" and left it, and the same text kept hitting it."""
+    text = "The ferry timetable of the Vell, chapter 3. " * 4
+    cache = http.post("/v1/caches", json={"text": text, "cache_salt": "d1"}).json()
+    body = {"cache_ids": [cache["id"]], "cache_salt": "d1", "kvreuse": {"method": "legolink0"}}
+    client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body=body)
+    server.service.engine.wait_for_write_back()
+    keys = server.service.engine.chunk_keys(chunk_ids(server.service.engine.tokenizer, text), "d1")
+    assert len(keys) >= 2 and all(server.service.engine.store.contains(key) for key in keys)
+    assert http.delete(f"/v1/caches/{cache['id']}", params={"cache_salt": "d1"}).json()["deleted"]
+    assert not any(server.service.engine.store.contains(key) for key in keys)
+    again = {"documents": [text], "cache_salt": "d1", "kvreuse": {"method": "legolink0"}}
+    usage = kvreuse_usage(client.chat.completions.create(messages=QUESTION, **GREEDY, extra_body=again).usage)
+    assert usage["chunk_hits"] == 0
+
+
 def test_a_cache_from_token_ids(http):
     cache = http.post("/v1/caches", json={"token_ids": [5, 6, 7, 8, 9]}).json()
     assert cache["tokens"] == 5 and cache["stored"]
