@@ -156,12 +156,18 @@ def _as_table(data: object) -> FidelityTable:
     if isinstance(data.get("methods"), dict):
         return FidelityTable.from_json(data)
     try:
-        methods = {row["method"]: Fidelity(row["first_token_kl"], row["agreement"], row["examples"])
-                   for row in data["methods"]}
+        methods = {row["method"]: _fidelity_of(row) for row in data["methods"]}
         source = f"{data['settings']['dataset']}: {data['methods'][0]['examples']} examples"
         return FidelityTable(data["settings"]["model"], _choosable_only(methods), [source])
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise ValueError(f"neither kvreuse eval results nor a fidelity table: {e}") from None
+
+
+def _fidelity_of(row: dict) -> Fidelity:
+    try:
+        return Fidelity(row["first_token_kl"], row["agreement"], row["examples"])
+    except ValueError as e:
+        raise ValueError(f"method {row.get('method')!r}: {e}") from None
 
 
 def user_table_path(model: str) -> Path:

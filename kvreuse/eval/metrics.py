@@ -61,10 +61,11 @@ def agreement(reference_output: str, output: str) -> float:
 
 
 def first_token_kl(reference_logits: torch.Tensor, logits: torch.Tensor) -> float:
-    """KL(full || method) of the first-token distributions, in nats, computed in float64 from logits."""
+    """KL(full || method) of the first-token distributions, in nats, computed in float64 from logits. At least 0:
+    logits equal but for rounding gave about -1e-15, which a fidelity table refuses."""
     log_p = torch.log_softmax(reference_logits.double().flatten(), dim=-1)
     log_q = torch.log_softmax(logits.double().flatten(), dim=-1)
-    return float((log_p.exp() * (log_p - log_q)).sum())
+    return max(0.0, float((log_p.exp() * (log_p - log_q)).sum()))
 
 
 def mean_log_likelihood(token_logprobs: torch.Tensor) -> float:

@@ -104,6 +104,12 @@ def test_an_earlier_table_folds_into_a_new_one(tmp_path):
     assert table.sources == ["2wikimqa: 10 examples", "hotpotqa: 10 examples", "samsum: 10 examples"]
 
 
+def test_a_method_row_with_a_bad_value_is_named(tmp_path):
+    results = eval_results(tmp_path / "r.json", "m", "x", {"naive": (0.4, 0.5), "prefix": (-0.1, 1.0)})
+    with pytest.raises(ValueError, match="method 'prefix': first_token_kl: expected a number >= 0, got -0.1"):
+        from_eval_results([results])
+
+
 def test_a_file_that_is_neither_results_nor_a_table_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"settings": {}, "methods": [{"method": "naive"}]}))
