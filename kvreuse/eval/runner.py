@@ -101,6 +101,23 @@ class MethodResult:
     output: str
     stats: dict = field(default_factory=dict)
 
+    @classmethod
+    def from_record(cls, record: dict) -> MethodResult:
+        """A row of the resume file, its fields of the types the report computes with: a row edited or damaged
+        into another type (a score as text) is a TypeError here, not the run's crash once every example is done."""
+        result = cls(**record)
+        for name, kinds in _RECORD_TYPES.items():
+            value = getattr(result, name)
+            if not isinstance(value, kinds) or isinstance(value, bool):
+                raise TypeError(f"{name}: expected {kinds}, got {value!r}")
+        return result
+
+
+_NUMBER = (int, float)
+_RECORD_TYPES = {"example_id": str, "method": str, "score": _NUMBER, "agreement": _NUMBER, "gold_loglik": _NUMBER,
+                 "first_token_kl": _NUMBER, "ttft": _NUMBER, "recompute_share": (*_NUMBER, type(None)),
+                 "output": str, "stats": dict}
+
 
 class ResultCache:
     """Per-example results, one JSON line each, appended as they come so an interrupted run resumes."""
@@ -114,7 +131,7 @@ class ResultCache:
                 # a line cut by a run killed mid-write, damaged, or of an older layout, is recomputed
                 try:
                     entry = json.loads(line)
-                    self.records[entry["key"]] = MethodResult(**entry["result"])
+                    self.records[entry["key"]] = MethodResult.from_record(entry["result"])
                 except (json.JSONDecodeError, KeyError, TypeError):
                     continue
             if data and not data.endswith(b"\n"):  # the next record would be glued to that cut line, and lost

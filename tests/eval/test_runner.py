@@ -1,3 +1,4 @@
+import json
 from dataclasses import replace
 
 import pytest
@@ -109,6 +110,10 @@ def test_an_output_opening_with_a_newline_is_generated_again_without_the_stop(tm
 def test_run_resumes_from_the_cache_file(tmp_path):
     path = tmp_path / "r.jsonl"
     first = run(FakeEngine(), toy_dataset(), METHODS, SETTINGS, ResultCache(path), False)
+    lines = path.read_text().splitlines()
+    edited = json.loads(lines[0])
+    edited["result"]["score"] = str(edited["result"]["score"])  # edited or damaged into another type
+    path.write_text("\n".join([json.dumps(edited), *lines[1:]]) + "\n")
     with path.open("ab") as f:
         f.write(b'{"key": "older layout", "result": {"score": 1}}\n')
         f.write(b'{"key": "damaged \xff\xfe"}\n')
@@ -116,7 +121,9 @@ def test_run_resumes_from_the_cache_file(tmp_path):
 
     again = FakeEngine()
     assert run(again, toy_dataset(), METHODS, SETTINGS, ResultCache(path), False) == first
-    assert sum(again.calls.values()) == 0
+    # the edited row (full's, of the first example) measured again, nothing else
+    assert [key for key in again.calls if key[0] == "generate"] == [("generate", "full")]
+    assert again.calls[("generate", "full")] == 1
     added = run(FakeEngine(), toy_dataset(), [*METHODS, "auto"], SETTINGS, ResultCache(path), False)
     assert len(ResultCache(path).records) == len(added)  # the first record after the cut line was not glued to it
 
