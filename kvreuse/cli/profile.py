@@ -66,8 +66,15 @@ def _calibrate(loaded, stores: dict, profile, repeats: int):
 def cmd_fidelity(args: argparse.Namespace) -> int:
     from kvreuse.controller.fidelity import from_eval_results, save_table, user_table_path
 
-    table = from_eval_results([Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results])
-    path = save_table(table, args.out or user_table_path(table.model))
+    inputs = [Path(p) / "results.json" if Path(p).is_dir() else Path(p) for p in args.results]
+    table = from_eval_results(inputs)
+    path = args.out or user_table_path(table.model)
+    if path.exists() and not args.replace and path.resolve() not in {p.resolve() for p in inputs}:
+        # Replaced, the table would lose the worst cases of the datasets it was folded from, and auto admit
+        # methods past its floor on them.
+        raise ValueError(f"{path} holds a fidelity table already: give it among the inputs to fold these results "
+                         "into it, or --replace to start a new one")
+    save_table(table, path)
     for method, fidelity in sorted(table.methods.items(), key=lambda mf: mf[1].first_token_kl):
         print(f"{method:>18}: first-token KL {fidelity.first_token_kl:.3f}, agreement {fidelity.agreement:.3f} "
               f"({fidelity.examples} examples)")
@@ -105,6 +112,8 @@ def add_arguments(profile: argparse.ArgumentParser) -> None:
                           "earlier fidelity tables to fold in")
     fidelity.add_argument("--out", type=output_file, default=None,
                           help="table file (default: in the kvreuse cache folder)")
+    fidelity.add_argument("--replace", action="store_true",
+                          help="replace the table there (by default it must be among the inputs, to fold into)")
     fidelity.set_defaults(func=cmd_fidelity)
 
     l_delta = kinds.add_parser("l-delta", help="CacheFlow's L_delta (layer-wise vs token-wise restoration) per tier")
