@@ -144,11 +144,12 @@ def merged(saved: MachineProfile, measured: MachineProfile) -> MachineProfile:
 
 
 def load_profile(model: str, dtype: str, path: Path | None = None) -> MachineProfile | None:
-    """The saved profile of this model and dtype, or None if it was never measured, the file is unreadable or
-    it was measured under another runtime revision."""
+    """The saved profile of this model and dtype, or None if it was never measured, the file is unreadable, or
+    it holds another model's or dtype's profile (a `path` given), or one measured under another runtime revision."""
     path = path or profile_path(model, dtype)
     try:
         profile = MachineProfile.from_json(json.loads(path.read_text()))
     except (FileNotFoundError, json.JSONDecodeError, ValueError):
         return None
-    return profile if profile.runtime_revision == RUNTIME_REVISION else None
+    ours = (profile.model, profile.dtype, profile.runtime_revision) == (model, dtype, RUNTIME_REVISION)
+    return profile if ours else None

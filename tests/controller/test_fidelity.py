@@ -75,6 +75,8 @@ def test_a_profile_round_trips_and_a_damaged_one_reads_as_none(tmp_path):
     assert load_profile("synthetic", "float32", path) is None
     save_profile(replace(profile, runtime_revision=RUNTIME_REVISION - 1), path)
     assert load_profile("synthetic", "float32", path) is None  # measured under older kernels: measured again
+    save_profile(profile, path)  # a file given by path: another dtype's or model's is not this one's to merge
+    assert load_profile("synthetic", "bfloat16", path) is None and load_profile("other", "float32", path) is None
     with pytest.raises(ValueError, match="machine profile"):
         MachineProfile.from_json({"model": "x"})
 
