@@ -253,7 +253,7 @@ def run(
     with ProgressBar(progress, f"eval {dataset.name}", len(dataset.prompts) * len(methods)) as bar:
         for prompt in dataset.prompts:
             keys = {m: ResultCache.key(settings, prompt, m) for m in methods}
-            todo = [m for m in methods if cache.get(keys[m]) is None]
+            todo = [m for m in methods if cache.get(keys[m]) is None or _chosen_at_run_time(m)]
             bar.advance(len(methods) - len(todo), f"{prompt.id}: cached")
             if todo:
                 bar.advance(0, f"{prompt.id}: compile")
@@ -281,10 +281,16 @@ def runs_missing_chunks(results: list[MethodResult]) -> list[MethodResult]:
     return [r for r in results if r.stats.get("chunk_hits", 0) < r.stats.get("chunks", 0)]
 
 
+def _chosen_at_run_time(method: str) -> bool:
+    """An auto method: what it runs depends on the fidelity table and machine profile of the moment, which the
+    resume cache's key does not hold (a table built since made a cached row stale), so it is measured every run."""
+    return isinstance(parse_method(split_dtype(method)[0]), Auto)
+
+
 def _warm_up_methods(methods: list[str], engines: Mapping[str, Engine]) -> set[str]:
     """Full prefill on every engine, and each auto method: an engine's first auto request measures the machine
     profile its controller lacks (seconds), which must not count as that request's TTFT."""
-    autos = {m for m in methods if isinstance(parse_method(split_dtype(m)[0]), Auto)}
+    autos = {m for m in methods if _chosen_at_run_time(m)}
     return {REFERENCE, *(f"{REFERENCE}@{dtype}" for dtype in engines), *autos}
 
 

@@ -147,6 +147,16 @@ def test_auto_runs_once_before_anything_is_timed(tmp_path):
     assert engine.calls[("prefill", "auto")] == 2 + 1 and engine.calls[("prefill", "naive")] == 2
 
 
+def test_auto_is_measured_again_on_a_resumed_run(tmp_path):
+    """Its choice depends on the fidelity table and machine profile of the moment: a table built between two runs
+    left the first run's rows (an exact plan, chosen for want of a table) in the report as if auto chose them."""
+    path = tmp_path / "r.jsonl"
+    run(FakeEngine(), toy_dataset(2), ["full", "naive", "auto"], SETTINGS, ResultCache(path), False)
+    again = FakeEngine()
+    run(again, toy_dataset(2), ["full", "naive", "auto"], SETTINGS, ResultCache(path), False)
+    assert again.calls[("generate", "auto")] == 2 and again.calls[("generate", "naive")] == 0
+
+
 def test_a_changed_setting_is_a_new_key(tmp_path):
     path = tmp_path / "r.jsonl"
     run(FakeEngine(), toy_dataset(1), METHODS, SETTINGS, ResultCache(path), False)
