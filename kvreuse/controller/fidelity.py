@@ -93,6 +93,10 @@ def _choosable_only(methods: dict[str, Fidelity]) -> dict[str, Fidelity]:
     return {m: f for m, f in methods.items() if m not in skipped}
 
 
+# Families whose number is what a request leaves unrecomputed (a guard's residual): a larger one recomputes less.
+FEWER_ROWS_AS_IT_GROWS = ("guarded", "guarded-query")
+
+
 def expected_fidelity(table: FidelityTable | None, method: str) -> Fidelity | None:
     """What `method` is expected to reach: exact methods are exact whatever the model; the others are what the
     model's table measured (None without a table, or for a method it never measured)."""
@@ -107,7 +111,12 @@ def expected_fidelity(table: FidelityTable | None, method: str) -> Fidelity | No
         ratio = float(arg)
     except ValueError:
         return None
-    below = [(r, f) for m, f in table.methods.items() if (r := _ratio_of(m, name)) is not None and r <= ratio]
+    # An unmeasured number takes the nearest measured one that recomputes no more: never a more faithful setting.
+    measured = [(r, f) for m, f in table.methods.items() if (r := _ratio_of(m, name)) is not None]
+    if name in FEWER_ROWS_AS_IT_GROWS:
+        above = [(r, f) for r, f in measured if r >= ratio]
+        return min(above, key=lambda rf: rf[0])[1] if above else None
+    below = [(r, f) for r, f in measured if r <= ratio]
     return max(below, key=lambda rf: rf[0])[1] if below else None
 
 

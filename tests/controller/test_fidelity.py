@@ -47,6 +47,17 @@ def test_an_unmeasured_ratio_takes_the_largest_measured_ratio_below_it():
     assert table.of("prefix") == table.of("full") == Fidelity(0.0, 1.0)
 
 
+def test_an_unmeasured_guard_takes_the_nearest_measured_residual_above_it():
+    """A guard's number is the residual it leaves: a larger one recomputes less. guarded:9e-4 took guarded:2.5e-4's
+    fidelity, a far more faithful setting's, and met a floor it fails."""
+    table = FidelityTable("m", {"guarded:2.5e-4": Fidelity(0.05, 0.9), "guarded:1e-3": Fidelity(0.4, 0.5),
+                                "guarded-query:2e-3": Fidelity(0.1, 0.8)})
+    assert table.of("guarded:9e-4") == Fidelity(0.4, 0.5)
+    assert table.of("guarded:1e-4") == Fidelity(0.05, 0.9)
+    assert table.of("guarded:2e-3") is None  # nothing measured that recomputes as little: unknown
+    assert table.of("guarded-query:1e-3") == Fidelity(0.1, 0.8) and table.of("guarded-query:3e-3") is None
+
+
 @pytest.mark.parametrize("name", ["smollm2-135m-instruct.json", "gemma3-270m.json"])
 def test_each_measured_models_table_ships_with_the_package(name):
     from importlib import resources
