@@ -34,11 +34,25 @@ def qa_f1(prediction: str, answers: list[str]) -> float:
     return max(token_f1(prediction, answer) for answer in answers)
 
 
+# Ideographs and kana, written without spaces between words: each is a token of its own (as characters are for
+# LongBench's Chinese Rouge without a word segmenter).
+_UNSPACED_SCRIPTS = re.compile(r"([\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff])")
+_WORD = re.compile(r"[^\W_]+")
+
+
+class UnicodeTokenizer:
+    """rouge-score's tokenizer keeps [a-z0-9] only: a Cyrillic, Greek or Chinese summary scored 0 against itself,
+    and "café" was "caf". Letters and digits of any script instead; on ASCII text the same tokens as its own."""
+
+    def tokenize(self, text: str) -> list[str]:
+        return _WORD.findall(_UNSPACED_SCRIPTS.sub(r" \1 ", text.lower()))
+
+
 @cache
 def _rouge_scorer():
     from rouge_score import rouge_scorer
 
-    return rouge_scorer.RougeScorer(["rougeL"])
+    return rouge_scorer.RougeScorer(["rougeL"], tokenizer=UnicodeTokenizer())
 
 
 def rouge_l(prediction: str, references: list[str]) -> float:

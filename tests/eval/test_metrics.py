@@ -50,6 +50,21 @@ def test_rouge_l_by_hand():
     assert rouge_l("a c", ["a b c d", "a c"]) == 1.0
 
 
+def test_rouge_l_reads_every_script_and_ascii_as_rouge_score_does():
+    """rouge-score's own tokenizer kept [a-z0-9] only: a perfect Cyrillic or Chinese summary scored 0."""
+    assert rouge_l("Привет, мир. Анна придёт завтра.", ["Привет, мир. Анна придёт завтра."]) == 1.0
+    assert rouge_l("Анна придёт", ["Анна придёт завтра"]) == pytest.approx(0.8)
+    assert rouge_l("安娜明天会来。", ["安娜明天会来。"]) == 1.0
+    assert rouge_l("安娜明天来", ["安娜明天会来"]) == pytest.approx(10 / 11)  # 5 of 5 and 5 of 6 characters
+    assert rouge_l("Zoë met José at the café", ["Zoe met Jose at the cafe"]) == pytest.approx(0.5)
+    from rouge_score import rouge_scorer
+
+    theirs = rouge_scorer.RougeScorer(["rougeL"])
+    pairs = [("The cat's mat, 2 of_them!", "the CAT sat on 2 mats"), ("A-B c_d e.f", "a b c d e f g")]
+    for prediction, reference in pairs:  # ASCII: the same tokens, so the same scores as before
+        assert rouge_l(prediction, [reference]) == pytest.approx(theirs.score(reference, prediction)["rougeL"].fmeasure)
+
+
 def test_task_score_dispatches_on_task():
     assert task_score("qa", "Paris, France", ["Paris"]) == pytest.approx(2 / 3)
     assert task_score("summary", "the cat sat on the mat", ["the cat lay on the mat"]) == pytest.approx(5 / 6)
