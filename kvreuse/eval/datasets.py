@@ -176,6 +176,8 @@ SCHEMAS = {
 
 def _numbered_rows(path: Path) -> list[tuple[int, object]]:
     """The file's rows with their line numbers (blank lines skipped)."""
+    if path.is_dir():
+        raise DatasetError(f"dataset file {str(path)!r} is a folder: name a JSONL file in it")
     if not path.is_file():
         raise DatasetError(f"dataset file {str(path)!r} does not exist")
     rows = []

@@ -133,6 +133,11 @@ def test_a_line_that_is_not_utf8_or_nested_too_deeply_is_named_by_its_line(tmp_p
         load_dataset(path)
 
 
+def test_a_folder_given_as_the_dataset_is_named_a_folder(tmp_path):
+    with pytest.raises(DatasetError, match="is a folder: name a JSONL file in it"):
+        load_dataset(tmp_path)
+
+
 def test_a_byte_order_mark_before_the_first_row_is_read_past(tmp_path):
     path = tmp_path / "bom.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + (json.dumps(QA_ROW) + "\n").encode())
