@@ -100,6 +100,9 @@ class MethodResult:
     recompute_share: float | None  # as reported by the engine
     output: str
     stats: dict = field(default_factory=dict)
+    # Full prefill's TTFT on this example in the run that measured this row, so that a method added to a resumed
+    # run is compared with full timed beside it (None: a row of an older layout, compared with full's cached row).
+    reference_ttft: float | None = None
 
     @classmethod
     def from_record(cls, record: dict) -> MethodResult:
@@ -116,7 +119,7 @@ class MethodResult:
 _NUMBER = (int, float)
 _RECORD_TYPES = {"example_id": str, "method": str, "score": _NUMBER, "agreement": _NUMBER, "gold_loglik": _NUMBER,
                  "first_token_kl": _NUMBER, "ttft": _NUMBER, "recompute_share": (*_NUMBER, type(None)),
-                 "output": str, "stats": dict}
+                 "output": str, "stats": dict, "reference_ttft": (*_NUMBER, type(None))}
 
 
 class ResultCache:
@@ -176,6 +179,7 @@ class ExampleRun:
                          for dtype, e in self.engines.items()}
         self.reference_logits: torch.Tensor | None = None
         self.reference_output: str | None = None
+        self.reference_ttft: float | None = None
 
     def engine_for(self, method: str) -> tuple[Engine, Any, str]:
         """The engine, request and plain method name `method` runs with."""
@@ -201,9 +205,10 @@ class ExampleRun:
 
     def use_cached_reference(self, cached: MethodResult) -> None:
         """Full prefill's first-token logits are not cached (a vocabulary-sized vector per example), so they
-        are recomputed whenever another method of this example still has to run."""
-        self.reference_logits = self.engine.prefill(self.request, method=REFERENCE).logits
-        self.reference_output = cached.output
+        are recomputed whenever another method of this example still has to run; that prefill's TTFT is what the
+        methods measured now are compared with (the cached row's came from another run)."""
+        out = self.engine.prefill(self.request, method=REFERENCE, extra_capacity=self.sampling.max_tokens)
+        self.reference_logits, self.reference_output, self.reference_ttft = out.logits, cached.output, float(out.ttft)
 
     def measure(self, method: str) -> MethodResult:
         """One prefill serves the generation and, from a copy of its cache, the gold answer's likelihood."""
@@ -218,7 +223,7 @@ class ExampleRun:
             generation = engine.generate(request, method=name, sampling=self.sampling)
         output = first_line(generation.text) if self.dataset.first_line else generation.text.strip()
         if method == REFERENCE:
-            self.reference_logits, self.reference_output = out.logits, output
+            self.reference_logits, self.reference_output, self.reference_ttft = out.logits, output, float(out.ttft)
         logprobs = engine.teacher_forced_logprobs(out.logits, gold_cache, answer_ids)
         stats = _scalar_stats(out.stats)
         return MethodResult(
@@ -233,6 +238,7 @@ class ExampleRun:
             recompute_share=stats.get("recompute_share") if stats.get("reused_tokens") else None,
             output=output,
             stats=stats,
+            reference_ttft=self.reference_ttft,
         )
 
 
@@ -346,12 +352,12 @@ def _percentile(values: list[float], q: float) -> float:
 def aggregate(results: list[MethodResult], methods: list[str], floor: float = DEFAULT_MAX_KL) -> list[MethodSummary]:
     """Per method; `floor`: the first-token KL a request may reach (auto's default floor unless given)."""
     by_method = {m: [r for r in results if r.method == m] for m in methods}
-    reference_median = statistics.median(r.ttft for r in by_method[REFERENCE])
-    reference_ttft = {r.example_id: r.ttft for r in by_method[REFERENCE]}
+    cached_reference = {r.example_id: r.ttft for r in by_method[REFERENCE]}
     summaries = []
     for method, rows in by_method.items():
         shares = [r.recompute_share for r in rows if r.recompute_share is not None]
         ttfts = [r.ttft for r in rows]
+        references = [cached_reference[r.example_id] if r.reference_ttft is None else r.reference_ttft for r in rows]
         summaries.append(
             MethodSummary(
                 method=method,
@@ -364,8 +370,8 @@ def aggregate(results: list[MethodResult], methods: list[str], floor: float = DE
                 ttft_mean=statistics.fmean(ttfts),
                 ttft_median=statistics.median(ttfts),
                 ttft_p90=_percentile(ttfts, 0.9),
-                speedup=reference_median / statistics.median(ttfts),
-                speedup_mean=statistics.fmean(reference_ttft[r.example_id] / r.ttft for r in rows),
+                speedup=statistics.median(references) / statistics.median(ttfts),
+                speedup_mean=statistics.fmean(reference / r.ttft for reference, r in zip(references, rows)),
                 above_floor=sum(r.first_token_kl > floor for r in rows) / len(rows),
             )
         )

@@ -140,6 +140,22 @@ def test_a_method_added_later_runs_alone_against_recomputed_reference_logits(tmp
     assert later.calls[("prefill", "full")] >= 2  # full's logits, once per example (plus one warm-up)
 
 
+def test_a_method_added_later_is_compared_with_full_timed_in_the_same_run(tmp_path):
+    """Full's cached TTFT came from an earlier run (another load, another phase of the machine) while the added
+    method was timed now: its speedup compared two runs."""
+    path = tmp_path / "r.jsonl"
+    run(FakeEngine(), toy_dataset(2), ["full", "naive"], SETTINGS, ResultCache(path), False)
+    later = FakeEngine()
+    output = later._output
+    later._output = lambda method: replace(output(method), ttft=output(method).ttft * 2)  # a slower phase
+    results = run(later, toy_dataset(2), METHODS, SETTINGS, ResultCache(path), False)
+    summary = {s.method: s for s in aggregate(results, METHODS)}
+    assert summary["cacheblend:0.15"].speedup == pytest.approx(0.8 / 0.4)  # both timed in the later run
+    assert summary["cacheblend:0.15"].speedup_mean == pytest.approx(2.0)
+    assert summary["naive"].speedup == pytest.approx(0.4 / 0.1)  # both from the first run, as cached
+    assert summary["full"].speedup == pytest.approx(1.0)
+
+
 def test_auto_runs_once_before_anything_is_timed(tmp_path):
     """An engine's first auto request measures the machine profile it lacks: in the warm-up, not a TTFT."""
     engine = FakeEngine()
