@@ -164,12 +164,23 @@ def _as_table(data: object) -> FidelityTable:
         raise ValueError(f"neither kvreuse eval results nor a fidelity table: a JSON {type(data).__name__}")
     if isinstance(data.get("methods"), dict):
         return FidelityTable.from_json(data)
+    short = _runs_missing_chunks(data.get("examples"))
+    if short:
+        raise ValueError(f"{short} runs found fewer of their chunks stored than were compiled (the eval's --store was "
+                         "too small for an example): their fidelity is partly full prefill's, and a table of it would "
+                         "promise more than the method keeps; run the eval again with a larger --store")
     try:
         methods = {row["method"]: _fidelity_of(row) for row in data["methods"]}
         source = f"{data['settings']['dataset']}: {data['methods'][0]['examples']} examples"
         return FidelityTable(data["settings"]["model"], _choosable_only(methods), [source])
     except (KeyError, TypeError, IndexError, ValueError) as e:
         raise ValueError(f"neither kvreuse eval results nor a fidelity table: {e}") from None
+
+
+def _runs_missing_chunks(examples: object) -> int:
+    """How many of an eval's per-example rows read fewer chunks than their example holds (as the eval warns)."""
+    stats = [row.get("stats") for row in examples if isinstance(row, dict)] if isinstance(examples, list) else []
+    return sum(isinstance(s, dict) and s.get("chunk_hits", 0) < s.get("chunks", 0) for s in stats)
 
 
 def _fidelity_of(row: dict) -> Fidelity:

@@ -123,6 +123,21 @@ def test_a_method_row_with_a_bad_value_is_named(tmp_path):
         from_eval_results([results])
 
 
+def test_results_of_a_store_too_small_for_an_example_make_no_table(tmp_path):
+    """Their runs recomputed the chunks evicted before they were read: the table would promise more than the
+    method keeps (the eval warned; the table took them silently)."""
+    path = eval_results(tmp_path / "r.json", "m", "x", {"naive": (0.1, 0.9)})
+    data = json.loads(path.read_text())
+    data["examples"] = [{"method": "naive", "stats": {"chunk_hits": 3, "chunks": 3}},
+                        {"method": "naive", "stats": {"chunk_hits": 1, "chunks": 3}}]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="1 runs found fewer of their chunks stored than were compiled"):
+        from_eval_results([path])
+    data["examples"][1]["stats"]["chunk_hits"] = 3
+    path.write_text(json.dumps(data))
+    assert from_eval_results([path]).methods["naive"] == Fidelity(0.1, 0.9, 10)
+
+
 def test_a_file_that_is_neither_results_nor_a_table_is_refused(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"settings": {}, "methods": [{"method": "naive"}]}))
