@@ -272,7 +272,9 @@ class ReuseEngine:
         whole_blocks = length // self.prefix_block_size
         if whole_blocks * self.prefix_block_size > restored or (whole_blocks == 0 and length > restored):
             restorer = self.restorer_for(request)
-            last_key = restorer.block_keys(prefix.token_ids, partial=whole_blocks == 0)[-1]
+            # Keyed by the block that ends the prefix (its partial one where it has one): two prefixes sharing their
+            # whole blocks are two writes, or the second's partial block was dropped as a duplicate of the first.
+            last_key = restorer.block_keys(prefix.token_ids, partial=True)[-1]
             if whole_blocks or not self.store.contains(last_key):
                 self.write_back.submit(last_key, partial(restorer.store_prefix, prefix.token_ids))
 

@@ -130,6 +130,24 @@ def test_only_a_prefix_under_a_block_is_written_back_for_its_partial_block_alone
     assert engine.prefill(short, "prefix").stats.prefix.restored_tokens == 0 and len(submitted) == 1
 
 
+def test_two_prefixes_sharing_their_whole_blocks_each_write_back_their_partial_block(engine, monkeypatch):
+    """Their write-backs were de-duplicated by the last whole block's key: while the first was pending, the
+    second prefix's partial block was dropped, and its requests recomputed it for good."""
+    first = conversation(prefix_tokens=18)  # 4 whole blocks of 4, then 2 tokens
+    head = first.segments[0].token_ids
+    second = Request([Segment(SegmentKind.PREFIX, head[:16] + [t + 1 for t in head[16:]]), *first.segments[1:]])
+    writes = {}
+    monkeypatch.setattr(engine.write_back, "submit", lambda key, write: writes.setdefault(key, write))
+    for request in (first, second):
+        engine.prefill(request, "prefix")
+    ends = [engine.restorer_for(r).block_keys(r.segments[0].token_ids, partial=True)[-1] for r in (first, second)]
+    assert set(ends) <= set(writes) and len(set(ends)) == 2
+    for write in writes.values():  # the prefixes' and the chunk's
+        write()
+    assert engine.prefill(first, "prefix").stats.prefix.restored_tokens == 18
+    assert engine.prefill(second, "prefix").stats.prefix.restored_tokens == 18
+
+
 def test_chunk_fusion_on_a_restored_prefix_equals_it_on_a_computed_one(engine):
     request = conversation(prefix_tokens=18)
     engine.compile(request, ["naive"])  # chunk compiled alone: naive reuse is approximate, the same either way
