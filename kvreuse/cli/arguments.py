@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from kvreuse.model.options import DECODE_WEIGHTS, DTYPE_NAMES
 
@@ -46,6 +48,22 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"expected a number > 0, got {text!r}")
     return value
+
+
+T = TypeVar("T")
+
+
+def checked_by(check: Callable[[str], T]) -> Callable[[str], T]:
+    """An argument type from a library's check of the text: its ValueError is what argparse says of the argument,
+    when the command starts (before any model loads)."""
+
+    def parse(text: str) -> T:
+        try:
+            return check(text)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    return parse
 
 
 def output_folder(text: str) -> Path:

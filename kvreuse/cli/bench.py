@@ -13,7 +13,7 @@ from kvreuse.bench.peers import PEERS
 from kvreuse.bench.tiers import check_tiers
 from kvreuse.bench.ttft import DEFAULT_METHODS, DEFAULT_TIERS, TtftSettings, measure
 from kvreuse.bench.ttft_report import print_report, summarize, write
-from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int, whole_number
+from kvreuse.cli.arguments import add_dtype, add_model, checked_by, output_file, positive_int, whole_number
 from kvreuse.fusion.methods import parse_method_list
 from kvreuse.model.options import DTYPE_NAMES
 from kvreuse.restore.batch import IO_PRIORITY_CHOICES
@@ -35,14 +35,6 @@ def _ints(text: str) -> list[int]:
 
 def _names(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
-
-
-def tiers(text: str, redis: bool = True) -> list[str]:
-    """--tiers: a misspelt tier is named when the command starts, before the model loads."""
-    try:
-        return check_tiers(text, redis)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
@@ -147,7 +139,7 @@ def _add_fusion_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dataset", required=True, help="JSONL file in the schemas of ../shared/datasets/README.md")
     parser.add_argument("--limit", type=positive_int, default=10)
     parser.add_argument("--methods", default=FUSION_METHODS)
-    parser.add_argument("--tiers", type=tiers, default="memory,disk",
+    parser.add_argument("--tiers", type=checked_by(check_tiers), default="memory,disk",
                         help="memory, disk, redis (a private redis-server), ssd, hdd, net10g (emulated) or store "
                              "specs, comma-separated")
     parser.add_argument("--repeats", type=positive_int, default=3)
@@ -191,7 +183,7 @@ def _add_ttft_arguments(parser: argparse.ArgumentParser) -> None:
                         help="JSONL file (schemas of ../shared/datasets/README.md) whose passages make the prompts' "
                              "text; default: seeded synthetic text")
     parser.add_argument("--methods", default=DEFAULT_METHODS, help="kvreuse methods, comma-separated (full is added)")
-    parser.add_argument("--tiers", type=tiers, default=DEFAULT_TIERS,
+    parser.add_argument("--tiers", type=checked_by(check_tiers), default=DEFAULT_TIERS,
                         help="memory, disk, redis, ssd, hdd, net10g (emulated) or store specs, comma-separated")
     parser.add_argument("--lengths", type=_ints, default=[1024, 2048],
                         help="prompt lengths in tokens, comma-separated (capped at the model's window)")

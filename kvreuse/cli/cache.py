@@ -16,16 +16,16 @@ from typing import Iterator
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.cli.arguments import output_file, positive_int
+from kvreuse.cli.arguments import checked_by, output_file, positive_int
 from kvreuse.store.base import TierUnavailable
 from kvreuse.store.bench import BenchResult, EntryShape, bench_all_tiers, make_entries
-from kvreuse.store.keys import InvalidKey, check_key
+from kvreuse.store.entry import DTYPES
+from kvreuse.store.keys import check_key
 from kvreuse.store.spec import open_store
 from kvreuse.store.throttled import DEVICES
 from kvreuse.store.tiered import TieredStore
 
 STORE_ENV = "KVREUSE_STORE"
-ENTRY_DTYPES = ("float32", "bfloat16", "float16")  # what `cache bench`'s synthetic entries may hold
 
 
 def add_arguments(cache: argparse.ArgumentParser) -> None:
@@ -41,7 +41,9 @@ def add_arguments(cache: argparse.ArgumentParser) -> None:
 
     command("ls", cmd_ls, "list entries")
     command("stats", cmd_stats, "entries, bytes and capacity of each tier")
-    command("rm", cmd_rm, "delete entries by key").add_argument("keys", nargs="+", metavar="KEY", type=_store_key)
+    # each key checked before any is deleted: an invalid one among several stopped `rm` half way
+    command("rm", cmd_rm, "delete entries by key").add_argument("keys", nargs="+", metavar="KEY",
+                                                                type=checked_by(check_key))
     command("clear", cmd_clear, "delete every entry")
     bench = command("bench", cmd_bench, "measure each tier's read/write bandwidth and latency on this machine")
     bench.add_argument("--dir", help="directory for the disk tier (default: a temp dir under /var/tmp)")
@@ -53,16 +55,8 @@ def add_arguments(cache: argparse.ArgumentParser) -> None:
     bench.add_argument("--json", type=output_file,
                        help="also write the results to this file (for the restoration controllers)")
     for field in dataclasses.fields(EntryShape):
-        checked = {"dtype": {"choices": ENTRY_DTYPES}}.get(field.name, {"type": positive_int})
+        checked = {"dtype": {"choices": tuple(DTYPES)}}.get(field.name, {"type": positive_int})
         bench.add_argument(f"--{field.name.replace('_', '-')}", default=field.default, **checked)
-
-
-def _store_key(text: str) -> str:
-    """Checked before any is deleted: an invalid key among several stopped `rm` half way."""
-    try:
-        return check_key(text)
-    except InvalidKey as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _devices(text: str) -> list[str]:

@@ -7,8 +7,9 @@ import functools
 import tempfile
 from pathlib import Path
 
-from kvreuse.cli.arguments import add_dtype, add_model, output_file, positive_int
-from kvreuse.cli.bench import add_restore_arguments, tiers
+from kvreuse.bench.tiers import check_tiers
+from kvreuse.cli.arguments import add_dtype, add_model, checked_by, output_file, positive_int
+from kvreuse.cli.bench import add_restore_arguments
 
 DEFAULT_TIERS = "memory,disk,ssd,hdd"
 
@@ -95,7 +96,7 @@ def add_arguments(profile: argparse.ArgumentParser) -> None:
     costs = kinds.add_parser("costs", help="the controller's machine profile: compute per layer, reads per tier")
     add_model(costs)
     add_dtype(costs)
-    costs.add_argument("--tiers", type=functools.partial(tiers, redis=False), default=DEFAULT_TIERS,
+    costs.add_argument("--tiers", type=checked_by(functools.partial(check_tiers, redis=False)), default=DEFAULT_TIERS,
                        help="tiers to profile, comma-separated "
                        "(memory, disk, or the emulated ssd, hdd, net10g)")
     costs.add_argument("--repeats", type=positive_int, default=5, help="timings per figure (their median is kept)")

@@ -10,6 +10,7 @@ import hashlib
 import json
 import statistics
 import time
+import typing
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Mapping, Protocol
@@ -109,17 +110,17 @@ class MethodResult:
         """A row of the resume file, its fields of the types the report computes with: a row edited or damaged
         into another type (a score as text) is a TypeError here, not the run's crash once every example is done."""
         result = cls(**record)
-        for name, kinds in _RECORD_TYPES.items():
-            value = getattr(result, name)
-            if not isinstance(value, kinds) or isinstance(value, bool):
-                raise TypeError(f"{name}: expected {kinds}, got {value!r}")
+        for name, hint in typing.get_type_hints(cls).items():
+            value, kinds = getattr(result, name), _accepted(hint)
+            if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+                raise TypeError(f"{name}: expected {hint}, got {value!r}")
         return result
 
 
-_NUMBER = (int, float)
-_RECORD_TYPES = {"example_id": str, "method": str, "score": _NUMBER, "agreement": _NUMBER, "gold_loglik": _NUMBER,
-                 "first_token_kl": _NUMBER, "ttft": _NUMBER, "recompute_share": (*_NUMBER, type(None)),
-                 "output": str, "stats": dict, "reference_ttft": (*_NUMBER, type(None))}
+def _accepted(hint: Any) -> tuple[type, ...]:
+    """The types a field's annotation admits as JSON gives them back: a float field takes a whole number too."""
+    kinds = typing.get_args(hint) or (hint,)
+    return tuple(kind for each in kinds for kind in ((int, float) if each is float else (each,)))
 
 
 class ResultCache:
