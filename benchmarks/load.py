@@ -91,6 +91,7 @@ class Report:
     failure_samples: list[str] = field(default_factory=list)
     server_waits_s: dict[str, float | None] = field(default_factory=dict)  # mean_waits over the run
     write_back_pending: float | None = None  # store writes waiting at the end
+    reused_tokens: tuple[float, float] | None = None  # prompt tokens whose stored KV was reused, of all, over the run
 
 
 def parse_mix(spec: str) -> dict[str, float]:
@@ -175,12 +176,17 @@ WAIT_PARTS = {"ttft": "kvreuse_time_to_first_token_seconds", "queue": "kvreuse_r
               "prefill": "kvreuse_request_prefill_time_seconds", "paused": "kvreuse_request_prefill_paused_seconds"}
 
 
+# prompt tokens of the finished requests, and those of them whose stored KV was reused
+REUSE_COUNTERS = {"kvreuse_prompt_tokens_total": "prompt", "kvreuse_cached_tokens_total": "cached"}
+
+
 @dataclass
 class Scrape:
     requests: Counter  # kvreuse_requests_total by (endpoint, code)
     has_code: bool  # whether the server labels its requests by code
     waits: Counter  # WAIT_PARTS' sums and counts: (part, "sum" | "count")
     pending_writes: float | None  # kvreuse_write_back_pending (None: the server does not export it)
+    tokens: Counter = field(default_factory=Counter)  # kvreuse_prompt_tokens and kvreuse_cached_tokens: prompt, cached
 
 
 def scrape(client: httpx.Client) -> Scrape:
@@ -195,6 +201,8 @@ def scrape(client: httpx.Client) -> Scrape:
                 found.waits[histograms[sample.name]] += sample.value
             elif sample.name == "kvreuse_write_back_pending":
                 found.pending_writes = sample.value
+            elif sample.name in REUSE_COUNTERS:
+                found.tokens[REUSE_COUNTERS[sample.name]] += sample.value
     return found
 
 
@@ -388,6 +396,8 @@ def run(url: str, server_pid: int | None, args: argparse.Namespace) -> Report:
     report = summarise(sent, after.requests - before.requests, before.has_code, series, elapsed, args)
     report.server_waits_s = mean_waits(after.waits - before.waits)
     report.write_back_pending = after.pending_writes
+    tokens = after.tokens - before.tokens
+    report.reused_tokens = (tokens["cached"], tokens["prompt"]) if tokens["prompt"] else None
     return report
 
 
@@ -433,6 +443,9 @@ def print_report(report: Report) -> None:
               f"{waits['queue']:.2f} + prefill {waits['prefill']:.2f} + paused {waits['paused']:.2f} + other "
               f"{waits['other']:.2f}; store writes pending at the end: "
               + ("n/a" if pending is None else f"{pending:.0f}"))
+    if report.reused_tokens:
+        cached, prompt = report.reused_tokens
+        print(f"prompt tokens reused from the store: {cached:.0f} of {prompt:.0f} ({cached / prompt:.2f})")
     print(f"/metrics: {report.metrics_note}")
     for row in report.metrics_rows:
         mark = "" if row["sent"] == row["counted"] else "   <-- MISMATCH"

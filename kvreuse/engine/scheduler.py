@@ -2,14 +2,15 @@
 
 One engine thread owns all torch work. Each iteration it runs the calls handed to it (cache compilation), ends
 cancelled and timed-out jobs, admits waiting jobs (their prefill goes through ReuseEngine, so the exact prefix
-and stored chunks are reused), steps every running sequence's decode as one batch, then runs one pending store
-write of what requests computed (`engine.write_back`: chunks to compile, prefix blocks). Up to
-`max_prefill_batch` jobs are admitted per iteration: when several wait, their stored prefixes are restored
-together, as CacheFlow restores a batch (`ReuseEngine.prefill_batch`), and the running sequences take a decoding
-step between two of the batch's prompts, so that a token waits for one prompt, not the batch. With
-`max_token_gap` set, they also take one between two layers of a prompt once they have waited that long for a
-token (a prompt whose job is cancelled stops there either way). Each decoding step outside the engine's own
-steps is followed by a store write, as those are. A running sequence's KV lives in a slot of the scheduler's
+and stored chunks are reused), steps every running sequence's decode as one batch, then runs pending store
+writes of what requests computed (`engine.write_back`: chunks to compile, prefix blocks), one at least and more
+while they have taken less than WRITE_BACK_SHARE of the step's time. Up to `max_prefill_batch` jobs are admitted
+per iteration: when several wait, their stored prefixes are restored together, as CacheFlow restores a batch
+(`ReuseEngine.prefill_batch`), and the running sequences take a decoding step between two of the batch's
+prompts, so that a token waits for one prompt, not the batch. With `max_token_gap` set, they also take one
+between two layers of a prompt once they have waited that long for a token (a prompt whose job is cancelled
+stops there either way). Each decoding step outside the engine's own steps is followed by store writes, as those
+are, for a share of the time since the last ones. A running sequence's KV lives in a slot of the scheduler's
 `KVPool`, so that each decoding step attends every sequence in one call per layer (a sequence the pool cannot
 hold decodes from its own cache). Jobs report through a callback they supply, called on the engine thread.
 """
@@ -41,6 +42,10 @@ from kvreuse.model.kv_pool import KVPool
 log = logging.getLogger(__name__)
 IDLE_WAIT_SECONDS = 0.05  # how often an idle engine thread looks at deadlines
 DEFAULT_POOL_BYTES = 4 << 30  # the running sequences' KV pool: SmolLM2 in fp32 holds 8 x 11K rows in it
+# Store writes may take this share of the engine's time since they last ran (a third of a busy engine's time).
+# One write a step fell behind prompts of many small documents, each write far cheaper than a step of prompts
+# (docs/RESULTS.md, "Store writes by the step's time").
+WRITE_BACK_SHARE = 0.5
 
 
 class QueueFull(RuntimeError):
@@ -118,6 +123,7 @@ class Scheduler:
         self.engine, self.max_running, self.max_waiting = engine, max_running, max_waiting
         self.max_prefill_batch, self.max_token_gap = max_prefill_batch, max_token_gap
         self._last_decode = 0.0  # when the last decoding step ended (perf_counter)
+        self._step_started = self._writes_ended = 0.0  # when the engine step began, the last store writes ended
         self.on_decode_step = on_decode_step
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
@@ -140,7 +146,7 @@ class Scheduler:
     def start(self) -> None:
         """Start the engine thread; called on the thread that loaded the engine, which then leaves torch work to
         it (native.release_idle_threads: its idle OpenMP workers would halve the engine thread's speed)."""
-        self.engine.write_back.between_steps()  # store writes run on the engine thread too, one per step
+        self.engine.write_back.between_steps()  # store writes run on the engine thread too, between steps
         native.release_idle_threads()
         self._thread.start()
 
@@ -213,6 +219,7 @@ class Scheduler:
         self._fail_all(ShuttingDown("the server is shutting down"))
 
     def _step(self) -> None:
+        self._step_started = time.perf_counter()
         if self._ending is not None:
             self._end_everything()
         called = self._run_call()
@@ -220,7 +227,7 @@ class Scheduler:
         admitted = self._admit()
         if self._running:
             self._decode_step()
-        wrote = self.engine.write_back.run_one()
+        wrote = self._write_back()
         if not (self._running or admitted or wrote or called):
             self._wake.wait(IDLE_WAIT_SECONDS)
             self._wake.clear()
@@ -312,8 +319,8 @@ class Scheduler:
 
     def _decode_outside_steps(self, gap: float) -> None:
         """A decoding step of the running sequences, if they have waited `gap` seconds for a token, between two
-        prompts of an admission batch or two layers of a prompt; a store write follows it, as between engine
-        steps: while prompts keep arriving the engine's own steps are few, and with one write each the chunks to
+        prompts of an admission batch or two layers of a prompt; store writes follow it, as between engine steps:
+        while prompts keep arriving the engine's own steps are few, and with writes only there the chunks to
         compile would pile up unwritten (docs/RESULTS.md, "The server under a long prompt")."""
         if not self._running or time.perf_counter() - self._last_decode < gap:
             return
@@ -322,7 +329,15 @@ class Scheduler:
         except Exception as e:  # as in _loop: the running sequences fail, the prompts under way go on
             log.exception("decoding step between prompts or their layers failed")
             self._fail_running(e)
-        self.engine.write_back.run_one()
+        self._write_back()
+
+    def _write_back(self) -> bool:
+        """Pending store writes, one at least, for WRITE_BACK_SHARE of the time since this engine step began or
+        the last writes ended (not of an idle wait before the step); whether any ran."""
+        busy = time.perf_counter() - max(self._step_started, self._writes_ended)
+        ran = self.engine.write_back.run_for(WRITE_BACK_SHARE * busy)
+        self._writes_ended = time.perf_counter()
+        return ran > 0
 
     def _start(self, job: GenerationJob, fused: FusedPrefill | Exception, queued: float) -> None:
         """A prefilled job joins the running sequences and streams its first token; a failed one reports. Its

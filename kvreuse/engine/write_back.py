@@ -1,26 +1,32 @@
 """Store writes of what requests computed (chunks to compile, prefix blocks), kept off the requests' path.
 
 Alone, an engine runs them on a writer thread of its own. Driven by a scheduler (`between_steps`), it runs them
-one at a time on the scheduler's engine thread, between two steps: then no torch work runs beside decoding, and
-the engine thread owns all of it. One write per key is pending or running at a time.
+on the scheduler's engine thread between two steps, for a share of the step's time (`run_for`): then no torch
+work runs beside decoding, and the engine thread owns all of it. One write per key is pending or running at a
+time, and at most MAX_PENDING wait: past that the oldest is dropped (a chunk computed again when next asked for,
+never a request lost), so that traffic the writes cannot keep up with does not grow the queue without end.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from kvreuse.model import native
 
 log = logging.getLogger(__name__)
+MAX_PENDING = 4096  # writes waiting; each holds a chunk's or prefix's token ids until it runs
 
 
 class WriteBack:
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self._pending: dict[str, Callable[[], object]] = {}
         self._running: set[str] = set()
+        self._clock = clock
+        self.dropped = 0  # writes dropped from a full queue, since the start
         self._cond = threading.Condition()
         self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
 
@@ -34,6 +40,12 @@ class WriteBack:
         with self._cond:
             if key in self._pending or key in self._running:
                 return
+            if len(self._pending) >= MAX_PENDING:
+                del self._pending[next(iter(self._pending))]
+                self.dropped += 1
+                if self.dropped == 1:  # once: under such traffic every submit drops one
+                    log.warning("write-back queue full (%d writes): the oldest are dropped from now on "
+                                "(kvreuse_write_back_dropped_total counts them)", MAX_PENDING)
             self._pending[key] = write
             thread = self._thread
         if thread is not None:
@@ -78,6 +90,15 @@ class WriteBack:
                 self._running.discard(key)
                 self._cond.notify_all()
         return True
+
+    def run_for(self, seconds: float) -> int:
+        """Run the oldest pending write, then more while they have taken less than `seconds` in all (a scheduler
+        gives them a share of its step's time: one write a step fell behind traffic of many small chunks, each
+        cheaper than the prompt steps between them); returns how many ran."""
+        started, ran = self._clock(), 0
+        while (ran == 0 or self._clock() - started < seconds) and self.run_one():
+            ran += 1
+        return ran
 
     def wait(self) -> None:
         """Until every write submitted so far has run (on whichever thread runs them)."""

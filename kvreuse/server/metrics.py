@@ -10,6 +10,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from kvreuse.engine.generate import Generation
 from kvreuse.engine.stats import PrefixRestoreStats
+from kvreuse.engine.write_back import WriteBack
 from kvreuse.store.base import KVStore, Tier
 
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120, 300, 600)
@@ -36,9 +37,21 @@ class StoreEvents:
         yield family
 
 
+class DroppedWrites:
+    """`kvreuse_write_back_dropped_total`, read from the write-back's own count at scrape time."""
+
+    def __init__(self, write_back: WriteBack):
+        self.write_back = write_back
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        yield CounterMetricFamily("kvreuse_write_back_dropped", "store writes dropped from a full write-back queue "
+                                  "(their chunks are computed again when next asked for)",
+                                  value=self.write_back.dropped)
+
+
 class Metrics:
     def __init__(self, waiting: Callable[[], int], running: Callable[[], int], store: KVStore,
-                 pending_writes: Callable[[], int]):
+                 write_back: WriteBack):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter("kvreuse_requests", "every /v1 request, by endpoint, outcome and HTTP status",
@@ -73,8 +86,9 @@ class Metrics:
         Gauge("kvreuse_num_requests_running", "requests decoding or having their prompt computed",
               registry=r).set_function(running)
         Gauge("kvreuse_write_back_pending", "store writes of what requests computed (chunks to compile, prefix "
-              "blocks) waiting for the engine thread", registry=r).set_function(pending_writes)
+              "blocks) waiting for the engine thread", registry=r).set_function(lambda: write_back.pending)
         r.register(StoreEvents(store))
+        r.register(DroppedWrites(write_back))
 
     def request(self, endpoint: str, outcome: str, status: int) -> None:
         self.requests.labels(endpoint, outcome, str(status)).inc()

@@ -176,7 +176,7 @@ class EngineService:
                                    max_token_gap=None if config.max_token_gap_ms is None
                                    else config.max_token_gap_ms / 1e3)
         self.metrics = Metrics(lambda: self.scheduler.waiting, lambda: self.scheduler.running, engine.store,
-                               lambda: engine.write_back.pending)
+                               engine.write_back)
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kv-tokenize")

@@ -48,13 +48,15 @@ def test_a_first_token_s_wait_is_split_into_its_parts_means():
 
 
 @pytest.mark.parametrize("pending", [3.0, None])  # None: a server without the gauge
-def test_the_report_prints_the_wait_split_and_the_pending_writes(capsys, pending):
+def test_the_report_prints_the_wait_split_the_pending_writes_and_the_tokens_reused(capsys, pending):
     report = Report(10.0, 2, {"rag": 1}, {}, 0, 1.0, 1.0, 1.0, {}, [], [], True, "", 0.5,
                     server_waits_s={"ttft": 2.5, "queue": 1.5, "prefill": 0.5, "paused": 0.0, "other": 0.5},
-                    write_back_pending=pending)
+                    write_back_pending=pending, reused_tokens=(300.0, 1200.0) if pending else None)
     print_report(report)
+    out = capsys.readouterr().out
     assert (f"TTFT 2.50 s = queue 1.50 + prefill 0.50 + paused 0.00 + other 0.50; store writes pending at the end: "
-            f"{'3' if pending else 'n/a'}") in capsys.readouterr().out
+            f"{'3' if pending else 'n/a'}") in out
+    assert ("prompt tokens reused from the store: 300 of 1200 (0.25)" in out) == bool(pending)
 
 
 def test_percentiles_interpolate_as_the_benches_do():
@@ -82,3 +84,5 @@ def test_a_short_soak_accounts_for_every_request(make_server):
     waits = report.server_waits_s
     assert waits["ttft"] > 0 and waits["prefill"] > 0 and waits["other"] > -1e-6, waits
     assert report.write_back_pending is not None
+    cached, prompt = report.reused_tokens  # the finished chats' prompt tokens, read from the server's counters
+    assert 0 < cached < prompt  # two rows of documents sent again and again: some come from the store

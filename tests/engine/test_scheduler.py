@@ -6,6 +6,7 @@ import time
 
 import pytest
 
+from kvreuse.engine import scheduler as scheduler_module
 from kvreuse.engine.sampling import SamplingParams
 from kvreuse.engine.scheduler import GenerationJob, JobCancelled, JobTimeout, QueueFull, Scheduler, ShuttingDown
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
@@ -89,8 +90,10 @@ def test_a_sequence_joins_the_pool_only_after_its_first_token_is_sent(tiny_chat_
 @pytest.mark.parametrize("gap", [0.0, 60.0, None])
 def test_running_sequences_decode_between_the_layers_of_a_new_prompt(tiny_chat_engine, monkeypatch, gap):
     """max_token_gap 0: a running sequence takes a decoding step between every two layers of a prompt admitted
-    beside it, each followed by a pending store write, and both generate what each would alone; a minute: its last
-    step was too recent for one; None: prompts are computed whole."""
+    beside it, each followed by a pending store write (one each with no share of their time given to writes), and
+    both generate what each would alone; a minute: its last step was too recent for one; None: prompts are
+    computed whole."""
+    monkeypatch.setattr(scheduler_module, "WRITE_BACK_SHARE", 0.0)
     steps, prefills, writes = [], [], []
     scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_token_gap=gap,
                           on_decode_step=lambda n: steps.append(time.perf_counter()))
@@ -132,7 +135,9 @@ def test_running_sequences_decode_between_the_layers_of_a_new_prompt(tiny_chat_e
 
 def test_running_sequences_decode_between_the_prompts_of_an_admission_batch(tiny_chat_engine, monkeypatch):
     """Prompts computed whole (no max_token_gap): a running sequence still takes a decoding step, and a store write
-    runs, between two prompts admitted together, so its token waits for one prompt, not for the batch."""
+    runs (one, with no share of their time given to writes), between two prompts admitted together, so its token
+    waits for one prompt, not for the batch."""
+    monkeypatch.setattr(scheduler_module, "WRITE_BACK_SHARE", 0.0)
     steps, prefills, writes = [], [], []
     scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_prefill_batch=3,
                           on_decode_step=lambda n: steps.append(time.perf_counter()))
@@ -176,6 +181,24 @@ def test_running_sequences_decode_between_the_prompts_of_an_admission_batch(tiny
     for (job, _), (text, last) in zip(batch, results):
         alone = tiny_chat_engine.generate(job.request, "full", job.sampling)
         assert last.result.token_ids == alone.token_ids and text == alone.text
+
+
+def test_store_writes_far_cheaper_than_a_step_run_several_after_it(tiny_chat_engine):
+    """A backlog of small writes (prompts of many short documents) drains in a few decoding steps: writes run for
+    a share of each step's time, where one a step left it growing under traffic."""
+    scheduler = Scheduler(tiny_chat_engine, max_running=2, max_waiting=2,
+                          on_decode_step=lambda n: time.sleep(0.02))  # a step of 20 ms at least
+    written, backlog, steps = [], 30, 8
+    try:
+        events = start_with_a_decoding_sequence(scheduler, tiny_chat_engine)
+        tiny_chat_engine.wait_for_write_back()  # its own writes are done
+        for i in range(backlog):  # each far cheaper than a step
+            tiny_chat_engine.write_back.submit(f"small write {i}", lambda i=i: time.sleep(0.001) or written.append(i))
+        for _ in range(steps):
+            events.get(timeout=60)
+        assert len(written) == backlog  # one write a step would have run `steps` of them
+    finally:
+        scheduler.stop()
 
 
 def test_holding_an_engine_thread_that_does_not_run_times_out(tiny_chat_engine):

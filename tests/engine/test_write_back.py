@@ -1,5 +1,6 @@
 """Store writes kept off the requests' path (`WriteBack`): on a writer thread of their own, which releases its idle
-OpenMP workers after each write; or on a scheduler's thread between its steps."""
+OpenMP workers after each write; or on a scheduler's thread between its steps, for a time it gives them; at most
+MAX_PENDING waiting."""
 
 import threading
 
@@ -36,3 +37,45 @@ def test_writes_between_a_scheduler_s_steps_run_on_its_thread_and_keep_its_worke
     assert ran == [] and writes.run_one() and ran == [threading.current_thread()]
     assert not writes.run_one() and released == []  # the engine thread's team is the one that works
     writes.close()
+
+
+class StepClock:
+    """A clock that moves only when a write runs: each takes `seconds`."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def write(self, seconds: float, ran: list, name: str):
+        def run():
+            self.now += seconds
+            ran.append(name)
+        return run
+
+
+def test_writes_run_for_the_time_given_and_one_at_least():
+    clock, ran = StepClock(), []
+    writes = WriteBack(clock)
+    writes.between_steps()
+    for i in range(6):
+        writes.submit(f"w{i}", clock.write(1.0, ran, f"w{i}"))
+    assert writes.run_for(2.5) == 3 and ran == ["w0", "w1", "w2"]  # 0 and 1 s in: under 2.5 s, another runs
+    assert writes.run_for(0.0) == 1 and ran[-1] == "w3"  # no time given: the oldest runs anyway
+    assert writes.run_for(10.0) == 2 and writes.pending == 0
+    assert writes.run_for(10.0) == 0
+    writes.close()
+
+
+def test_a_full_queue_drops_its_oldest_write(monkeypatch, caplog):
+    monkeypatch.setattr(write_back_module, "MAX_PENDING", 3)
+    ran = []
+    writes = WriteBack()
+    writes.between_steps()
+    for i in range(5):
+        writes.submit(f"w{i}", lambda i=i: ran.append(i))
+    assert writes.pending == 3 and writes.dropped == 2
+    assert caplog.text.count("write-back queue full") == 1
+    writes.close()
+    assert ran == [2, 3, 4]

@@ -10,6 +10,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvreuse.engine import write_back as write_back_module
+
 from .conftest import MODEL_NAME
 
 MESSAGES = [{"role": "user", "content": "Hello?"}]
@@ -93,20 +95,23 @@ def test_store_faults_are_counted_by_tier(make_server, tmp_path):
     assert memory == {"damaged", "unavailable", "write_errors", "wrong_model", "evictions"}
 
 
-def test_store_writes_waiting_for_the_engine_thread_are_shown(server):
+def test_store_writes_waiting_for_the_engine_thread_and_dropped_are_shown(server, monkeypatch):
     write_back = server.service.engine.write_back
+    monkeypatch.setattr(write_back_module, "MAX_PENDING", 2)
     release = threading.Event()
     write_back.submit("a slow write", release.wait)  # the engine thread takes it and waits there
-    write_back.submit("next", lambda: None)
-    write_back.submit("last", lambda: None)
     deadline = time.monotonic() + 30
-    while write_back.pending > 2 and time.monotonic() < deadline:
+    while write_back.pending and time.monotonic() < deadline:
         time.sleep(0.01)
+    for key in ("first", "next", "last"):  # the third finds two waiting: the oldest is dropped
+        write_back.submit(key, lambda: None)
     with server.http() as http:
+        dropped = samples(http, "kvreuse_write_back_dropped_total")[()]
         assert samples(http, "kvreuse_write_back_pending") == {(): 2.0}
         release.set()
         write_back.wait()
         assert samples(http, "kvreuse_write_back_pending") == {(): 0.0}
+    assert dropped == write_back.dropped == 1
 
 
 def histogram(http, name: str) -> tuple[float, float, float]:
