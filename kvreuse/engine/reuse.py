@@ -285,10 +285,14 @@ class ReuseEngine:
     # ---- requests --------------------------------------------------------------------------------------
 
     def check_fits(self, request: Request, extra_tokens: int = 0) -> None:
-        """`request` is a Request that fits the model's window with `extra_tokens` more (compile, prefill and
-        prefill_batch ask first)."""
+        """`request` is a Request of the model's token ids that fits its window with `extra_tokens` more (compile,
+        prefill and prefill_batch ask first)."""
         if not isinstance(request, Request):
             raise TypeError(f"request: expected a Request (build_request makes one), got {describe(request)}")
+        vocab_size = self.model.config.vocab_size
+        if not 0 <= int(request.token_ids.min()) <= int(request.token_ids.max()) < vocab_size:
+            bad = next(int(t) for t in request.token_ids if not 0 <= t < vocab_size)
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})")
         window = self.model.config.max_position_embeddings
         for i, chunk in enumerate(request.of_kind(SegmentKind.CHUNK)):
             if len(chunk.token_ids) > window:

@@ -27,6 +27,7 @@
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -223,9 +224,9 @@ class Auto(Method):
 def _auto(spec: str, arg: str) -> Auto:
     if not arg:
         return Auto(spec)
-    measure, _, value = arg.rpartition("=")
+    measure, named, value = arg.rpartition("=")
     bound = _positive(spec, value)
-    if measure in ("", "kl"):
+    if measure == "kl" or not named:
         return Auto(spec, max_kl=bound)
     if measure == "agreement":
         if bound > 1:
@@ -234,11 +235,19 @@ def _auto(spec: str, arg: str) -> Auto:
     raise ValueError(f"method {spec}: a floor is kl=X or agreement=X, got {measure!r}")
 
 
+# A decimal as a method spec writes one: ASCII digits, an optional point and exponent. float() alone also takes
+# '0_1' (digit grouping: 0.1 read as 1, a full recompute), full-width digits and 'inf'.
+DECIMAL = re.compile(r"[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?", re.ASCII)
+
+
+def _decimal(text: str) -> float | None:
+    return float(text) if DECIMAL.fullmatch(text) else None
+
+
 def _positive(spec: str, text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"method {spec}: floor {text!r} is not a number") from None
+    value = _decimal(text)
+    if value is None:
+        raise ValueError(f"method {spec}: floor {text!r} is not a number")
     if not value > 0:
         raise ValueError(f"method {spec}: floor must be positive, got {value}")
     return value
@@ -246,10 +255,9 @@ def _positive(spec: str, text: str) -> float:
 
 def _unit(name: str, text: str, what: str = "ratio") -> float:
     """A parameter in [0, 1]: a ratio, or guarded's residual."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise ValueError(f"method {name}: {what} {text!r} is not a number") from None
+    value = _decimal(text)
+    if value is None:
+        raise ValueError(f"method {name}: {what} {text!r} is not a number")
     if not 0 <= value <= 1:
         raise ValueError(f"method {name}: {what} must be in [0, 1], got {value}")
     return value
@@ -309,7 +317,9 @@ def parse_method(spec: str | None) -> Method:
     """'cacheblend:0.15' -> CacheBlend(ratio=0.15); the parameter may be omitted for its default."""
     if spec is not None and not isinstance(spec, str):
         raise TypeError(f"method: expected a method name such as 'cacheblend:0.15', got {spec!r}")
-    spec = (spec or DEFAULT_METHOD).strip()
+    spec = DEFAULT_METHOD if spec is None else spec.strip()
+    if not spec:
+        raise ValueError("method: empty; expected a method name such as 'cacheblend:0.15' (None for the default)")
     name, _, arg = spec.partition(":")
     if name not in METHODS:
         raise ValueError(f"method: unknown method {name!r}; known: {', '.join(METHODS)}")

@@ -11,6 +11,8 @@ from enum import Enum
 
 import torch
 
+WHOLE_NUMBERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # token ids as torch reads them
+
 
 class SegmentKind(str, Enum):
     PREFIX = "prefix"  # exact: same tokens at the same positions as when stored (template header, system prompt,
@@ -50,7 +52,12 @@ class Request:
                 raise ValueError(f"empty {segment.kind.value} segment at position {start}")
             segment.start = start
             start += len(segment.token_ids)
-        self.token_ids = torch.tensor([t for s in self.segments for t in s.token_ids], dtype=torch.long)
+        token_ids = torch.tensor([t for s in self.segments for t in s.token_ids])
+        if token_ids.dtype not in WHOLE_NUMBERS:  # dtype=long would cut 1.7 to 1 without a word
+            segment = next(s for s in self.segments if torch.tensor(s.token_ids).dtype not in WHOLE_NUMBERS)
+            raise TypeError(f"token ids of the {segment.kind.value} segment at position {segment.start} must be "
+                            f"whole numbers, got {token_ids.dtype}")
+        self.token_ids = token_ids.long()
 
     def __len__(self) -> int:
         return self.token_ids.numel()

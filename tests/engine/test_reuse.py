@@ -256,6 +256,19 @@ def test_prompt_longer_than_the_context_window_names_the_field(tiny_engine, rag_
         tiny_engine.prefill(rag_request(chunks=(window // 2, window // 2)), "naive")
 
 
+@pytest.mark.parametrize("bad", [-1, "vocab"])
+def test_a_token_id_outside_the_vocabulary_is_named_before_any_work(tiny_engine, rag_request, bad):
+    vocab_size = tiny_engine.model.config.vocab_size
+    bad = vocab_size if bad == "vocab" else bad
+    prefix, chunk, fresh = rag_request(chunks=(10,)).segments
+    request = Request([prefix, Segment(SegmentKind.CHUNK, chunk.token_ids[:-1] + [bad]), fresh])
+    message = rf"token id {bad} is outside the vocabulary \[0, {vocab_size}\)"
+    for run in (lambda: tiny_engine.prefill(request, "naive"), lambda: tiny_engine.compile(request)):
+        with pytest.raises(ValueError, match=message):
+            run()
+    assert list(tiny_engine.store.keys()) == []
+
+
 def test_a_chunk_longer_than_the_window_is_not_compiled(tiny_engine, rag_request):
     """It could never be read: a prompt holding it does not fit."""
     window = tiny_engine.model.config.max_position_embeddings

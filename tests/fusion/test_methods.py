@@ -96,11 +96,24 @@ def test_request_ending_in_a_chunk_computes_its_last_row(tiny_engine, rag_reques
         ("legolink:\u00b2", "whole number"),  # str.isdigit's digits that int() refuses
         ("legolink:\u0661\u0666", "whole number"),  # and those it takes: ASCII digits only
         ("naive:3", "takes no parameter"),
+        ("cacheblend:0_1", "is not a number"),  # float() reads it as 1: a full recompute
+        ("auto:0_1", "is not a number"),
+        ("cachetune:\uff10.\uff11", "is not a number"),  # full-width digits: another name for 0.1
+        ("guarded:inf", "is not a number"),
+        ("auto:=0.1", "a floor is kl=X or agreement=X"),
+        ("", "method: empty"),  # not the default, silently: None asks for that
+        ("  ", "method: empty"),
     ],
 )
 def test_bad_method_specs_name_the_problem(spec, message):
     with pytest.raises(ValueError, match=message):
         parse_method(spec)
+
+
+@pytest.mark.parametrize("spec, value", [("cacheblend:.5", 0.5), ("cacheblend:1.", 1.0), ("cacheblend:+2e-1", 0.2),
+                                         ("cachetune:1E-1", 0.1)])
+def test_method_ratios_are_read_in_any_decimal_notation(spec, value):
+    assert parse_method(spec).ratio == value
 
 
 def test_a_method_list_starts_with_full_and_names_what_is_wrong():

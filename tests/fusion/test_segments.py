@@ -3,7 +3,9 @@ prompt."""
 
 from __future__ import annotations
 
-from kvreuse.fusion.segments import SENTINEL, SegmentKind, build_request, chat_request, chunk_ids
+import pytest
+
+from kvreuse.fusion.segments import SENTINEL, Request, Segment, SegmentKind, build_request, chat_request, chunk_ids
 
 
 class BaseModelTokenizer:
@@ -63,3 +65,8 @@ def test_a_chunk_ends_with_the_separator_tokenized_with_it(embedded_tokenizer):
     assert chunk_ids(embedded_tokenizer, "Paris.") == embedded_tokenizer.encode("Paris.\n\n", add_special_tokens=False)
     assert build_request(embedded_tokenizer, ["Paris.", "Berlin."], "Which?").segments[1].token_ids[-1:] == \
         embedded_tokenizer.encode("\n\n", add_special_tokens=False)
+
+
+def test_token_ids_that_are_not_whole_numbers_are_refused_not_cut():
+    with pytest.raises(TypeError, match="chunk segment at position 2 must be whole numbers, got torch.float32"):
+        Request([Segment(SegmentKind.FRESH, [3, 4]), Segment(SegmentKind.CHUNK, [1.7, 2.2])])
