@@ -20,11 +20,12 @@ from kvreuse.model.runtime import LayerwiseModel
 class Generation:
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS, a stop string or a stop token) or "length"
     prompt_tokens: int
     ttft: float  # seconds from the request's start to its first token
     total_seconds: float
     stats: PrefillStats | None = None  # how the prompt's KV was obtained (the reuse engine fills it)
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it (None: EOS or length)
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -46,9 +47,10 @@ def iter_tokens(model: LayerwiseModel, first_logits: torch.Tensor, cache: KVCach
 
 
 class TextStream:
-    """One sequence's sampled tokens as text. EOS, a stop string or max_tokens finish it; `new_text()` hands out
-    only text that can no longer change (no possible start of a stop string, no half-decoded character), so a
-    streaming client never sees text that is later cut.
+    """One sequence's sampled tokens as text. EOS, a stop string, a stop token or max_tokens finish it (stop strings
+    are looked for from the min_tokens-th token on, as vLLM does); `new_text()` hands out only text that can no
+    longer change (no possible start of a stop string, no half-decoded character), so a streaming client never
+    sees text that is later cut.
 
     Tokens are turned into text incrementally, as vLLM and TGI do: each token decodes a window of the few tokens
     since the last settled ones and keeps what the window adds to its start's text, so a step costs the same at
@@ -62,7 +64,9 @@ class TextStream:
         self.eos_ids = set() if params.ignore_eos else eos_ids
         self.token_ids: list[int] = []
         self.text = ""
-        self.finish_reason: str | None = None  # "stop" (EOS or a stop string) or "length"
+        self.finish_reason: str | None = None  # "stop" (EOS, a stop string or a stop token) or "length"
+        self.stop_reason: str | int | None = None
+        self._stop_tokens = set(params.stop_token_ids)
         self._shown = 0
         self._stops = [StopMatcher(stop) for stop in params.stop if stop]
         self._settled_tokens = 0  # tokens whose text is in self.text
@@ -70,20 +74,32 @@ class TextStream:
 
     def add(self, token: int) -> bool:
         """Take the next sampled token; returns True once the sequence is finished. EOS ends it like the last
-        token max_tokens allows: what is still held back (half a character) settles, and stop strings see it."""
+        token max_tokens allows: what is still held back (half a character) settles, and stop strings see it. A
+        stop token ends it too, its text kept (vLLM's stop_token_ids)."""
         eos = token in self.eos_ids
         if not eos:
             self.token_ids.append(token)
+        stop_token = token in self._stop_tokens
         searched = len(self.text)
         last = len(self.token_ids) >= self.params.max_tokens
-        self._settle(final=eos or last)
+        self._settle(final=eos or last or stop_token)
         added = self.text[searched:]
-        cut = min((i for stop in self._stops if (i := stop.feed(added, searched)) >= 0), default=-1)
-        if cut >= 0 or eos:
-            self.text, self.finish_reason = self.text[:cut] if cut >= 0 else self.text, "stop"
+        stop = self._stop_string(added, searched) if len(self.token_ids) >= self.params.min_tokens else None
+        if stop is not None:
+            matcher, start = stop
+            end = start + len(matcher.stop) if self.params.include_stop_str_in_output else start
+            self.text, self.finish_reason, self.stop_reason = self.text[:end], "stop", matcher.stop
+        elif eos or stop_token:
+            self.finish_reason, self.stop_reason = "stop", token if stop_token else None
         elif last:
             self.finish_reason = "length"
         return self.finish_reason is not None
+
+    def _stop_string(self, added: str, offset: int) -> tuple[StopMatcher, int] | None:
+        """The stop string that starts first in the text, with where it starts, once `added` (at `offset`) is
+        fed to every matcher."""
+        found = [(start, stop) for stop in self._stops if (start := stop.feed(added, offset)) >= 0]
+        return min(((stop, start) for start, stop in found), key=lambda found: found[1], default=None)
 
     def _settle(self, final: bool) -> None:
         """Append the text of the tokens since the settled ones, unless it ends in a character whose last byte
@@ -105,7 +121,8 @@ class TextStream:
         return delta
 
     def generation(self, prompt_tokens: int, ttft: float, total_seconds: float) -> Generation:
-        return Generation(self.text, self.token_ids, self.finish_reason or "length", prompt_tokens, ttft, total_seconds)
+        return Generation(self.text, self.token_ids, self.finish_reason or "length", prompt_tokens, ttft, total_seconds,
+                          stop_reason=self.stop_reason)
 
 
 class StopMatcher:
@@ -145,13 +162,15 @@ def decode(
     cache: KVCache,
     params: SamplingParams,
     started: float,
-    prompt_tokens: int,
+    prompt: torch.Tensor,
 ) -> Generation:
-    """Decode from an already prefilled `cache`; `started` is when the request arrived (for TTFT)."""
-    stream = TextStream(loaded.tokenizer, params, eos_token_ids(loaded))
+    """Decode from an already prefilled `cache` of the `prompt`'s token ids; `started` is when the request arrived
+    (for TTFT)."""
+    eos_ids = eos_token_ids(loaded)
+    stream = TextStream(loaded.tokenizer, params, eos_ids)
     ttft = 0.0
-    for token in iter_tokens(loaded.runtime, first_logits, cache, Sampler(params)):
+    for token in iter_tokens(loaded.runtime, first_logits, cache, Sampler(params, prompt, eos_ids)):
         ttft = ttft or time.perf_counter() - started
         if stream.add(token):
             break
-    return stream.generation(prompt_tokens, ttft, time.perf_counter() - started)
+    return stream.generation(len(prompt), ttft, time.perf_counter() - started)

@@ -468,13 +468,13 @@ class ReuseEngine:
             raise TypeError(f"sampling: expected SamplingParams, got {describe(sampling)}")
         started = time.perf_counter()
         fused = self.prefill(request, method, extra_capacity=sampling.max_tokens)
-        return self.generate_after(fused, sampling, started, len(request))
+        return self.generate_after(fused, sampling, started, request)
 
-    def generate_after(self, fused: FusedPrefill, sampling: SamplingParams, started: float, prompt_tokens: int
+    def generate_after(self, fused: FusedPrefill, sampling: SamplingParams, started: float, request: Request
                        ) -> Generation:
-        """Decode from a prefill's first-token logits and cache (which decoding extends); `started`: when the
-        request arrived, for its TTFT."""
-        generation = decode(self.loaded, fused.logits, fused.cache, sampling, started, prompt_tokens)
+        """Decode from a prefill of `request` (its first-token logits and cache, which decoding extends);
+        `started`: when the request arrived, for its TTFT."""
+        generation = decode(self.loaded, fused.logits, fused.cache, sampling, started, request.token_ids)
         generation.stats = fused.stats
         return generation
 

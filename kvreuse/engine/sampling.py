@@ -1,4 +1,5 @@
-"""Choosing the next token: greedy, or temperature with nucleus (top-p) filtering, reproducible by seed."""
+"""Choosing the next token: greedy, or by temperature with top-k, nucleus (top-p) and min-p filtering, reproducible by
+seed; penalties for what the prompt and output hold."""
 
 from __future__ import annotations
 
@@ -8,60 +9,149 @@ from dataclasses import dataclass, field
 import torch
 
 
+class InvalidSampling(ValueError):
+    """A sampling parameter out of its range, named (the server's 400 names it too)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
 @dataclass
 class SamplingParams:
+    """What decides the next token and when a sequence ends: OpenAI's parameters, and vLLM's beside them (top_k,
+    min_p, repetition_penalty, stop_token_ids, min_tokens, include_stop_str_in_output), with vLLM's meanings."""
+
     max_tokens: int = 128
     temperature: float = 0.0  # 0 means greedy
     top_p: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
+    top_k: int = 0  # the k most likely tokens only; 0 or -1: all
+    min_p: float = 0.0  # tokens less likely than min_p times the most likely one are dropped
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds
+    frequency_penalty: float = 0.0  # subtracted once for each time the output holds the token
+    repetition_penalty: float = 1.0  # divides the positive logits of prompt and output tokens, multiplies the rest
+    stop_token_ids: list[int] = field(default_factory=list)  # end the sequence, their text kept
+    min_tokens: int = 0  # no EOS, stop token or stop string ends the sequence before this many tokens
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # as OpenAI's API takes it: one stop string, not one per character
             self.stop = [self.stop]
         if not isinstance(self.stop, (list, tuple)) or not all(isinstance(stop, str) for stop in self.stop):
             raise TypeError(f"stop: expected a text or a list of texts, got {self.stop!r}")
-        for name, value in (("max_tokens", self.max_tokens), ("seed", self.seed)):
-            whole = isinstance(value, int) and not isinstance(value, bool)
-            if not whole and not (name == "seed" and value is None):
+        if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(_whole, self.stop_token_ids)):
+            raise TypeError(f"stop_token_ids: expected a list of token ids, got {self.stop_token_ids!r}")
+        for name in ("max_tokens", "seed", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if not _whole(value) and not (name == "seed" and value is None):
                 raise TypeError(f"{name}: expected a whole number, got {value!r}")
-        for name, value in (("temperature", self.temperature), ("top_p", self.top_p)):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise TypeError(f"{name}: expected a number, got {value!r}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
-        if not (math.isfinite(self.temperature) and self.temperature >= 0):  # NaN compares False either way
-            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.seed is not None and not 0 <= self.seed < 2**64:  # what a torch.Generator takes
-            raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
+        checks = {
+            "max_tokens": (self.max_tokens >= 1, "must be >= 1"),
+            # NaN compares False either way
+            "temperature": (math.isfinite(self.temperature) and self.temperature >= 0, "must be a finite number >= 0"),
+            "top_p": (0 < self.top_p <= 1, "must be in (0, 1]"),
+            "seed": (self.seed is None or -(2**63) <= self.seed < 2**64, "must be in [-2**63, 2**64)"),
+            "top_k": (self.top_k >= -1, "must be -1 or 0 (all tokens), or >= 1"),
+            "min_p": (0 <= self.min_p <= 1, "must be in [0, 1]"),
+            "presence_penalty": (-2 <= self.presence_penalty <= 2, "must be in [-2, 2]"),
+            "frequency_penalty": (-2 <= self.frequency_penalty <= 2, "must be in [-2, 2]"),
+            "repetition_penalty": (0 < self.repetition_penalty < math.inf, "must be a finite number > 0"),
+            "min_tokens": (0 <= self.min_tokens <= self.max_tokens, f"must be in [0, max_tokens={self.max_tokens}]"),
+            "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
+        }
+        for name, (ok, rule) in checks.items():
+            if not ok:
+                raise InvalidSampling(name, f"{name} {rule}, got {getattr(self, name)}")
+
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
+
+
+def _whole(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 class Sampler:
-    def __init__(self, params: SamplingParams):
+    """One sequence's choice of each next token. It keeps the tokens it chose, which the penalties and min_tokens
+    read; `prompt` (token ids) is what repetition_penalty counts beside them, `eos_ids` what min_tokens holds back
+    with the stop tokens."""
+
+    def __init__(self, params: SamplingParams, prompt: torch.Tensor | None = None,
+                 eos_ids: frozenset[int] | set[int] = frozenset()):
         self.params = params
         self.generator = torch.Generator()
         if params.seed is not None:
-            self.generator.manual_seed(params.seed)
+            self.generator.manual_seed(params.seed)  # a negative seed is taken as 2**64 + seed
         else:
             self.generator.seed()
+        self.chosen = 0
+        self._held_back = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids)))
+        self._counts: torch.Tensor | None = None  # how often the output holds each token (penalties only)
+        self._in_prompt = prompt
 
     def __call__(self, logits: torch.Tensor) -> int:
         if bool(torch.isnan(logits).any()):
             raise ValueError("the model's next-token logits hold NaN")
-        if not self.params.temperature:
+        logits = self._adjusted(logits)
+        token = self._choose(logits)
+        self.chosen += 1
+        if self._counts is not None:
+            self._counts[token] += 1
+        return token
+
+    def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits after the penalties and min_tokens (a copy where either applies)."""
+        params = self.params
+        if params.penalized:
+            if self._counts is None:
+                self._counts = torch.zeros(logits.shape[-1])
+            logits = _penalized(logits.float(), self._counts, self._in_prompt, params)
+        if self.chosen < params.min_tokens and self._held_back:
+            logits = logits.clone() if not params.penalized else logits
+            ids = torch.tensor([t for t in self._held_back if t < logits.shape[-1]], dtype=torch.long)
+            logits[ids] = -math.inf
+        return logits
+
+    def _choose(self, logits: torch.Tensor) -> int:
+        params = self.params
+        if not params.temperature:
             return int(logits.argmax())
-        scaled = logits.float() / self.params.temperature
+        scaled = logits.float() / params.temperature
         if bool((torch.isinf(scaled) & torch.isfinite(logits)).any()):
             # a temperature so close to 0 that finite logits overflow: greedy is its limit (a logit that is -inf
             # already, a masked token, just gets probability 0 below)
             return int(logits.argmax())
+        if 0 < params.top_k < scaled.shape[-1]:
+            scaled = scaled.masked_fill(scaled < scaled.topk(params.top_k).values[-1], -math.inf)
         probs = torch.softmax(scaled, dim=-1)
-        if self.params.top_p < 1:
-            probs = _nucleus(probs, self.params.top_p)
+        if params.top_p < 1:
+            probs = _nucleus(probs, params.top_p)
+        if params.min_p > 0:
+            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
+            probs = probs / probs.sum()
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _penalized(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | None,
+               params: SamplingParams) -> torch.Tensor:
+    """vLLM's order: the repetition penalty over the prompt's and output's tokens, then frequency and presence
+    over the output's."""
+    logits = logits.clone()
+    if params.repetition_penalty != 1:
+        seen = counts > 0
+        if prompt is not None:
+            seen[prompt[prompt < seen.numel()]] = True
+        penalty = params.repetition_penalty
+        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+    return logits - counts * params.frequency_penalty - (counts > 0).float() * params.presence_penalty
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -365,7 +365,7 @@ class Scheduler:
                 self._running.append(seq)
 
     def _sequence(self, job: GenerationJob, fused: FusedPrefill, queued: float) -> _Sequence:
-        sampler = Sampler(job.sampling)
+        sampler = Sampler(job.sampling, job.request.token_ids, self._eos_ids)
         seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, self._eos_ids),
                         replace(fused.stats, queue_seconds=queued))
         seq.last_token = sampler(fused.logits)

@@ -38,7 +38,7 @@ class Engine(Protocol):
     def compile(self, request: Any, methods: list[str]) -> Any: ...
     def prefill(self, request: Any, method: str, extra_capacity: int = 0) -> Any: ...  # .logits .cache .ttft .stats
     def generate(self, request: Any, method: str, sampling: Any) -> Any: ...  # .text, .ttft
-    def generate_after(self, fused: Any, sampling: Any, started: float, prompt_tokens: int) -> Any: ...
+    def generate_after(self, fused: Any, sampling: Any, started: float, request: Any) -> Any: ...
     def answer_ids(self, answer: str) -> list[int]: ...
     def teacher_forced_logprobs(self, first_logits: torch.Tensor, cache: Any, answer_ids: list[int]
                                 ) -> torch.Tensor: ...
@@ -218,7 +218,7 @@ class ExampleRun:
         started = time.perf_counter()
         out = engine.prefill(request, method=name, extra_capacity=self.sampling.max_tokens)
         gold_cache = out.cache.clone()
-        generation = engine.generate_after(out, self._sampling(), started, len(request))
+        generation = engine.generate_after(out, self._sampling(), started, request)
         if self.dataset.first_line and not generation.text.lstrip("\n"):
             # the model opened with a newline, where the first-line stop cut it: generate the whole budget
             generation = engine.generate(request, method=name, sampling=self.sampling)

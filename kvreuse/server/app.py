@@ -48,9 +48,10 @@ SHUTDOWN_MARGIN_SECONDS = 0.5  # what streams ended at shutdown get to send thei
 # endpoint -> (id prefix, response type, the choice of a finished generation)
 ENDPOINTS = {
     "chat": ("chatcmpl", ChatCompletionResponse, lambda result: ChatChoice(
-        message=AssistantMessage(content=result.text), finish_reason=result.finish_reason)),
+        message=AssistantMessage(content=result.text), finish_reason=result.finish_reason,
+        stop_reason=result.stop_reason)),
     "completions": ("cmpl", CompletionResponse, lambda result: CompletionChoice(
-        text=result.text, finish_reason=result.finish_reason)),
+        text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason)),
 }
 SALT_QUERY = Query(None, min_length=1, description="the tenant the cache was created for")
 
@@ -71,11 +72,17 @@ class Chunker:
         chunk = kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         return sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
-    def text(self, text: str, finish_reason: str | None = None, role: bool = False) -> str:
+    def text(self, text: str, role: bool = False) -> str:
         if self.chat:
-            delta = DeltaMessage(role="assistant" if role else None, content=None if finish_reason else text)
-            return self._chunk([ChatChunkChoice(delta=delta, finish_reason=finish_reason)])
-        return self._chunk([CompletionChoice(text=text, finish_reason=finish_reason)])
+            return self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant" if role else None, content=text))])
+        return self._chunk([CompletionChoice(text=text)])
+
+    def finish(self, result: Generation) -> str:
+        """The last choice chunk: how the generation ended, no text."""
+        ended = dict(finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+        if self.chat:
+            return self._chunk([ChatChunkChoice(delta=DeltaMessage(), **ended)])
+        return self._chunk([CompletionChoice(text="", **ended)])
 
     def usage(self, result: Generation) -> str:
         return self._chunk([], usage_of(result))
@@ -101,7 +108,7 @@ async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, servic
             if event.result:
                 service.metrics.generated(event.result)
                 ended = True
-                yield chunker.text("", finish_reason=event.result.finish_reason)
+                yield chunker.finish(event.result)
                 if chunker.include_usage:
                     yield chunker.usage(event.result)
         yield "data: [DONE]\n\n"

@@ -56,7 +56,8 @@ def _common_prefix(locs: list[tuple]) -> tuple:
 
 def validation_error(exc: RequestValidationError) -> APIError:
     errors = exc.errors()
-    first = errors[0]
+    # A union's forms each fail: the message of a check of ours (a ValueError) says more than "not a string".
+    first = next((e for e in errors if e.get("type") == "value_error"), errors[0])
     if first.get("type") == "json_invalid":
         return bad_request(f"the body is not valid JSON: {first.get('msg')}", "body")
     loc = tuple(first.get("loc", ()))

@@ -17,6 +17,7 @@ SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed
 # that every stream shares: bounded here, as vLLM's users rarely need more than a few short ones.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARACTERS = 1000
+MAX_REPETITION_PENALTY = 100.0  # past it every repeated token is out of reach anyway; bounds a client's typo
 
 
 def encodable(text: str) -> str:
@@ -42,12 +43,19 @@ class KvreuseOptions(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
+    include_usage: bool | None = False  # null: not asked for, as at the top level
 
 
 class TextPart(BaseModel):
-    type: Literal["text"]
+    type: str
     text: Text
+
+    @field_validator("type", mode="before")
+    @classmethod
+    def _text_only(cls, kind: Any) -> Any:
+        if kind != "text":
+            raise ValueError(f"only text content parts are supported, got a part of type {kind!r}")
+        return kind
 
 
 class ChatMessage(BaseModel):
@@ -60,6 +68,9 @@ class ChatMessage(BaseModel):
         if isinstance(self.content, list):
             return "\n".join(part.text for part in self.content)
         return self.content or ""
+
+
+GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")  # vLLM's
 
 
 class GenerationParams(BaseModel):
@@ -77,7 +88,19 @@ class GenerationParams(BaseModel):
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
     logit_bias: dict[str, float] | None = None
+    # vLLM's sampling parameters, which clients written for it send
     ignore_eos: bool = False
+    top_k: int | None = Field(None, ge=-1, description="the k most likely tokens only; 0 or -1: all (vLLM)")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below min_p x the top one's probability")
+    repetition_penalty: float | None = Field(None, gt=0, le=MAX_REPETITION_PENALTY)
+    stop_token_ids: list[int] | None = Field(None, max_length=MAX_STOP_STRINGS)
+    min_tokens: int | None = Field(None, ge=0)
+    include_stop_str_in_output: bool = False
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
     documents: list[NonEmptyText] = Field(default_factory=list, description="reusable chunks, placed in order")
     cache_ids: list[Text] = Field(default_factory=list, description="ids from POST /v1/caches, placed first")
     kvreuse: KvreuseOptions | None = None
@@ -107,10 +130,9 @@ class GenerationParams(BaseModel):
         """(parameter, why) of the first parameter set to something this server does not implement."""
         unsupported = {
             "n": self.n != 1 and "only n=1 is supported",
-            "presence_penalty": bool(self.presence_penalty) and "penalties are not supported",
-            "frequency_penalty": bool(self.frequency_penalty) and "penalties are not supported",
             "logit_bias": bool(self.logit_bias) and "logit_bias is not supported",
-        } | self._unsupported()
+        } | {name: getattr(self, name) is not None and "guided decoding is not supported" for name in GUIDED} \
+            | self._unsupported()
         return next(((param, why) for param, why in unsupported.items() if why), None)
 
     def _unsupported(self) -> dict[str, str | bool]:
@@ -247,7 +269,7 @@ class ChatChoice(BaseModel):
     message: AssistantMessage
     logprobs: None = None
     finish_reason: str
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it, as vLLM gives it
 
 
 class ResponseBase(BaseModel):
@@ -281,6 +303,7 @@ class ChatChunkChoice(BaseModel):
     delta: DeltaMessage
     logprobs: None = None
     finish_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class ChatCompletionChunk(ResponseBase):
@@ -294,7 +317,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: None = None
     finish_reason: str | None = None
-    stop_reason: str | None = None
+    stop_reason: str | int | None = None
 
 
 class CompletionResponse(ResponseBase):

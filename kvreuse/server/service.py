@@ -20,7 +20,7 @@ from jinja2 import TemplateError
 
 from kvreuse.engine.generate import Generation
 from kvreuse.engine.reuse import ReuseEngine
-from kvreuse.engine.sampling import SamplingParams
+from kvreuse.engine.sampling import InvalidSampling, SamplingParams
 from kvreuse.engine.scheduler import (GenerationJob, JobCancelled, JobEvent, JobTimeout, QueueFull, Scheduler,
                                      ShuttingDown)
 from kvreuse.fusion.methods import Auto, parse_method
@@ -250,15 +250,29 @@ class EngineService:
             raise bad_request(
                 f"{param}: {len(request)} prompt tokens + {budget or 1} to generate exceed the maximum context "
                 f"length of {self.max_model_len}", param)
-        sampling = SamplingParams(
-            max_tokens=budget or min(self.config.default_max_tokens, room),
+        try:
+            sampling = self._sampling(body, budget or min(self.config.default_max_tokens, room))
+        except InvalidSampling as e:  # a combination the body's own checks cannot see (min_tokens > max_tokens)
+            raise bad_request(str(e), e.param) from None
+        return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method))
+
+    def _sampling(self, body: GenerationParams, max_tokens: int) -> SamplingParams:
+        return SamplingParams(
+            max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,
             top_p=1.0 if body.top_p is None else body.top_p,
             seed=body.seed,
             stop=body.stop_strings,
             ignore_eos=body.ignore_eos,
+            top_k=body.top_k or 0,
+            min_p=body.min_p or 0.0,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=body.repetition_penalty or 1.0,
+            stop_token_ids=self._check_token_ids(body.stop_token_ids or [], "stop_token_ids"),
+            min_tokens=body.min_tokens or 0,
+            include_stop_str_in_output=body.include_stop_str_in_output,
         )
-        return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method))
 
     def _refuse_unsupported(self, body: GenerationParams) -> None:
         if refusal := body.refusal():

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from kvreuse.engine.sampling import Sampler, SamplingParams
+from kvreuse.engine.sampling import InvalidSampling, Sampler, SamplingParams
 
 
 def test_greedy_takes_the_argmax():
@@ -32,11 +32,60 @@ def test_a_tiny_top_p_keeps_the_top_token(top_p):
 @pytest.mark.parametrize(
     "field, value", [("max_tokens", 0), ("temperature", -0.5), ("temperature", float("nan")),
                      ("temperature", float("inf")), ("top_p", 0.0), ("top_p", 1.5), ("top_p", float("nan")),
-                     ("seed", -1), ("seed", 2**64)]
+                     ("seed", -(2**63) - 1), ("seed", 2**64), ("top_k", -2), ("min_p", 1.5),
+                     ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
+                     ("repetition_penalty", float("inf")), ("min_tokens", -1), ("min_tokens", 200),
+                     ("stop_token_ids", [-1])]
 )
 def test_bad_parameters_name_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+    with pytest.raises(InvalidSampling, match=field) as raised:
         SamplingParams(**{field: value})
+    assert raised.value.param == field
+
+
+def test_a_negative_seed_draws_as_torch_takes_it():
+    """torch.Generator takes seeds in [-2**63, 2**64), a negative one as 2**64 + seed: the server's seed range."""
+    logits = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+
+    def draws(seed: int) -> list[int]:
+        sampler = Sampler(SamplingParams(temperature=1.0, seed=seed))
+        return [sampler(logits) for _ in range(20)]
+
+    assert draws(-1) == draws(-1) == draws(2**64 - 1) != draws(1)
+
+
+def test_top_k_keeps_only_the_k_most_likely():
+    logits = torch.log(torch.tensor([0.1, 0.4, 0.3, 0.2]))
+    sampler = Sampler(SamplingParams(temperature=1.0, top_k=2, seed=0))
+    assert {sampler(logits) for _ in range(300)} == {1, 2}
+    everything = Sampler(SamplingParams(temperature=1.0, top_k=-1, seed=0))
+    assert {everything(logits) for _ in range(300)} == {0, 1, 2, 3}
+
+
+def test_min_p_drops_tokens_far_less_likely_than_the_top_one():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    sampler = Sampler(SamplingParams(temperature=1.0, min_p=0.25, seed=0))  # keeps p >= 0.125
+    assert {sampler(logits) for _ in range(300)} == {0, 1, 2}
+
+
+def test_penalties_follow_vllm():
+    """Repetition: positive logits of tokens in the prompt or output divided, the rest multiplied; frequency and
+    presence: subtracted per occurrence in the output, and once."""
+    logits = torch.tensor([2.0, -1.0, 1.5, 0.5])
+    sampler = Sampler(SamplingParams(repetition_penalty=2.0), prompt=torch.tensor([1, 2]))
+    assert sampler(logits) == 0  # 2.0 stays; 1.5 -> 0.75, -1 -> -2
+    assert torch.equal(sampler._adjusted(logits), torch.tensor([1.0, -2.0, 0.75, 0.5]))  # 0 is in the output now
+    counted = Sampler(SamplingParams(frequency_penalty=0.5, presence_penalty=0.25))
+    assert [counted(logits) for _ in range(3)] == [0, 2, 0]  # 2.0 -> 1.25 after one 0; 1.5 -> 0.75 after one 2
+    assert torch.equal(counted._adjusted(logits), torch.tensor([0.75, -1.0, 0.75, 0.5]))  # two 0s: 2 - 1 - 0.25
+
+
+def test_min_tokens_holds_back_eos_and_stop_tokens_until_then():
+    logits = torch.tensor([0.0, 5.0, 4.0, 1.0])  # 1 is EOS, 2 a stop token
+    sampler = Sampler(SamplingParams(min_tokens=2, stop_token_ids=[2]), eos_ids={1})
+    assert [sampler(logits) for _ in range(3)] == [3, 3, 1]
+    ignoring = Sampler(SamplingParams(min_tokens=1, ignore_eos=True), eos_ids={1})
+    assert ignoring(logits) == 1  # EOS ends nothing then: not held back
 
 
 def test_a_temperature_too_small_to_scale_the_logits_by_is_greedy():

@@ -20,15 +20,18 @@ class CharTokenizer:
         return text.replace(chr(1) + chr(2), "é").replace(chr(1), "\ufffd")
 
 
-def stream(stop=(), max_tokens=50) -> TextStream:
-    return TextStream(CharTokenizer(), SamplingParams(max_tokens=max_tokens, stop=list(stop)), {EOS})
+def stream(stop=(), max_tokens=50, **params) -> TextStream:
+    return TextStream(CharTokenizer(), SamplingParams(max_tokens=max_tokens, stop=list(stop), **params), {EOS})
 
 
 def feed(s: TextStream, text: str) -> list[str]:
+    """The deltas of the text's characters as tokens, up to the one that finishes the stream."""
     deltas = []
     for ch in text:
-        s.add(ord(ch))
+        finished = s.add(ord(ch))
         deltas.append(s.new_text())
+        if finished:
+            break
     return deltas
 
 
@@ -38,6 +41,28 @@ def test_a_stop_string_cuts_the_text_and_its_start_is_never_streamed():
     assert "".join(deltas) == "abc" and s.finish_reason is None  # "EN" may begin the stop string: held back
     assert s.add(ord("D")) and s.finish_reason == "stop"
     assert s.text == "abc" and s.new_text() == ""
+
+
+def test_the_stop_string_that_ended_it_is_its_stop_reason_and_may_stay_in_the_text():
+    s = stream(stop=["END", "xy"])
+    feed(s, "abxyEND")
+    assert (s.text, s.finish_reason, s.stop_reason) == ("ab", "stop", "xy")
+    assert s.generation(prompt_tokens=4, ttft=0.1, total_seconds=0.2).stop_reason == "xy"
+    kept = stream(stop=["END"], include_stop_str_in_output=True)
+    assert "".join(feed(kept, "abENDcd")) == "abEND" and kept.stop_reason == "END"
+
+
+def test_a_stop_token_ends_it_with_its_text_and_is_its_stop_reason():
+    s = stream(stop_token_ids=[ord("!")])
+    assert "".join(feed(s, "ab!cd")) == "ab!" and (s.finish_reason, s.stop_reason) == ("stop", ord("!"))
+    s = stream()
+    s.add(EOS)
+    assert (s.finish_reason, s.stop_reason) == ("stop", None)  # EOS has none, as in vLLM
+
+
+def test_stop_strings_are_looked_for_from_the_min_tokens_th_token_on():
+    s = stream(stop=["b"], min_tokens=3)
+    assert "".join(feed(s, "abcb")) == "abc" and s.token_ids == [ord(c) for c in "abcb"]
 
 
 def test_a_held_back_start_that_is_not_a_stop_string_is_released():

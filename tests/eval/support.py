@@ -72,7 +72,7 @@ class FakeEngine:
     def generate(self, request, method, sampling):
         return self._generated(method, sampling)
 
-    def generate_after(self, fused, sampling, started, prompt_tokens):
+    def generate_after(self, fused, sampling, started, request):
         return self._generated(fused.cache.method, sampling)
 
     def answer_ids(self, answer):

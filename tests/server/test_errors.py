@@ -68,6 +68,14 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(modalities=["text", "audio"]), "modalities", ["only text"]),
         (chat_body(audio={"voice": "alloy", "format": "wav"}), "audio", ["not supported"]),
         (chat_body(prediction={"type": "content", "content": "x"}), "prediction", ["not supported"]),
+        (chat_body(guided_json={"type": "object"}), "guided_json", ["guided decoding is not supported"]),
+        (chat_body(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]),
+         "messages[0].content", ["only text content parts are supported, got a part of type 'image_url'"]),
+        (chat_body(guided_choice=["a", "b"]), "guided_choice", ["guided decoding is not supported"]),
+        (chat_body(min_tokens=5), "min_tokens", ["min_tokens must be in [0, max_tokens=4], got 5"]),
+        (chat_body(top_k=-2), "top_k", ["greater than or equal to -1"]),
+        (chat_body(repetition_penalty=0), "repetition_penalty", ["greater than 0"]),
+        (chat_body(stop_token_ids=[10**9]), "stop_token_ids", ["outside the vocabulary"]),
     ],
 )
 def test_bad_chat_requests_get_400_naming_the_field(http, body, param, words):
@@ -77,8 +85,9 @@ def test_bad_chat_requests_get_400_naming_the_field(http, body, param, words):
 
 def test_options_sent_as_null_take_their_defaults(http):
     nulls = dict.fromkeys(["n", "stream", "logprobs", "ignore_eos", "documents", "cache_ids", "stop", "tool_choice",
-                           "modalities", "top_logprobs"])
-    answer = http.post(CHAT, json=chat_body(**nulls, temperature=0))
+                           "modalities", "top_logprobs", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
+                           "min_tokens", "include_stop_str_in_output", "guided_json"])
+    answer = http.post(CHAT, json=chat_body(**nulls, stream_options={"include_usage": None}, temperature=0))
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"] == \
         http.post(CHAT, json=chat_body(temperature=0)).json()["choices"][0]["message"]["content"]

@@ -43,6 +43,42 @@ def test_chat_answers_what_the_engine_answers(client, tiny_chat_engine):
     assert kvreuse_usage(usage)["method"] == "full" and kvreuse_usage(usage)["ttft_seconds"] > 0
 
 
+def test_vllms_sampling_parameters_reach_the_engine(client, server, monkeypatch):
+    """vLLM's sampling parameters (and a negative seed), as a client written for vLLM sends them, are the job's
+    (their effects: tests/engine/test_sampling.py and test_text_stream.py)."""
+    sent = dict(top_k=20, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.25,
+                stop_token_ids=[7, 9], min_tokens=2, include_stop_str_in_output=True, seed=-5)
+    jobs, submit = [], server.service.scheduler.submit
+    monkeypatch.setattr(server.service.scheduler, "submit", lambda job: jobs.append(job) or submit(job))
+    client.chat.completions.create(messages=QUESTION, model=MODEL_NAME, max_tokens=4, extra_body=sent)
+    (job,) = jobs
+    assert {name: getattr(job.sampling, name) for name in sent} == sent
+
+
+def test_a_stop_token_ends_a_chat_and_is_its_stop_reason(client, tiny_chat_engine):
+    request = chat_request(tiny_chat_engine.tokenizer, [], [], QUESTION[0]["content"])
+    greedy = tiny_chat_engine.generate(request, "full", SamplingParams(max_tokens=12, ignore_eos=True))
+    stop_token = greedy.token_ids[4]
+    response = client.chat.completions.create(messages=QUESTION, model=MODEL_NAME, max_tokens=12, temperature=0,
+                                              extra_body={"stop_token_ids": [stop_token], "ignore_eos": True})
+    (choice,) = response.choices
+    assert (choice.finish_reason, choice.model_extra["stop_reason"]) == ("stop", stop_token)
+    assert response.usage.completion_tokens == greedy.token_ids.index(stop_token) + 1
+
+
+def test_the_stop_string_that_ended_a_stream_is_its_stop_reason(client):
+    whole = client.chat.completions.create(messages=QUESTION, **GREEDY)
+    stop = whole.choices[0].message.content[2:4]
+    chunks = list(client.chat.completions.create(messages=QUESTION, stream=True, stop=stop, **GREEDY))
+    finish = chunks[-1].choices[0]
+    assert (finish.finish_reason, finish.model_extra["stop_reason"]) == ("stop", stop)
+    kept = client.completions.create(prompt="Once upon a time", **GREEDY)
+    stop = kept.choices[0].text[3:5]
+    cut = client.completions.create(prompt="Once upon a time", stop=stop, **GREEDY,
+                                    extra_body={"include_stop_str_in_output": True})
+    assert cut.choices[0].text == kept.choices[0].text[:kept.choices[0].text.index(stop) + len(stop)]
+
+
 def test_streamed_chat_is_the_same_text_with_usage_last(client):
     whole = client.chat.completions.create(messages=QUESTION, **GREEDY)
     chunks = list(client.chat.completions.create(messages=QUESTION, stream=True,
