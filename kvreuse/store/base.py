@@ -272,6 +272,10 @@ class BlobTier(Tier):
             self._backend_failed("unavailable", key, e)
         return None
 
+    def is_outage(self, error: BaseException) -> bool:
+        """Whether `error` means the whole backend is out (`outage_errors`), not one entry."""
+        return isinstance(error, self.outage_errors)
+
     def in_outage(self) -> bool:
         """Whether the backend failed as a whole less than `outage_pause` seconds ago: it is not asked then."""
         return time.monotonic() < self._out_until
@@ -285,7 +289,7 @@ class BlobTier(Tier):
 
     def _backend_failed(self, counter: str, key: str, error: BaseException) -> None:
         self.fault(counter, key, error)
-        if self.outage_pause and isinstance(error, self.outage_errors):
+        if self.outage_pause and self.is_outage(error):
             # A server that hangs costs a whole timeout per call: a request probing twenty keys would wait for
             # twenty of them, and the next request again.
             self._out_until = time.monotonic() + self.outage_pause
@@ -373,7 +377,11 @@ class BlobTier(Tier):
         if self.contains(entry.key):
             self.count("duplicates")
             return True
-        data = encode(entry, quantize=self.quantize)
+        try:
+            data = encode(entry, quantize=self.quantize)
+        except ValueError as e:  # a form the entry cannot take (int8 of values that are not finite)
+            self.fault("write_errors", entry.key, e)
+            return False
         try:
             self._write(entry.key, data)
         except self.backend_errors as e:

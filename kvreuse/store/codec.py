@@ -205,6 +205,8 @@ def _from_f32(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
 def quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """[..., head_dim] -> int8 values and one float32 scale per leading index (symmetric absmax)."""
     a = _to_f32(x)
+    if not np.isfinite(a).all():  # an infinite row's scale is too: the whole row would read back as NaN
+        raise ValueError("int8 form: the entry holds values that are not finite")
     scale = np.abs(a).max(axis=-1) / 127
     scale[scale == 0] = 1  # an all-zero row must not divide by zero
     a = a / scale[..., None]

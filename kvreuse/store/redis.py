@@ -105,6 +105,11 @@ class RedisTier(BlobTier):
         self.prefix = prefix
         self.part_size = part_size
 
+    def is_outage(self, error: BaseException) -> bool:
+        # A database the server does not have (redis://HOST:PORT/99 on a server of 16) fails every call alike:
+        # redis-py raises the server's reply to connecting as a ResponseError, not a ConnectionError.
+        return super().is_outage(error) or (isinstance(error, redis.ResponseError) and "DB index" in str(error))
+
     def _manifest(self, key: str) -> str:
         return f"{self.prefix}:m:{key}"
 

@@ -2,8 +2,8 @@
 
 Tier specs:
   memory:SIZE                    e.g. memory:2GB
-  disk:PATH[:SIZE]               e.g. disk:/var/cache/kv:50GB (no SIZE: unlimited; a PATH whose last ':' is
-                                 followed by a digit needs a SIZE after it)
+  disk:PATH[:SIZE]               e.g. disk:/var/cache/kv:50GB (no SIZE: unlimited; ~ is the home folder; a
+                                 PATH whose last ':' is followed by a digit, sign or point needs a SIZE after it)
   redis://HOST:PORT[/DB]         a Redis server (capacity: the server's maxmemory)
   throttled:DEVICE:TIER          TIER slowed to an emulated DEVICE (ssd, hdd, net10g), for benchmarks
   int8:TIER                      a disk or Redis TIER keeping entries in the lossy 8-bit form
@@ -14,6 +14,7 @@ A spec is a list of tier specs, or one string of them joined by commas.
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Sequence
 from urllib.parse import urlsplit
@@ -29,6 +30,13 @@ DEFAULT_STORE = "memory:4GB"  # the engine's, the server's and `kvreuse generate
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
 _SIZE = re.compile(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]I?B|B)?\s*", re.IGNORECASE)
+_PASSWORD = re.compile(r"(://[^/@]*?:)[^/@]*@")  # redis://user:PASSWORD@host
+
+
+def _shown(spec: object) -> str:
+    """A spec as an error message may show it: a Redis URL's password hidden (specs come from command lines and
+    config files, errors go to logs and terminals)."""
+    return _PASSWORD.sub(r"\1***@", repr(spec))
 
 
 def parse_size(text: str) -> int:
@@ -45,7 +53,7 @@ def open_tier(spec: str, *, create_folders: bool = True, **expect: str | bool | 
     kind, _, rest = spec.partition(":")
     if kind == "int8":
         if rest.partition(":")[0] not in ("disk", "redis", "rediss"):
-            raise ValueError(f"bad store spec {spec!r}: int8 applies to disk and redis tiers")
+            raise ValueError(f"bad store spec {_shown(spec)}: int8 applies to disk and redis tiers")
         return open_tier(rest, create_folders=create_folders, quantize=True, **expect)
     if kind in ("redis", "rediss"):
         return open_redis(spec, **expect)
@@ -54,14 +62,16 @@ def open_tier(spec: str, *, create_folders: bool = True, **expect: str | bool | 
     if kind == "disk" and rest:
         path, size = _disk_path_and_size(rest)
         capacity = _size_in(spec, size) if size is not None else None
-        return DiskTier(path, capacity, create=create_folders, **expect)
+        # A shell leaves a ~ inside a word as it is (--store disk:~/kv): a folder named ~ under the working one
+        return DiskTier(os.path.expanduser(path), capacity, create=create_folders, **expect)
     if kind == "throttled":
         device, _, inner = rest.partition(":")
         if device not in DEVICES or not inner:
-            raise ValueError(f"bad store spec {spec!r}: expected throttled:DEVICE:TIER, DEVICE in {sorted(DEVICES)}")
+            raise ValueError(f"bad store spec {_shown(spec)}: expected throttled:DEVICE:TIER, DEVICE in "
+                             f"{sorted(DEVICES)}")
         return ThrottledTier(open_tier(inner, create_folders=create_folders, **expect), DEVICES[device])
     raise ValueError(
-        f"bad store spec {spec!r}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
+        f"bad store spec {_shown(spec)}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
         "throttled:DEVICE:TIER or int8:TIER"
     )
 
@@ -83,20 +93,20 @@ def _size_in(spec: str, size: str) -> int:
     try:
         return parse_size(size)
     except ValueError as e:
-        raise ValueError(f"bad store spec {spec!r}: {e}") from None
+        raise ValueError(f"bad store spec {_shown(spec)}: {e}") from None
 
 
 def open_redis(spec: str, **expect: str | bool | None) -> RedisTier:
     url = urlsplit(spec)
     if not url.hostname:
-        raise ValueError(f"bad store spec {spec!r}: expected redis://HOST:PORT[/DB], it names no host")
+        raise ValueError(f"bad store spec {_shown(spec)}: expected redis://HOST:PORT[/DB], it names no host")
     db = url.path.strip("/")
     if db and not db.isdigit():
-        raise ValueError(f"bad store spec {spec!r}: the database after the port must be a number, got {db!r}")
+        raise ValueError(f"bad store spec {_shown(spec)}: the database after the port must be a number, got {db!r}")
     try:
         return RedisTier(spec, **expect)
     except ValueError as e:  # redis-py's own, e.g. a port that is not a number
-        raise ValueError(f"bad store spec {spec!r}: {e}") from None
+        raise ValueError(f"bad store spec {_shown(spec)}: {e}") from None
 
 
 def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = None, dtype: str | None = None,
@@ -104,9 +114,9 @@ def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = Non
     """Open the tiers named by `spec`. With model_fingerprint/dtype set, entries of any other model or dtype
     read as misses (and putting one is an error). `create_folders=False`: a disk tier's folder must exist."""
     if not isinstance(spec, (str, list, tuple)) or not all(isinstance(s, str) for s in spec):
-        raise TypeError(f"store spec: expected text such as 'memory:4GB,disk:/var/kv', got {spec!r}")
+        raise TypeError(f"store spec: expected text such as 'memory:4GB,disk:/var/kv', got {_shown(spec)}")
     specs = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
     if not specs or not all(specs):
-        raise ValueError(f"bad store spec {spec!r}: no tiers named")
+        raise ValueError(f"bad store spec {_shown(spec)}: no tiers named")
     return TieredStore([open_tier(s, create_folders=create_folders, model_fingerprint=model_fingerprint, dtype=dtype)
                         for s in specs])

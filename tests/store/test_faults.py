@@ -254,6 +254,16 @@ def test_hung_redis_server_costs_one_timeout_then_misses_until_the_pause_ends(ow
     tier.close()
 
 
+def test_a_database_the_redis_server_lacks_is_an_outage_not_a_fault_per_call(redis_server, make_entry):
+    """redis://HOST:PORT/99 on a server of 16 databases: every call fails alike, so the tier pauses as for a
+    server that is down instead of asking (and warning) on every call."""
+    tier = RedisTier(redis_server.url.rsplit("/", 1)[0] + "/99", outage_pause=60)
+    assert not tier.put(make_entry()) and tier.in_outage()
+    tier.client = Untouchable()
+    assert tier.get("any") is None  # not asked: Untouchable
+    assert tier.stats()["write_errors"] == 1 and tier.stats()["unavailable"] == 2  # the put's contains, the get
+
+
 def test_redis_reader_of_a_replaced_version_still_reads_it(redis_server, make_entry):
     tier = RedisTier(redis_server.url, prefix="replace-test", part_size=8192)
     entry = make_entry()

@@ -9,17 +9,29 @@ from kvreuse.store.codec import BufferSource, EntryReader, _from_f32, _to_f32, e
 from kvreuse.store.spec import open_tier
 
 
-def test_round_trip_is_within_half_a_step(blob_tier_maker, make_entry):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_round_trip_is_within_half_a_step_and_the_dtypes_rounding(blob_tier_maker, make_entry, dtype):
     tier = blob_tier_maker(quantize=True)
-    entry = make_entry(extras=True)
+    entry = make_entry(extras=True, dtype=dtype)
     tier.put(entry)
     got = tier.get(entry.key)
     assert got.meta.quantized == "int8" and got.k.dtype == entry.k.dtype and "(int8)" in tier.name
     for stored, read in ((entry.k, got.k), (entry.v, got.v)):
         _, scale = quantize_int8(stored)
-        assert ((read - stored).abs() <= scale[..., None] / 2 + 1e-6).all()
+        rounding = 0.0 if dtype == torch.float32 else read.float().abs() * torch.finfo(dtype).eps / 2
+        assert ((read.float() - stored.float()).abs() <= scale[..., None] / 2 + rounding + 1e-6).all()
         assert not torch.equal(read, stored)  # it really is the lossy form
     assert torch.equal(got.meta.ranking, entry.meta.ranking)  # extras stay exact
+
+
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_an_entry_with_a_value_that_is_not_finite_is_not_written_in_int8(blob_tier_maker, make_entry, bad):
+    """Its row's scale would be infinite and the whole row read back as NaN: wrong KV, where a miss is right."""
+    tier = blob_tier_maker(quantize=True)
+    entry = make_entry()
+    entry.k[0, 0, 0, 0] = bad
+    tier.put(entry)
+    assert tier.get(entry.key) is None and tier.stats()["write_errors"] == 1
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])

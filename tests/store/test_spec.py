@@ -72,3 +72,20 @@ def test_a_disk_path_with_a_colon(tmp_path):
 def test_bad_redis_urls_name_the_spec(spec, message):
     with pytest.raises(ValueError, match=message):
         open_store(spec)
+
+
+@pytest.mark.parametrize("spec", ["redis://app:s3cret@127.0.0.1:6379/x", "redis://app:s3cret@127.0.0.1:63790000/0",
+                                  "memory:1GB,,redis://:s3cret@127.0.0.1:6379"])
+def test_a_redis_password_is_never_in_an_error(spec):
+    with pytest.raises(ValueError, match=r":\*\*\*@127") as refused:
+        open_store(spec)
+    assert "s3cret" not in str(refused.value)
+
+
+def test_a_disk_path_from_the_home_folder(tmp_path, monkeypatch):
+    """A shell leaves '~' inside a word as it is (--store disk:~/kv): not a folder named '~' in the working one."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    store = open_store("disk:~/kv:1GB")
+    assert store.tiers[0].root == tmp_path / "home" / "kv" and not (tmp_path / "~").exists()
+    store.close()
