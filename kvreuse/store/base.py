@@ -106,6 +106,10 @@ class KVStore(ABC):
         the server). Cheap: asked for every chunk a placement policy places."""
         return None
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether an entry of `nbytes` could be held at all (not more than the whole capacity)."""
+        return True
+
     def clear(self) -> int:
         """Delete every entry; returns how many."""
         return sum(self.delete(key) for key in list(self.keys()))

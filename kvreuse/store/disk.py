@@ -232,6 +232,9 @@ class DiskTier(BlobTier):
             if KEY_PATTERN.fullmatch(key):  # a stray file named like an entry is not one
                 yield key
 
+    def fits(self, nbytes: int) -> bool:
+        return self.policy.fits(nbytes)
+
     def room_left(self) -> int | None:
         return self.policy.room_left()
 

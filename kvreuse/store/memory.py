@@ -142,6 +142,9 @@ class MemoryTier(Tier):
                        boundary=None if boundary is None else copy_tensor(boundary),
                        boundary_layers=list(m.boundary_layers))
 
+    def fits(self, nbytes: int) -> bool:
+        return self.policy.fits(nbytes)
+
     def room_left(self) -> int | None:
         return self.policy.room_left()
 

@@ -87,6 +87,9 @@ class ThrottledTier(KVStore):
     def meta(self, key: str, with_extras: bool = False) -> EntryMeta | None:
         return self.inner.meta(key, with_extras)
 
+    def fits(self, nbytes: int) -> bool:
+        return self.inner.fits(nbytes)
+
     def room_left(self) -> int | None:
         return self.inner.room_left()
 

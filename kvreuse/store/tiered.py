@@ -124,9 +124,10 @@ class TieredStore(KVStore):
         self._submit(("promote", source, key), promote)
 
     def _promote(self, entry: KVEntry, source: int) -> None:
-        for i in range(source):
+        above = [i for i in range(source) if self.tiers[i].fits(entry.nbytes)]  # else each hit logs a refusal
+        for i in above:
             self._write(i, entry)
-        if source:
+        if above:
             self._bump("promotions")
 
     def flush(self) -> None:

@@ -88,6 +88,23 @@ def test_get_promotes_from_a_lower_tier(mem_disk, make_entry):
     assert torch.equal(store.get(entry.key).k, entry.k) and store.stats()["hits_by_tier"] == [1, 1]
 
 
+def test_an_entry_larger_than_a_tier_is_not_promoted_into_it(tmp_path, make_entry, caplog):
+    """Each hit below would otherwise try, and log the tier's refusal, again."""
+    entry = make_entry()
+    memory, disk = MemoryTier(entry.nbytes - 1), DiskTier(tmp_path)
+    store = TieredStore([memory, disk])
+    try:
+        store.put(entry, tier=1)
+        store.flush()
+        for _ in range(3):
+            assert torch.equal(store.get(entry.key).k, entry.k)
+            store.flush()
+        assert memory.stats()["write_errors"] == 0 and "exceed the tier's capacity" not in caplog.text
+        assert store.stats()["hits_by_tier"] == [0, 3] and store.stats()["promotions"] == 0
+    finally:
+        store.close()
+
+
 @pytest.mark.parametrize("read", [lambda s, key: s.get_layers(key, 1, 2), lambda s, key: s.view_layers(key, 1, 2),
                                   lambda s, key: s.get_rows(key, [3, 4])])
 def test_partial_hit_below_promotes_in_the_background(mem_disk, make_entry, read):
