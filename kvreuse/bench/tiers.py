@@ -36,7 +36,7 @@ def check_tiers(text: str, redis: bool = True) -> list[str]:
 
 def tier_spec(tier: str, scratch: str) -> str:
     """A known tier name's spec (disk under `scratch`); anything else is taken as a store spec already."""
-    return TIER_SPECS.get(tier, tier).format(scratch=scratch)
+    return TIER_SPECS[tier].format(scratch=scratch) if tier in TIER_SPECS else tier  # a spec's braces are its own
 
 
 def report_name(tier: str) -> str:

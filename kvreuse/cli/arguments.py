@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -73,7 +74,14 @@ def output_folder(text: str) -> Path:
     existing = next(p for p in (path, *path.absolute().parents) if p.exists())
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: {str(existing)!r} is a file, not a folder")
+    _check_writable(text, existing)
     return path
+
+
+def _check_writable(text: str, folder: Path) -> None:
+    """os.access: a read-only file system refuses even root, which mode bits do not."""
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"{text!r}: the folder {str(folder)!r} cannot be written to")
 
 
 def output_file(text: str) -> Path:
@@ -83,4 +91,7 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"{text!r} is a folder, not a file")
     if not path.parent.is_dir():
         raise argparse.ArgumentTypeError(f"{text!r}: its folder {str(path.parent)!r} does not exist")
+    _check_writable(text, path.parent)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be written to")
     return path

@@ -13,11 +13,12 @@ from typing import Any
 
 import yaml
 
-from kvreuse.fusion.methods import DEFAULT_METHOD
-from kvreuse.model.options import DECODE_WEIGHTS
+from kvreuse.fusion.methods import DEFAULT_METHOD, parse_method
+from kvreuse.model.options import DECODE_WEIGHTS, DTYPE_NAMES
 from kvreuse.store.spec import DEFAULT_STORE, parse_size
 
 ENV_PREFIX = "KVREUSE_"
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 @dataclass
@@ -48,8 +49,11 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        parse_method(self.method)  # a bad one is named before the model loads, not in the server's start-up
         checks = {
             "port": 0 <= self.port <= 65535,
+            # an empty key (KVREUSE_API_KEY= from an unset secret) would leave the API open without a word
+            "api_key": self.api_key is None or bool(self.api_key.strip()),
             "prefix_block_size": self.prefix_block_size >= 1,
             "placement": self.placement in ("all", "cost"),
             "max_concurrency": self.max_concurrency >= 1,
@@ -64,6 +68,8 @@ class ServerConfig:
             "max_request_bytes": self.max_request_bytes >= 1024,
             "shutdown_timeout": self.shutdown_timeout >= 0,
             "decode_weights": self.decode_weights in DECODE_WEIGHTS,
+            "dtype": self.dtype in DTYPE_NAMES,
+            "log_level": self.log_level in LOG_LEVELS,
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
@@ -91,7 +97,11 @@ def _field_type(name: str) -> type:
 
 def _coerce(name: str, value: Any, source: str) -> Any:
     kind = _field_type(name)
+    # YAML's true is not port 1, nor 8000.9 port 8000: a number must be one of the setting's kind as it is
+    wrong_number = isinstance(value, bool) or (kind is int and isinstance(value, float))
     try:
+        if wrong_number:
+            raise TypeError
         if kind is list:
             return [v.strip() for v in value.split(",") if v.strip()] if isinstance(value, str) else list(value)
         return kind(value)
@@ -110,7 +120,8 @@ def from_yaml(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(settings) - set(FIELDS))
     if unknown:
         raise ValueError(f"config {path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
-    return {k: None if v is None else _coerce(k, v, f"config {path}") for k, v in settings.items()}
+    # a setting left empty (port:) keeps its default, as a null in a request's body does
+    return {k: _coerce(k, v, f"config {path}") for k, v in settings.items() if v is not None}
 
 
 def from_env(environ: typing.Mapping[str, str]) -> dict[str, Any]:

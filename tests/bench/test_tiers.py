@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvreuse.bench.tiers import check_tiers
+from kvreuse.bench.tiers import check_tiers, tier_spec
 from kvreuse.cli import main
 
 
@@ -27,3 +27,8 @@ def test_commands_refuse_an_unknown_tier_before_any_work(command, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main([*command, "--tiers", "memory,nonsense"])
     assert exit_info.value.code == 2 and "unknown tier 'nonsense'" in capsys.readouterr().err
+
+
+def test_a_store_spec_is_taken_as_it_is_braces_and_all():
+    assert tier_spec("disk", "/tmp/run") == "disk:/tmp/run/disk"
+    assert tier_spec("disk:/tmp/kv{x}", "/tmp/run") == "disk:/tmp/kv{x}"  # a KeyError once the model had loaded

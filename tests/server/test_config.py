@@ -74,12 +74,25 @@ def test_a_server_whose_default_is_auto_has_its_machine_profile_before_its_first
         ("decode_pool: lots\n", {}, "decode_pool: invalid value 'lots'"),
         ("decode_weights: int4\n", {}, "decode_weights: invalid value 'int4'"),
         ("", {"KVREUSE_MAX_TOKEN_GAP_MS": "-1"}, "max_token_gap_ms: invalid value -1.0"),
+        ("port: true\n", {}, "port must be int, got True"),  # not port 1
+        ("port: 8000.9\n", {}, "port must be int, got 8000.9"),  # not port 8000
+        ("request_timeout: false\n", {}, "request_timeout must be float, got False"),
+        ("", {"KVREUSE_API_KEY": ""}, "api_key: invalid value ''"),  # an unset secret: not an open API
+        ("api_key: '  '\n", {}, "api_key: invalid value '  '"),
+        ("method: bogus\n", {}, "method: unknown method 'bogus'"),
+        ("", {"KVREUSE_DTYPE": "float64"}, "dtype: invalid value 'float64'"),
+        ("log_level: loud\n", {}, "log_level: invalid value 'loud'"),
     ],
 )
 def test_bad_settings_name_themselves(tmp_path, yaml_text, environ, message):
     (tmp_path / "c.yaml").write_text(yaml_text)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         load_config({}, str(tmp_path / "c.yaml"), environ)
+
+
+def test_a_setting_left_empty_in_the_file_keeps_its_default(tmp_path):
+    (tmp_path / "c.yaml").write_text("port:\nmax_concurrency: null\napi_key:\n")
+    assert load_config({}, str(tmp_path / "c.yaml"), {}) == ServerConfig()
 
 
 def free_port() -> int:
@@ -116,6 +129,8 @@ def test_kvreuse_serve_refuses_bad_settings_before_loading_anything(capsys):
 
     assert main(["serve", "--max-queue", "-1"]) == 2
     assert "max_queue: invalid value -1" in capsys.readouterr().err
+    assert main(["serve", "--method", "bogus"]) == 2  # was the server's start-up failing, after the model loaded
+    assert "method: unknown method 'bogus'" in capsys.readouterr().err
 
 
 def test_serve_loads_the_engine_with_the_config_s_model_settings(monkeypatch):
