@@ -81,8 +81,8 @@ def _opened(args: argparse.Namespace) -> Iterator[TieredStore]:
     store = open_store(args.store, create_folders=False)  # a mistyped disk path is refused, not created empty
     try:
         yield store
-    except TierUnavailable as e:
-        raise SystemExit(str(e)) from e
+    except TierUnavailable as e:  # the machine's fault, not the input's: exit 1, worded as the CLI's errors
+        raise SystemExit(f"kvreuse: error: {e}") from e
     finally:
         store.close()
 

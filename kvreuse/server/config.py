@@ -111,8 +111,8 @@ def _coerce(name: str, value: Any, source: str) -> Any:
 
 def from_yaml(path: str | Path) -> dict[str, Any]:
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
-    except yaml.YAMLError as e:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise ValueError(f"config {path}: not valid YAML: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"config {path}: expected a mapping of settings, got {type(data).__name__}")

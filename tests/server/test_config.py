@@ -90,6 +90,12 @@ def test_bad_settings_name_themselves(tmp_path, yaml_text, environ, message):
         load_config({}, str(tmp_path / "c.yaml"), environ)
 
 
+def test_a_config_file_that_is_not_text_is_named(tmp_path):
+    (tmp_path / "c.yaml").write_bytes(b"port: \xd0\xff\n")
+    with pytest.raises(ValueError, match=r"config .*c\.yaml: not valid YAML: 'utf-8' codec"):
+        load_config({}, str(tmp_path / "c.yaml"), {})
+
+
 def test_a_setting_left_empty_in_the_file_keeps_its_default(tmp_path):
     (tmp_path / "c.yaml").write_text("port:\nmax_concurrency: null\napi_key:\n")
     assert load_config({}, str(tmp_path / "c.yaml"), {}) == ServerConfig()
