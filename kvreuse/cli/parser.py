@@ -46,6 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # bad input, a model that cannot be loaded (ModelLoadError is a ValueError)
         print(f"kvreuse: error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: what the command opened has been closed on the way here; no traceback
+        print("kvreuse: interrupted", file=sys.stderr)
+        return 128 + signal.SIGINT
     finally:
         if terminate is not None:
             signal.signal(signal.SIGTERM, terminate)

@@ -33,3 +33,19 @@ def test_the_command_given_gets_its_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["cache", "--help"])
     assert "{ls,stats,rm,clear,bench}" in capsys.readouterr().out
+
+
+def test_ctrl_c_ends_a_command_with_a_line_not_a_traceback(monkeypatch, capsys, tmp_path):
+    """What the command opened is closed on the way out (its `with` blocks); the user sees one line, exit 130."""
+    from kvreuse.cli import cache, main
+
+    closed = []
+
+    def interrupted(args):
+        with cache._opened(args) as store:
+            monkeypatch.setattr(store, "close", lambda: closed.append(True))
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(cache, "cmd_ls", interrupted)
+    assert main(["cache", "ls", "--store", f"disk:{tmp_path}"]) == 130
+    assert capsys.readouterr().err == "kvreuse: interrupted\n" and closed == [True]
