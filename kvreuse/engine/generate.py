@@ -98,8 +98,8 @@ class TextStream:
     def _stop_string(self, added: str, offset: int) -> tuple[StopMatcher, int] | None:
         """The stop string that starts first in the text, with where it starts, once `added` (at `offset`) is
         fed to every matcher."""
-        found = [(start, stop) for stop in self._stops if (start := stop.feed(added, offset)) >= 0]
-        return min(((stop, start) for start, stop in found), key=lambda found: found[1], default=None)
+        found = [(stop, start) for stop in self._stops if (start := stop.feed(added, offset)) >= 0]
+        return min(found, key=lambda stop_and_start: stop_and_start[1], default=None)
 
     def _settle(self, final: bool) -> None:
         """Append the text of the tokens since the settled ones, unless it ends in a character whose last byte

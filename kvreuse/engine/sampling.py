@@ -94,8 +94,9 @@ class Sampler:
             self.generator.seed()
         self.chosen = 0
         self._held_back = sorted(set(params.stop_token_ids) | (set() if params.ignore_eos else set(eos_ids)))
+        self._prompt = prompt
         self._counts: torch.Tensor | None = None  # how often the output holds each token (penalties only)
-        self._in_prompt = prompt
+        self._in_prompt: torch.Tensor | None = None  # which tokens the prompt holds (repetition_penalty only)
 
     def __call__(self, logits: torch.Tensor) -> int:
         if bool(torch.isnan(logits).any()):
@@ -109,15 +110,16 @@ class Sampler:
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
         """The logits after the penalties and min_tokens (a copy where either applies)."""
-        params = self.params
+        params, vocab = self.params, logits.shape[-1]
         if params.penalized:
             if self._counts is None:
-                self._counts = torch.zeros(logits.shape[-1])
+                self._counts, self._in_prompt = torch.zeros(vocab), torch.zeros(vocab, dtype=torch.bool)
+                if self._prompt is not None:
+                    self._in_prompt[self._prompt[self._prompt < vocab]] = True
             logits = _penalized(logits.float(), self._counts, self._in_prompt, params)
         if self.chosen < params.min_tokens and self._held_back:
-            logits = logits.clone() if not params.penalized else logits
-            ids = torch.tensor([t for t in self._held_back if t < logits.shape[-1]], dtype=torch.long)
-            logits[ids] = -math.inf
+            held_back = torch.tensor([t for t in self._held_back if t < vocab], dtype=torch.long)
+            logits = logits.index_fill(-1, held_back, -math.inf)
         return logits
 
     def _choose(self, logits: torch.Tensor) -> int:
@@ -140,17 +142,14 @@ class Sampler:
         return int(torch.multinomial(probs, 1, generator=self.generator))
 
 
-def _penalized(logits: torch.Tensor, counts: torch.Tensor, prompt: torch.Tensor | None,
-               params: SamplingParams) -> torch.Tensor:
+def _penalized(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, params: SamplingParams
+               ) -> torch.Tensor:
     """vLLM's order: the repetition penalty over the prompt's and output's tokens, then frequency and presence
-    over the output's."""
-    logits = logits.clone()
+    over the output's (a new tensor)."""
     if params.repetition_penalty != 1:
-        seen = counts > 0
-        if prompt is not None:
-            seen[prompt[prompt < seen.numel()]] = True
         penalty = params.repetition_penalty
-        logits = torch.where(seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
+        logits = torch.where(in_prompt | (counts > 0), torch.where(logits > 0, logits / penalty, logits * penalty),
+                             logits)
     return logits - counts * params.frequency_penalty - (counts > 0).float() * params.presence_penalty
 
 

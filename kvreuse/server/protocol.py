@@ -128,11 +128,13 @@ class GenerationParams(BaseModel):
 
     def refusal(self) -> tuple[str, str] | None:
         """(parameter, why) of the first parameter set to something this server does not implement."""
+        guided = {name: getattr(self, name) is not None and "guided decoding is not supported" for name in GUIDED}
         unsupported = {
             "n": self.n != 1 and "only n=1 is supported",
             "logit_bias": bool(self.logit_bias) and "logit_bias is not supported",
-        } | {name: getattr(self, name) is not None and "guided decoding is not supported" for name in GUIDED} \
-            | self._unsupported()
+            **guided,
+            **self._unsupported(),
+        }
         return next(((param, why) for param, why in unsupported.items() if why), None)
 
     def _unsupported(self) -> dict[str, str | bool]:
