@@ -98,9 +98,11 @@ class RedisTier(BlobTier):
         # 1 MB socket reads: values are MBs, and the 32 kB default makes the pure-Python parser loop 30x more.
         self.client = redis.Redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
                                            socket_read_size=1 << 20, retry=Retry(NoBackoff(), 0))
-        # The name shows up in logs and stats: host, port and db only, never a password from the URL.
+        # The name shows up in logs and stats: host, port, db and whether over TLS (rediss), never a password.
         c = self.client.connection_pool.connection_kwargs
-        super().__init__(f"redis://{c.get('host')}:{c.get('port')}/{c.get('db', 0)}", quantize=quantize,
+        host = f"[{c.get('host')}]" if ":" in str(c.get("host")) else c.get("host")  # an IPv6 address
+        tls = " (tls)" if url.startswith("rediss:") else ""
+        super().__init__(f"redis://{host}:{c.get('port')}/{c.get('db', 0)}{tls}", quantize=quantize,
                          outage_pause=outage_pause, **expect)
         self.prefix = prefix
         self.part_size = part_size

@@ -7,6 +7,7 @@ from kvreuse.store.memory import MemoryTier
 from kvreuse.store.redis import RedisTier
 from kvreuse.store.spec import open_store, parse_size
 from kvreuse.store.throttled import ThrottledTier
+from kvreuse.store.tiered import tier_label
 
 
 @pytest.mark.parametrize("text,size", [("2GB", 2 * 10**9), ("512MiB", 512 << 20), ("1.5 kb", 1500), ("100", 100)])
@@ -88,4 +89,13 @@ def test_a_disk_path_from_the_home_folder(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     store = open_store("disk:~/kv:1GB")
     assert store.tiers[0].root == tmp_path / "home" / "kv" and not (tmp_path / "~").exists()
+    store.close()
+
+
+@pytest.mark.parametrize("spec, name", [("rediss://:pw@127.0.0.1:6380/2", "redis://127.0.0.1:6380/2 (tls)"),
+                                        ("redis://[::1]:6379", "redis://[::1]:6379/0")])
+def test_a_redis_tier_is_named_by_its_host_port_db_and_tls(spec, name):
+    """An IPv6 host keeps its brackets; no password, and nothing is connected to. Its kind stays redis."""
+    store = open_store(spec)
+    assert store.tiers[0].name == name and tier_label(store, 0) == "redis"
     store.close()
