@@ -381,6 +381,8 @@ class BlobTier(Tier):
         if self.contains(entry.key):
             self.count("duplicates")
             return True
+        if self._out("write_errors"):  # the look-up found the backend out: a hung server costs one timeout, not two
+            return False
         try:
             data = encode(entry, quantize=self.quantize)
         except ValueError as e:  # a form the entry cannot take (int8 of values that are not finite)

@@ -258,10 +258,13 @@ def test_a_database_the_redis_server_lacks_is_an_outage_not_a_fault_per_call(red
     """redis://HOST:PORT/99 on a server of 16 databases: every call fails alike, so the tier pauses as for a
     server that is down instead of asking (and warning) on every call."""
     tier = RedisTier(redis_server.url.rsplit("/", 1)[0] + "/99", outage_pause=60)
+    written = []
+    tier._write = lambda key, data: written.append(key)
     assert not tier.put(make_entry()) and tier.in_outage()
+    assert written == []  # its look-up found the server out: the write is not tried as well
     tier.client = Untouchable()
     assert tier.get("any") is None  # not asked: Untouchable
-    assert tier.stats()["write_errors"] == 1 and tier.stats()["unavailable"] == 2  # the put's contains, the get
+    assert tier.stats()["write_errors"] == 1 and tier.stats()["unavailable"] == 2  # the put's look-up, the get
 
 
 def test_redis_reader_of_a_replaced_version_still_reads_it(redis_server, make_entry):
