@@ -306,13 +306,15 @@ class Scheduler:
 
         - work whose `failure` (at the time now) names an error stops there: a job cancelled or timed out meanwhile
           (its error, raised through its prefill, is what the batch reports for it: a client gone during a long
-          prompt frees the engine at its next layer), a call its caller abandoned;
+          prompt frees the engine at its next layer), a call its caller abandoned; and all of it once `end_all`
+          was asked (a server stopping: the prompts of an admission batch would otherwise run to their end, past
+          its shutdown timeout);
         - with max_token_gap set, the running sequences take a decoding step once they have waited that long for a
           token: a long prompt no longer stops every stream for its whole prefill (seconds here), at the cost of
           those steps in the new request's TTFT. Layers, not chunks of tokens, are the unit, so that every
           method's plan pauses alike (a stored prefix restored by compute and I/O threads side by side runs on
           those threads, without pauses)."""
-        if error := failure(time.perf_counter()):
+        if error := self._ending or failure(time.perf_counter()):  # the server stopping ends it here too
             raise error
         if self.max_token_gap is not None:
             self._decode_outside_steps(self.max_token_gap)

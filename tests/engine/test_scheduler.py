@@ -482,6 +482,33 @@ def test_a_job_cancelled_while_its_prompt_is_computed_stops_at_the_next_layer(ti
     assert layers_run == [0] and model.num_layers > 1
 
 
+def test_ending_everything_stops_the_prompts_under_way_at_their_next_layer(tiny_chat_engine, monkeypatch):
+    """A server stopping while an admission batch's prompts are computed: each stops between two layers with the
+    error end_all was given, instead of running to its end past the shutdown timeout."""
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, max_prefill_batch=2)
+    model, step, layers_run = tiny_chat_engine.model, tiny_chat_engine.model.step, []
+
+    def end_all_at_the_first_layer(layer, *args):
+        layers_run.append(layer)
+        scheduler.end_all(ShuttingDown("the server is shutting down"))
+        return step(layer, *args)
+
+    batch = batch_of(tiny_chat_engine, 2, "a batch under way")
+    try:
+        scheduler.start()
+        with scheduler.held():
+            for job, _ in batch:
+                scheduler.submit(job)
+            monkeypatch.setattr(model, "step", end_all_at_the_first_layer)
+        for _, events in batch:
+            assert isinstance(outcome(events)[1].error, ShuttingDown)
+        monkeypatch.setattr(model, "step", step)
+        assert layers_run == [0, 0] and model.num_layers > 1  # each prompt stopped after its first layer
+        assert scheduler.call(lambda: "goes on").result(timeout=60) == "goes on"
+    finally:
+        scheduler.stop()
+
+
 def test_store_writes_run_on_the_engine_thread_between_steps(tiny_chat_engine):
     """No torch work beside decoding: what a request computed is compiled and stored by the engine thread."""
     writers = []
