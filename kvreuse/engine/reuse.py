@@ -258,9 +258,10 @@ class ReuseEngine:
         return written
 
     def _write_back(self, placed: list[PlacedSegment], method: Method) -> None:
+        behind = self.write_back.behind  # before this request's own writes: one request's chunks are all written
         for p in placed:
             if p.key is not None and not p.hit:
-                self.write_back.submit(p.key, partial(self._compile, p.segment, p.key, method))
+                self.write_back.submit(p.key, partial(self._compile, p.segment, p.key, method), second_ask=behind)
 
     def _write_back_prefix(self, request: Request, restored: int) -> None:
         """Store the exact prefix's whole blocks past the `restored` tokens (they were just computed), or a prefix

@@ -147,6 +147,7 @@ class Scheduler:
         """Start the engine thread; called on the thread that loaded the engine, which then leaves torch work to
         it (native.release_idle_threads: its idle OpenMP workers would halve the engine thread's speed)."""
         self.engine.write_back.between_steps()  # store writes run on the engine thread too, between steps
+        self.engine.write_back.busy = lambda: bool(self._waiting or self._running)  # chunks then wait for a second ask
         native.release_idle_threads()
         self._thread.start()
 
@@ -156,6 +157,7 @@ class Scheduler:
         if self._thread.is_alive():
             self._thread.join()
             self.engine.write_back.in_background()  # the engine goes on alone
+            self.engine.write_back.busy = lambda: False
 
     def end_all(self, error: BaseException) -> None:
         """Fail every job, waiting or running, and every call not yet run with `error`, at the engine thread's

@@ -5,6 +5,7 @@ on the scheduler's engine thread between two steps, for a share of the step's ti
 work runs beside decoding, and the engine thread owns all of it. One write per key is pending or running at a
 time, and at most MAX_PENDING wait: past that the oldest is dropped (a chunk computed again when next asked for,
 never a request lost), so that traffic the writes cannot keep up with does not grow the queue without end.
+While the engine is `behind`, a chunk is written on its second ask, not its first (`submit(second_ask=...)`).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
@@ -19,6 +21,7 @@ from kvreuse.model import native
 
 log = logging.getLogger(__name__)
 MAX_PENDING = 4096  # writes waiting; each holds a chunk's or prefix's token ids until it runs
+ASKED_ONCE_KEYS = 65536  # keys held back once, remembered for their second ask (64-character keys: ~10 MB)
 
 
 class WriteBack:
@@ -27,6 +30,9 @@ class WriteBack:
         self._running: set[str] = set()
         self._clock = clock
         self.dropped = 0  # writes dropped from a full queue, since the start
+        self._asked_once: OrderedDict[str, None] = OrderedDict()  # keys held back once while writes were behind
+        self.held_back = 0  # writes held back since the start
+        self.busy: Callable[[], bool] = lambda: False  # whether requests wait for the engine (a scheduler's queue)
         self._cond = threading.Condition()
         self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
 
@@ -35,10 +41,22 @@ class WriteBack:
         """Writes submitted and not yet started."""
         return len(self._pending)
 
-    def submit(self, key: str, write: Callable[[], object]) -> None:
-        """Run write() later, unless a write of `key` is already pending or running."""
+    @property
+    def behind(self) -> bool:
+        """Whether writes wait, or requests do (`busy`): the engine's time is short. Then a chunk sent once is not
+        worth compiling (with documents that seldom repeat, up to a third of a busy engine's time went to chunks
+        no request read again), one sent twice likely is."""
+        return bool(self._pending) or self.busy()
+
+    def submit(self, key: str, write: Callable[[], object], *, second_ask: bool = False) -> None:
+        """Run write() later, unless a write of `key` is already pending or running. `second_ask`: queue it only
+        if its key was asked for before; the first time it is remembered instead (`behind` says when a caller
+        should ask so)."""
         with self._cond:
             if key in self._pending or key in self._running:
+                return
+            if second_ask and self._first_ask(key):
+                self.held_back += 1
                 return
             if len(self._pending) >= MAX_PENDING:
                 del self._pending[next(iter(self._pending))]
@@ -50,6 +68,16 @@ class WriteBack:
             thread = self._thread
         if thread is not None:
             thread.submit(self._run_one_in_background)
+
+    def _first_ask(self, key: str) -> bool:
+        """Whether `key` is asked for the first time (of the last ASKED_ONCE_KEYS held back); remembers it."""
+        if key in self._asked_once:
+            del self._asked_once[key]
+            return False
+        self._asked_once[key] = None
+        if len(self._asked_once) > ASKED_ONCE_KEYS:
+            self._asked_once.popitem(last=False)
+        return True
 
     def _run_one_in_background(self) -> None:
         """`run_one` on the writer thread, which then releases its idle OpenMP workers: kept, they would slow the

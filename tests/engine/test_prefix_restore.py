@@ -125,7 +125,7 @@ def test_only_a_prefix_under_a_block_is_written_back_for_its_partial_block_alone
         prefix = request.segments[0].token_ids
         engine.store.delete(engine.restorer_for(request).block_keys(prefix, partial=True)[-1])  # its partial block
     submitted = []
-    monkeypatch.setattr(engine.write_back, "submit", lambda key, write: submitted.append(key))
+    monkeypatch.setattr(engine.write_back, "submit", lambda key, write, **_: submitted.append(key))
     assert engine.prefill(long, "prefix").stats.prefix.restored_tokens == 16 and submitted == []
     assert engine.prefill(short, "prefix").stats.prefix.restored_tokens == 0 and len(submitted) == 1
 
@@ -137,7 +137,7 @@ def test_two_prefixes_sharing_their_whole_blocks_each_write_back_their_partial_b
     head = first.segments[0].token_ids
     second = Request([Segment(SegmentKind.PREFIX, head[:16] + [t + 1 for t in head[16:]]), *first.segments[1:]])
     writes = {}
-    monkeypatch.setattr(engine.write_back, "submit", lambda key, write: writes.setdefault(key, write))
+    monkeypatch.setattr(engine.write_back, "submit", lambda key, write, **_: writes.setdefault(key, write))
     for request in (first, second):
         engine.prefill(request, "prefix")
     ends = [engine.restorer_for(r).block_keys(r.segments[0].token_ids, partial=True)[-1] for r in (first, second)]

@@ -256,6 +256,24 @@ def test_prompt_longer_than_the_context_window_names_the_field(tiny_engine, rag_
         tiny_engine.prefill(rag_request(chunks=(window // 2, window // 2)), "naive")
 
 
+def test_while_writes_are_behind_a_chunk_is_compiled_on_its_second_request(tiny_engine, rag_request):
+    """A request's chunks are all written when the writes keep up; while others wait, a chunk sent once is
+    remembered, and written when a request sends it again."""
+    tiny_engine.write_back.between_steps()  # writes wait for run_one: the test decides when they run
+    try:
+        first, second = rag_request(prefix=0, chunks=(10, 12)), rag_request(prefix=0, chunks=(11, 13))
+        tiny_engine.prefill(first, "naive")
+        assert tiny_engine.write_back.pending == 2  # none waited before it: both of its chunks
+        tiny_engine.prefill(second, "naive")
+        assert tiny_engine.write_back.pending == 2 and tiny_engine.write_back.held_back == 2
+        tiny_engine.prefill(second, "naive")
+        assert tiny_engine.write_back.pending == 4
+    finally:
+        tiny_engine.write_back.in_background()
+        tiny_engine.wait_for_write_back()
+    assert all(p.hit for p in tiny_engine.lookup(second, parse_method("naive")) if p.key)
+
+
 @pytest.mark.parametrize("bad", [-1, "vocab"])
 def test_a_token_id_outside_the_vocabulary_is_named_before_any_work(tiny_engine, rag_request, bad):
     vocab_size = tiny_engine.model.config.vocab_size

@@ -482,6 +482,17 @@ def test_a_job_cancelled_while_its_prompt_is_computed_stops_at_the_next_layer(ti
     assert layers_run == [0] and model.num_layers > 1
 
 
+def test_while_sequences_run_the_engine_counts_as_busy_for_its_writes(tiny_chat_engine, scheduler):
+    """Then a chunk is compiled on its second request (WriteBack.behind): with documents that seldom repeat, the
+    compiles of chunks sent once took the time of the prompts waiting."""
+    assert not tiny_chat_engine.write_back.behind
+    start_with_a_decoding_sequence(scheduler, tiny_chat_engine)
+    tiny_chat_engine.wait_for_write_back()  # no write waits: the running sequence alone makes it busy
+    assert tiny_chat_engine.write_back.behind
+    scheduler.stop()
+    assert not tiny_chat_engine.write_back.behind  # alone again: every chunk is written
+
+
 def test_ending_everything_stops_the_prompts_under_way_at_their_next_layer(tiny_chat_engine, monkeypatch):
     """A server stopping while an admission batch's prompts are computed: each stops between two layers with the
     error end_all was given, instead of running to its end past the shutdown timeout."""

@@ -79,3 +79,13 @@ def test_a_full_queue_drops_its_oldest_write(monkeypatch, caplog):
     assert caplog.text.count("write-back queue full") == 1
     writes.close()
     assert ran == [2, 3, 4]
+
+
+def test_a_write_asked_for_the_second_time_is_queued_the_first_remembered():
+    writes = WriteBack()
+    writes.between_steps()
+    writes.submit("a", lambda: None, second_ask=True)
+    assert writes.pending == 0 and writes.held_back == 1
+    writes.submit("a", lambda: None, second_ask=True)
+    assert writes.pending == 1 and writes.held_back == 1 and writes.behind
+    writes.close()
