@@ -41,7 +41,7 @@ from kvreuse.fusion.compile import compile_chunk
 from kvreuse.fusion.executor import FusionExecutor, FusionResult, FusionStats, StoredKVMissing
 from kvreuse.fusion.methods import Auto, Method, parse_method
 from kvreuse.fusion.plan import Block, FusionPlan, PlacedSegment, PrefixSplit
-from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request, describe
+from kvreuse.fusion.segments import Request, Segment, SegmentKind, build_request, describe, outside_vocabulary
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel, load_model
 from kvreuse.model.options import DECODE_WEIGHTS
@@ -290,10 +290,11 @@ class ReuseEngine:
         prefill and prefill_batch ask first)."""
         if not isinstance(request, Request):
             raise TypeError(f"request: expected a Request (build_request makes one), got {describe(request)}")
-        vocab_size = self.model.config.vocab_size
-        if not 0 <= int(request.token_ids.min()) <= int(request.token_ids.max()) < vocab_size:
-            bad = next(int(t) for t in request.token_ids if not 0 <= t < vocab_size)
-            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})")
+        vocab_size, ids = self.model.config.vocab_size, request.token_ids
+        # the bounds first: a prompt's thousands of ids are not walked one by one unless one is out
+        if not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
+            raise ValueError(f"prompt: token id {outside_vocabulary(ids, vocab_size)} is outside the vocabulary "
+                             f"[0, {vocab_size})")
         window = self.model.config.max_position_embeddings
         for i, chunk in enumerate(request.of_kind(SegmentKind.CHUNK)):
             if len(chunk.token_ids) > window:

@@ -338,8 +338,8 @@ class Scheduler:
     def _write_back(self) -> bool:
         """Pending store writes, one at least, for WRITE_BACK_SHARE of the time since this engine step began or
         the last writes ended (not of an idle wait before the step); whether any ran."""
-        busy = time.perf_counter() - max(self._step_started, self._writes_ended)
-        ran = self.engine.write_back.run_for(WRITE_BACK_SHARE * busy)
+        worked = time.perf_counter() - max(self._step_started, self._writes_ended)
+        ran = self.engine.write_back.run_for(WRITE_BACK_SHARE * worked)
         self._writes_ended = time.perf_counter()
         return ran > 0
 

@@ -14,6 +14,11 @@ import torch
 WHOLE_NUMBERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # token ids as torch reads them
 
 
+def outside_vocabulary(token_ids: list[int] | torch.Tensor, vocab_size: int) -> int | None:
+    """The first token id not in [0, vocab_size), or None: what the embedding would fail on, deep in torch."""
+    return next((int(t) for t in token_ids if not 0 <= t < vocab_size), None)
+
+
 class SegmentKind(str, Enum):
     PREFIX = "prefix"  # exact: same tokens at the same positions as when stored (template header, system prompt,
     # earlier turns of the conversation)

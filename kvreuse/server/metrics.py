@@ -37,8 +37,9 @@ class StoreEvents:
         yield family
 
 
-class DroppedWrites:
-    """`kvreuse_write_back_dropped_total`, read from the write-back's own count at scrape time."""
+class WriteBackCounters:
+    """`kvreuse_write_back_dropped_total` and `_held_back_total`, read from the write-back's own counts at scrape
+    time."""
 
     def __init__(self, write_back: WriteBack):
         self.write_back = write_back
@@ -47,6 +48,9 @@ class DroppedWrites:
         yield CounterMetricFamily("kvreuse_write_back_dropped", "store writes dropped from a full write-back queue "
                                   "(their chunks are computed again when next asked for)",
                                   value=self.write_back.dropped)
+        yield CounterMetricFamily("kvreuse_write_back_held_back", "chunks not compiled on their first request "
+                                  "while the engine was busy (compiled on their second)",
+                                  value=self.write_back.held_back)
 
 
 class Metrics:
@@ -88,7 +92,7 @@ class Metrics:
         Gauge("kvreuse_write_back_pending", "store writes of what requests computed (chunks to compile, prefix "
               "blocks) waiting for the engine thread", registry=r).set_function(lambda: write_back.pending)
         r.register(StoreEvents(store))
-        r.register(DroppedWrites(write_back))
+        r.register(WriteBackCounters(write_back))
 
     def request(self, endpoint: str, outcome: str, status: int) -> None:
         self.requests.labels(endpoint, outcome, str(status)).inc()

@@ -24,7 +24,7 @@ from kvreuse.engine.sampling import InvalidSampling, SamplingParams
 from kvreuse.engine.scheduler import (GenerationJob, JobCancelled, JobEvent, JobTimeout, QueueFull, Scheduler,
                                      ShuttingDown)
 from kvreuse.fusion.methods import Auto, parse_method
-from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request, chunk_ids
+from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request, chunk_ids, outside_vocabulary
 from kvreuse.server.caches import CacheRegistry, ContextCache, is_cache_id
 from kvreuse.server.config import ServerConfig
 from kvreuse.server.errors import APIError, bad_request
@@ -159,6 +159,11 @@ class JobStream:
         raise APIError(499, "the client disconnected", code="cancelled")
 
 
+# The body's sampling fields that SamplingParams takes as they are, under the same names
+SAMPLING_FIELDS = ("top_p", "seed", "ignore_eos", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty", "min_tokens", "include_stop_str_in_output")
+
+
 class EngineService:
     def __init__(self, engine: ReuseEngine, config: ServerConfig):
         self.engine, self.config = engine, config
@@ -226,7 +231,7 @@ class EngineService:
             raise bad_request(f"{param}: {e}", param) from None
 
     def _check_token_ids(self, ids: list[int], param: str) -> list[int]:
-        bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+        bad = outside_vocabulary(ids, self.vocab_size)
         if bad is not None:
             raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
         return ids
@@ -257,21 +262,13 @@ class EngineService:
         return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method))
 
     def _sampling(self, body: GenerationParams, max_tokens: int) -> SamplingParams:
+        given = {name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None}
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            seed=body.seed,
+            temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default, not greedy
             stop=body.stop_strings,
-            ignore_eos=body.ignore_eos,
-            top_k=body.top_k or 0,
-            min_p=body.min_p or 0.0,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=body.repetition_penalty or 1.0,
             stop_token_ids=self._check_token_ids(body.stop_token_ids or [], "stop_token_ids"),
-            min_tokens=body.min_tokens or 0,
-            include_stop_str_in_output=body.include_stop_str_in_output,
+            **given,  # the others take SamplingParams' defaults where the body leaves them unset
         )
 
     def _refuse_unsupported(self, body: GenerationParams) -> None:

@@ -112,6 +112,9 @@ def test_store_writes_waiting_for_the_engine_thread_and_dropped_are_shown(server
         write_back.wait()
         assert samples(http, "kvreuse_write_back_pending") == {(): 0.0}
     assert dropped == write_back.dropped == 1
+    write_back.submit("asked once", lambda: None, second_ask=True)  # remembered, not queued
+    with server.http() as http:
+        assert samples(http, "kvreuse_write_back_held_back_total") == {(): write_back.held_back} != {(): 0.0}
 
 
 def histogram(http, name: str) -> tuple[float, float, float]:
