@@ -20,6 +20,7 @@ class Analysis:
     help: str
     reads: tuple[str, ...] = ()  # the settings it uses beyond the dataset's: "ratio", "seed"
     limit: int = 4  # examples by default
+    fewest: int = 1  # examples all its figures need
 
 
 DEFAULT_RATIO, DEFAULT_SEED = 0.15, 0
@@ -40,7 +41,7 @@ ANALYSES = {
                       "Epic Fig. 4: attention on chunk-initial tokens, naive vs full vs LegoLink"),
     "fidelity-signal": Analysis("guard", "fidelity_signal", "draw_fidelity_signal", ("cacheblend:0.15",),
                                 "layer-1 KV deviation vs first-token KL per request; guarded:d speed vs bound",
-                                limit=20),  # its rank correlations take 3 held-out examples at least
+                                limit=20, fewest=6),  # its rank correlations take 3 held-out examples at least
 }
 
 
@@ -90,6 +91,9 @@ def cmd_analyze(args: argparse.Namespace) -> int:
 
     analysis = ANALYSES[args.analysis]
     dataset = load_dataset(args.dataset, limit=args.limit)  # before the model loads: a bad path fails at once
+    if len(dataset.prompts) < analysis.fewest:
+        print(f"kvreuse: warning: {args.analysis} on {len(dataset.prompts)} example(s): its figures need "
+              f"{analysis.fewest}; those it cannot compute are left empty (null)", file=sys.stderr)
     module = importlib.import_module(f"kvreuse.eval.analyses.{analysis.module}")
     measure: Callable = getattr(module, analysis.measure)
     settings = AnalysisSettings(args.dataset, args.limit, args.model, getattr(args, "ratio", DEFAULT_RATIO),

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_serializer,
-                      model_validator)
+from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
+                      model_serializer, model_validator)
 
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
 # Every running sequence's text is checked against its stop strings after every token, on the engine thread
@@ -125,6 +125,13 @@ class GenerationParams(BaseModel):
         if isinstance(body, dict):
             return {name: value for name, value in body.items() if value is not None}
         return body
+
+    @field_validator("stream_options")
+    @classmethod
+    def _only_with_stream(cls, options: StreamOptions, info: ValidationInfo) -> StreamOptions:
+        if not info.data.get("stream"):  # as OpenAI and vLLM answer it (stream is validated before it)
+            raise ValueError("stream_options is only allowed when stream is true")
+        return options
 
     def refusal(self) -> tuple[str, str] | None:
         """(parameter, why) of the first parameter set to something this server does not implement."""

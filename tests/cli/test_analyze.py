@@ -67,6 +67,17 @@ def test_unknown_dataset_fails_before_the_model_loads(tmp_path, capsys):
     assert "missing.jsonl" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("limit, warned", [("5", True), ("6", False)])
+def test_fidelity_signal_warns_when_too_few_examples_leave_its_correlations_empty(limit, warned, tmp_path, capsys):
+    """It runs (the other figures hold), but says so: with fewer than 6, every held-out correlation is null."""
+    argv = ["analyze", "fidelity-signal", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", limit,
+            "--model", str(tmp_path / "no-model"), "--out", str(tmp_path)]
+    assert main(argv) == 2  # the missing model stops it once the examples are counted
+    err = capsys.readouterr().err
+    assert ("fidelity-signal on 5 example(s): its figures need 6" in err) == warned
+    assert "no-model" in err
+
+
 def test_fidelity_signal_guards_recompute_more_the_tighter_they_are(analyses):
     summary = analyses["fidelity-signal"]["summary"]
     for method, guards in (("guarded", ("1e-3", "5e-4", "2.5e-4")), ("guarded-query", ("2e-3", "1e-3", "5e-4"))):

@@ -76,6 +76,7 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(top_k=-2), "top_k", ["greater than or equal to -1"]),
         (chat_body(repetition_penalty=0), "repetition_penalty", ["greater than 0"]),
         (chat_body(stop_token_ids=[10**9]), "stop_token_ids", ["outside the vocabulary"]),
+        (chat_body(stream_options={"include_usage": True}), "stream_options", ["only allowed when stream is true"]),
     ],
 )
 def test_bad_chat_requests_get_400_naming_the_field(http, body, param, words):
@@ -87,7 +88,7 @@ def test_options_sent_as_null_take_their_defaults(http):
     nulls = dict.fromkeys(["n", "stream", "logprobs", "ignore_eos", "documents", "cache_ids", "stop", "tool_choice",
                            "modalities", "top_logprobs", "top_k", "min_p", "repetition_penalty", "stop_token_ids",
                            "min_tokens", "include_stop_str_in_output", "guided_json"])
-    answer = http.post(CHAT, json=chat_body(**nulls, stream_options={"include_usage": None}, temperature=0))
+    answer = http.post(CHAT, json=chat_body(**nulls, stream_options=None, temperature=0))
     assert answer.status_code == 200, answer.text
     assert answer.json()["choices"][0]["message"]["content"] == \
         http.post(CHAT, json=chat_body(temperature=0)).json()["choices"][0]["message"]["content"]

@@ -89,6 +89,9 @@ def test_streamed_chat_is_the_same_text_with_usage_last(client):
     assert finish.choices[0].finish_reason == whole.choices[0].finish_reason
     assert usage.choices == [] and usage.usage.completion_tokens == whole.usage.completion_tokens
     assert all(c.usage is None for c in chunks[:-1]) and len({c.id for c in chunks}) == 1
+    unasked = list(client.chat.completions.create(messages=QUESTION, stream=True,
+                                                  stream_options={"include_usage": None}, **GREEDY))
+    assert all(c.usage is None for c in unasked) and len(unasked) == len(chunks) - 1  # null: not asked for
 
 
 def test_completions_plain_and_streamed(client):
