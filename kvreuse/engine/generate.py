@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvreuse.engine.sampling import Sampler, SamplingParams
+from kvreuse.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvreuse.engine.stats import PrefillStats
 from kvreuse.model.kv_cache import KVCache
 from kvreuse.model.loader import LoadedModel
@@ -26,6 +26,7 @@ class Generation:
     total_seconds: float
     stats: PrefillStats | None = None  # how the prompt's KV was obtained (the reuse engine fills it)
     stop_reason: str | int | None = None  # the stop string or stop token that ended it (None: EOS or length)
+    logprobs: list[TokenLogprob] | None = None  # one for each of token_ids, when asked for
 
 
 def eos_token_ids(loaded: LoadedModel) -> set[int]:
@@ -66,19 +67,23 @@ class TextStream:
         self.text = ""
         self.finish_reason: str | None = None  # "stop" (EOS, a stop string or a stop token) or "length"
         self.stop_reason: str | int | None = None
+        self.logprobs: list[TokenLogprob] | None = None if params.logprobs is None else []
+        self._logprobs_shown = 0
         self._stop_tokens = set(params.stop_token_ids)
         self._shown = 0
         self._stops = [StopMatcher(stop) for stop in params.stop if stop]
         self._settled_tokens = 0  # tokens whose text is in self.text
         self._window_start = 0  # the first of the tokens settled last: the context the next window starts from
 
-    def add(self, token: int) -> bool:
-        """Take the next sampled token; returns True once the sequence is finished. EOS ends it like the last
-        token max_tokens allows: what is still held back (half a character) settles, and stop strings see it. A
-        stop token ends it too, its text kept (vLLM's stop_token_ids)."""
+    def add(self, token: int, logprob: TokenLogprob | None = None) -> bool:
+        """Take the next sampled token (and its log-probabilities, when asked for); returns True once the sequence
+        is finished. EOS ends it like the last token max_tokens allows: what is still held back (half a character)
+        settles, and stop strings see it. A stop token ends it too, its text kept (vLLM's stop_token_ids)."""
         eos = token in self.eos_ids
         if not eos:
             self.token_ids.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(logprob)
         stop_token = token in self._stop_tokens
         searched = len(self.text)
         last = len(self.token_ids) >= self.params.max_tokens
@@ -120,9 +125,17 @@ class TextStream:
         self._shown = max(self._shown, end)
         return delta
 
+    def new_logprobs(self) -> list[TokenLogprob] | None:
+        """The log-probabilities of the tokens taken since the previous call (None: not asked for)."""
+        if self.logprobs is None:
+            return None
+        new = self.logprobs[self._logprobs_shown :]
+        self._logprobs_shown = len(self.logprobs)
+        return new
+
     def generation(self, prompt_tokens: int, ttft: float, total_seconds: float) -> Generation:
         return Generation(self.text, self.token_ids, self.finish_reason or "length", prompt_tokens, ttft, total_seconds,
-                          stop_reason=self.stop_reason)
+                          stop_reason=self.stop_reason, logprobs=self.logprobs)
 
 
 class StopMatcher:
@@ -169,8 +182,9 @@ def decode(
     eos_ids = eos_token_ids(loaded)
     stream = TextStream(loaded.tokenizer, params, eos_ids)
     ttft = 0.0
-    for token in iter_tokens(loaded.runtime, first_logits, cache, Sampler(params, prompt, eos_ids)):
+    sampler = Sampler(params, prompt, eos_ids)
+    for token in iter_tokens(loaded.runtime, first_logits, cache, sampler):
         ttft = ttft or time.perf_counter() - started
-        if stream.add(token):
+        if stream.add(token, sampler.last_logprob):
             break
     return stream.generation(len(prompt), ttft, time.perf_counter() - started)

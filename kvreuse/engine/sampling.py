@@ -1,5 +1,5 @@
 """Choosing the next token: greedy, or by temperature with top-k, nucleus (top-p) and min-p filtering, reproducible by
-seed; penalties for what the prompt and output hold."""
+seed; penalties for what the prompt and output hold; the log-probabilities of each choice and its alternatives."""
 
 from __future__ import annotations
 
@@ -7,6 +7,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+
+
+MAX_LOGPROBS = 20  # alternatives a token can report (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
+LOWEST_LOGPROB = -9999.0  # what a token of probability 0 reports (-inf has no JSON form; vLLM's value)
 
 
 class InvalidSampling(ValueError):
@@ -36,6 +40,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)  # end the sequence, their text kept
     min_tokens: int = 0  # no EOS, stop token or stop string ends the sequence before this many tokens
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # as OpenAI's API takes it: one stop string, not one per character
@@ -44,9 +49,9 @@ class SamplingParams:
             raise TypeError(f"stop: expected a text or a list of texts, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(_whole, self.stop_token_ids)):
             raise TypeError(f"stop_token_ids: expected a list of token ids, got {self.stop_token_ids!r}")
-        for name in ("max_tokens", "seed", "top_k", "min_tokens"):
+        for name in ("max_tokens", "seed", "top_k", "min_tokens", "logprobs"):
             value = getattr(self, name)
-            if not _whole(value) and not (name == "seed" and value is None):
+            if not _whole(value) and not (name in ("seed", "logprobs") and value is None):
                 raise TypeError(f"{name}: expected a whole number, got {value!r}")
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
@@ -65,6 +70,8 @@ class SamplingParams:
             "repetition_penalty": (0 < self.repetition_penalty < math.inf, "must be a finite number > 0"),
             "min_tokens": (0 <= self.min_tokens <= self.max_tokens, f"must be in [0, max_tokens={self.max_tokens}]"),
             "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
+            "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+                         f"must be in [0, {MAX_LOGPROBS}]"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
@@ -75,6 +82,15 @@ class SamplingParams:
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1)
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the most likely tokens' at its step, most likely first."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]
+
+
 def _whole(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
@@ -82,7 +98,9 @@ def _whole(value: object) -> bool:
 class Sampler:
     """One sequence's choice of each next token. It keeps the tokens it chose, which the penalties and min_tokens
     read; `prompt` (token ids) is what repetition_penalty counts beside them, `eos_ids` what min_tokens holds back
-    with the stop tokens."""
+    with the stop tokens. With `params.logprobs` set, `last_logprob` is the last choice's: from the model's own
+    distribution, before penalties, temperature and filtering (vLLM's default, raw_logprobs), so that they say what
+    the model predicted whatever the sampling settings."""
 
     def __init__(self, params: SamplingParams, prompt: torch.Tensor | None = None,
                  eos_ids: frozenset[int] | set[int] = frozenset()):
@@ -97,12 +115,14 @@ class Sampler:
         self._prompt = prompt
         self._counts: torch.Tensor | None = None  # how often the output holds each token (penalties only)
         self._in_prompt: torch.Tensor | None = None  # which tokens the prompt holds (repetition_penalty only)
+        self.last_logprob: TokenLogprob | None = None
 
     def __call__(self, logits: torch.Tensor) -> int:
         if bool(torch.isnan(logits).any()):
             raise ValueError("the model's next-token logits hold NaN")
-        logits = self._adjusted(logits)
-        token = self._choose(logits)
+        token = self._choose(self._adjusted(logits))
+        if self.params.logprobs is not None:
+            self.last_logprob = _logprob_of(token, logits, self.params.logprobs)
         self.chosen += 1
         if self._counts is not None:
             self._counts[token] += 1
@@ -140,6 +160,13 @@ class Sampler:
             probs = probs.masked_fill(probs < params.min_p * probs.max(), 0)
             probs = probs / probs.sum()
         return int(torch.multinomial(probs, 1, generator=self.generator))
+
+
+def _logprob_of(token: int, logits: torch.Tensor, alternatives: int) -> TokenLogprob:
+    logprobs = logits.float().log_softmax(-1).clamp_(min=LOWEST_LOGPROB)
+    top = logprobs.topk(min(alternatives, logprobs.shape[-1])) if alternatives else None
+    return TokenLogprob(token, float(logprobs[token]),
+                        [] if top is None else list(zip(top.indices.tolist(), top.values.tolist())))
 
 
 def _penalized(logits: torch.Tensor, counts: torch.Tensor, in_prompt: torch.Tensor, params: SamplingParams

@@ -32,7 +32,7 @@ import torch
 
 from kvreuse.engine.generate import Generation, TextStream, eos_token_ids
 from kvreuse.engine.reuse import FusedPrefill, ReuseEngine
-from kvreuse.engine.sampling import Sampler, SamplingParams
+from kvreuse.engine.sampling import Sampler, SamplingParams, TokenLogprob
 from kvreuse.engine.stats import PrefillStats
 from kvreuse.fusion.segments import Request
 from kvreuse.model.kv_cache import KVCache
@@ -67,6 +67,7 @@ class ShuttingDown(JobCancelled):
 @dataclass
 class JobEvent:
     text: str = ""  # text settled since the previous event
+    logprobs: list[TokenLogprob] | None = None  # of the tokens taken since the previous event, when asked for
     result: Generation | None = None  # set on the last event of a finished job
     error: BaseException | None = None  # set on the last event of a failed, timed-out or cancelled job
 
@@ -388,16 +389,16 @@ class Scheduler:
     def _advance(self, seq: _Sequence, token: int) -> None:
         """Feed the sampled `token` to the sequence's text; report it, and end the sequence if it is done."""
         seq.last_token = token
-        finished = seq.stream.add(token)
+        finished = seq.stream.add(token, seq.sampler.last_logprob)
         text = seq.stream.new_text()
         if not finished:
-            if text:
-                seq.job.on_event(JobEvent(text=text))
+            if text:  # tokens whose text waits (a possible stop string) send their log-probabilities with it
+                seq.job.on_event(JobEvent(text=text, logprobs=seq.stream.new_logprobs()))
             return
         self._retire(seq)
         result = seq.stream.generation(len(seq.job.request), seq.ttft, time.perf_counter() - seq.job.arrived)
         result.stats = seq.stats
-        seq.job.on_event(JobEvent(text=text, result=result))
+        seq.job.on_event(JobEvent(text=text, logprobs=seq.stream.new_logprobs(), result=result))
 
     def _retire(self, seq: _Sequence) -> None:
         """The sequence stops running: its slot of the pool is free for the next one."""

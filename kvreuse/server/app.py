@@ -17,7 +17,9 @@ from fastapi.responses import Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kvreuse.engine.generate import Generation
+from kvreuse.engine.sampling import TokenLogprob
 from kvreuse.server.errors import install_handlers
+from kvreuse.server.logprobs import TokenTexts, chat_logprobs, completion_logprobs
 from kvreuse.server.middleware import BodyLimit, RequestMetrics, RequireAPIKey, set_outcome
 from kvreuse.server.protocol import (
     AssistantMessage,
@@ -47,11 +49,13 @@ CLIENT_GONE = 499  # nginx's status for a client that closed the connection befo
 SHUTDOWN_MARGIN_SECONDS = 0.5  # what streams ended at shutdown get to send their error event and [DONE]
 # endpoint -> (id prefix, response type, the choice of a finished generation)
 ENDPOINTS = {
-    "chat": ("chatcmpl", ChatCompletionResponse, lambda result: ChatChoice(
+    "chat": ("chatcmpl", ChatCompletionResponse, lambda result, texts: ChatChoice(
         message=AssistantMessage(content=result.text), finish_reason=result.finish_reason,
-        stop_reason=result.stop_reason)),
-    "completions": ("cmpl", CompletionResponse, lambda result: CompletionChoice(
-        text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason)),
+        stop_reason=result.stop_reason,
+        logprobs=None if result.logprobs is None else chat_logprobs(result.logprobs, texts))),
+    "completions": ("cmpl", CompletionResponse, lambda result, texts: CompletionChoice(
+        text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+        logprobs=None if result.logprobs is None else completion_logprobs(result.logprobs, texts, 0))),
 }
 SALT_QUERY = Query(None, min_length=1, description="the tenant the cache was created for")
 
@@ -63,19 +67,25 @@ def sse(data: str) -> str:
 class Chunker:
     """Builds one endpoint's stream chunks (chat deltas or completion texts) under one id."""
 
-    def __init__(self, chat: bool, id_: str, model: str, include_usage: bool):
-        self.chat, self.id, self.model, self.include_usage = chat, id_, model, include_usage
+    def __init__(self, chat: bool, id_: str, model: str, include_usage: bool, texts: TokenTexts):
+        self.chat, self.id, self.model, self.include_usage, self.texts = chat, id_, model, include_usage, texts
         self.created = int(time.time())
+        self._token_characters = 0  # the text of the tokens sent so far: the completions form's offsets go on
 
     def _chunk(self, choices: list, usage=None) -> str:
         kind = ChatCompletionChunk if self.chat else CompletionResponse
         chunk = kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         return sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
-    def text(self, text: str, role: bool = False) -> str:
+    def text(self, text: str, role: bool = False, logprobs: list[TokenLogprob] | None = None) -> str:
         if self.chat:
-            return self._chunk([ChatChunkChoice(delta=DeltaMessage(role="assistant" if role else None, content=text))])
-        return self._chunk([CompletionChoice(text=text)])
+            delta = DeltaMessage(role="assistant" if role else None, content=text)
+            return self._chunk([ChatChunkChoice(delta=delta, logprobs=chat_logprobs(logprobs, self.texts)
+                                                if logprobs else None)])
+        form = completion_logprobs(logprobs, self.texts, self._token_characters) if logprobs else None
+        if form is not None:
+            self._token_characters = form.text_offset[-1] + len(form.tokens[-1])
+        return self._chunk([CompletionChoice(text=text, logprobs=form)])
 
     def finish(self, result: Generation) -> str:
         """The last choice chunk: how the generation ended, no text."""
@@ -98,8 +108,8 @@ async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, servic
             if chunker.chat and first and not event.error:  # as vLLM: the role comes with the first token
                 yield chunker.text("", role=True)
             first = False
-            if event.text:
-                yield chunker.text(event.text)
+            if event.text or event.logprobs:
+                yield chunker.text(event.text, logprobs=event.logprobs)
             if event.error:
                 error = error_of(event.error)
                 set_outcome(raw.scope, error.status)
@@ -169,11 +179,11 @@ def create_app(service: EngineService) -> FastAPI:
         id_prefix, response_type, choice_of = ENDPOINTS[endpoint]
         id_ = f"{id_prefix}-{uuid.uuid4().hex}"
         if body.stream:
-            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage)
+            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage, service.token_texts)
             return streaming(event_stream(stream, raw, chunker, service))
         result = await wait_for_result(stream, raw, service)
-        return response_type(id=id_, created=int(time.time()), model=model, choices=[choice_of(result)],
-                             usage=usage_of(result))
+        choice = choice_of(result, service.token_texts)
+        return response_type(id=id_, created=int(time.time()), model=model, choices=[choice], usage=usage_of(result))
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

@@ -12,6 +12,8 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_serializer, model_validator)
 
+from kvreuse.engine.sampling import MAX_LOGPROBS
+
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
 # Every running sequence's text is checked against its stop strings after every token, on the engine thread
 # that every stream shares: bounded here, as vLLM's users rarely need more than a few short ones.
@@ -161,13 +163,18 @@ class GenerationParams(BaseModel):
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def logprob_alternatives(self) -> int | None:
+        """How many most likely tokens to report beside each chosen one's log-probability (None: no logprobs)."""
+        return None
+
 
 class ChatCompletionRequest(GenerationParams):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None  # the deprecated form of tools
@@ -179,8 +186,8 @@ class ChatCompletionRequest(GenerationParams):
 
     def _unsupported(self) -> dict[str, str | bool]:
         return {
-            "logprobs": self.logprobs and "logprobs are not supported",
-            "top_logprobs": bool(self.top_logprobs) and "logprobs are not supported",
+            "top_logprobs": self.top_logprobs is not None and not self.logprobs
+            and "top_logprobs needs logprobs set to true",
             "tools": bool(self.tools) and "tool calling is not supported",
             "tool_choice": self.tool_choice not in (None, "none", "auto") and "tool calling is not supported",
             "functions": bool(self.functions) and "function calling is not supported",
@@ -199,12 +206,16 @@ class ChatCompletionRequest(GenerationParams):
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
 
+    @property
+    def logprob_alternatives(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
 
 class CompletionRequest(GenerationParams):
     prompt: Text | list[int] | list[Text] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
     echo: bool = False
-    logprobs: int | None = Field(None, ge=0)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: Text | None = None
     best_of: int | None = Field(None, ge=1)
 
@@ -213,7 +224,6 @@ class CompletionRequest(GenerationParams):
             "prompt": isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
             and len(self.prompt) != 1 and "only one prompt per request is supported",
             "echo": self.echo and "echo is not supported",
-            "logprobs": self.logprobs is not None and "logprobs are not supported",
             "suffix": bool(self.suffix) and "suffix is not supported",
             "best_of": self.best_of not in (None, 1) and "only best_of=1 is supported",
         }
@@ -228,6 +238,10 @@ class CompletionRequest(GenerationParams):
     @property
     def token_budget(self) -> int | None:
         return self.max_tokens
+
+    @property
+    def logprob_alternatives(self) -> int | None:
+        return self.logprobs
 
 
 # ---- responses -----------------------------------------------------------------------------------------
@@ -273,10 +287,33 @@ class AssistantMessage(BaseModel):
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)
 
 
+class TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int]  # the token's text in UTF-8
+
+
+class TokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]  # the most likely tokens at its step, most likely first
+
+
+class ChatLogprobs(BaseModel):
+    content: list[TokenLogprob]
+
+
+class CompletionLogprobs(BaseModel):
+    """The completions API's older form: one list per field, a token's alternatives keyed by their text."""
+
+    text_offset: list[int]
+    token_logprobs: list[float]
+    tokens: list[str]
+    top_logprobs: list[dict[str, float]]  # the most likely tokens and the chosen one
+
+
 class ChatChoice(BaseModel):
     index: int = 0
     message: AssistantMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str
     stop_reason: str | int | None = None  # the stop string or stop token that ended it, as vLLM gives it
 
@@ -310,7 +347,7 @@ class DeltaMessage(BaseModel):
 class ChatChunkChoice(BaseModel):
     index: int = 0
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 
@@ -324,7 +361,7 @@ class ChatCompletionChunk(ResponseBase):
 class CompletionChoice(BaseModel):
     index: int = 0
     text: str
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: str | int | None = None
 

@@ -28,6 +28,7 @@ from kvreuse.fusion.segments import Request, Segment, SegmentKind, chat_request,
 from kvreuse.server.caches import CacheRegistry, ContextCache, is_cache_id
 from kvreuse.server.config import ServerConfig
 from kvreuse.server.errors import APIError, bad_request
+from kvreuse.server.logprobs import TokenTexts
 from kvreuse.server.metrics import Metrics
 from kvreuse.server.protocol import (
     CacheCreateRequest,
@@ -175,6 +176,7 @@ class EngineService:
         # characters cannot fit the context window: refused before the tokenizer spends seconds on it.
         self.max_prompt_chars = self.max_model_len * max(map(len, engine.tokenizer.get_vocab()))
         self.caches = CacheRegistry()
+        self.token_texts = TokenTexts(engine.tokenizer)  # used on the event loop only
         self.scheduler = Scheduler(engine, config.max_concurrency, config.max_queue,
                                    max_prefill_batch=config.max_prefill_batch,
                                    pool_bytes=parse_size(config.decode_pool),
@@ -268,6 +270,7 @@ class EngineService:
             temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default, not greedy
             stop=body.stop_strings,
             stop_token_ids=self._check_token_ids(body.stop_token_ids or [], "stop_token_ids"),
+            logprobs=body.logprob_alternatives,
             **given,  # the others take SamplingParams' defaults where the body leaves them unset
         )
 

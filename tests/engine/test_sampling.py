@@ -1,3 +1,5 @@
+import math
+
 import pytest
 import torch
 
@@ -35,7 +37,7 @@ def test_a_tiny_top_p_keeps_the_top_token(top_p):
                      ("seed", -(2**63) - 1), ("seed", 2**64), ("top_k", -2), ("min_p", 1.5),
                      ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
                      ("repetition_penalty", float("inf")), ("min_tokens", -1), ("min_tokens", 200),
-                     ("stop_token_ids", [-1])]
+                     ("stop_token_ids", [-1]), ("logprobs", -1), ("logprobs", 21)]
 )
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(InvalidSampling, match=field) as raised:
@@ -114,3 +116,27 @@ def test_a_masked_token_keeps_temperature_sampling_and_nan_is_an_error():
     assert drawn == {0, 1, 3}  # sampled, never the masked token, not greedy's argmax alone
     with pytest.raises(ValueError, match="NaN"):
         sampler(torch.tensor([1.0, float("nan")]))
+
+
+def test_logprobs_are_the_models_own_distribution_whatever_the_sampling():
+    """vLLM's raw_logprobs: before penalties, temperature and filtering, so that a client reads what the model
+    predicted; the alternatives most likely first."""
+    logits = torch.tensor([2.0, 0.5, 1.0, -1.0, 3.0])
+    raw = logits.log_softmax(-1)
+    sampler = Sampler(SamplingParams(temperature=1.7, top_k=2, repetition_penalty=1.5, seed=3, logprobs=3),
+                      prompt=torch.tensor([4]))
+    token = sampler(logits)
+    chosen = sampler.last_logprob
+    assert chosen.token == token and chosen.logprob == pytest.approx(float(raw[token]))
+    assert [t for t, _ in chosen.top] == [4, 0, 2]
+    assert [lp for _, lp in chosen.top] == pytest.approx(raw[[4, 0, 2]].tolist())
+    assert Sampler(SamplingParams(logprobs=0)).__call__(logits) == 4
+    none = Sampler(SamplingParams())
+    none(logits)
+    assert none.last_logprob is None
+
+
+def test_a_token_of_probability_zero_reports_a_finite_logprob():
+    sampler = Sampler(SamplingParams(logprobs=3))
+    sampler(torch.tensor([0.0, -math.inf, 1.0]))
+    assert sampler.last_logprob.top[-1][1] == -9999.0  # -inf has no JSON form

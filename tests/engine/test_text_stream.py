@@ -7,7 +7,7 @@ from tokenizers import Tokenizer, decoders, models
 from transformers import PreTrainedTokenizerFast
 
 from kvreuse.engine.generate import StopMatcher, TextStream
-from kvreuse.engine.sampling import SamplingParams
+from kvreuse.engine.sampling import SamplingParams, TokenLogprob
 
 EOS = 0
 
@@ -93,6 +93,18 @@ def test_a_half_decoded_character_waits_for_its_last_token():
     assert s.new_text() == "a"
     s.add(2)
     assert s.new_text() == "é"
+
+
+def test_logprobs_are_kept_for_each_token_of_the_text_and_handed_out_once():
+    s = stream(logprobs=0)
+    entries = {t: TokenLogprob(t, -float(t), []) for t in map(ord, "ab")}
+    assert not s.add(ord("a"), entries[ord("a")])
+    assert s.new_logprobs() == [entries[ord("a")]] and s.new_logprobs() == []
+    assert not s.add(ord("b"), entries[ord("b")])
+    assert s.add(EOS, TokenLogprob(EOS, -0.1, []))  # EOS ends the text, and is not one of its tokens
+    assert s.new_logprobs() == [entries[ord("b")]]
+    assert s.generation(prompt_tokens=1, ttft=0.1, total_seconds=0.2).logprobs == list(entries.values())
+    assert stream().new_logprobs() is None  # not asked for
 
 
 def test_eos_and_max_tokens_finish():

@@ -53,7 +53,8 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(cache_salt=""), "cache_salt", ["at least 1 character"]),
         (chat_body(documents="not a list"), "documents", []),
         (chat_body(n=2), "n", ["only n=1"]),
-        (chat_body(logprobs=True), "logprobs", ["not supported"]),
+        (chat_body(top_logprobs=2), "top_logprobs", ["needs logprobs set to true"]),
+        (chat_body(logprobs=True, top_logprobs=21), "top_logprobs", ["less than or equal to 20"]),
         (chat_body(max_tokens=10**6), "messages", ["maximum context length"]),
         (chat_body(messages=[{"role": "user", "content": "word " * 9000}]), "messages", ["maximum context length"]),
         (chat_body(cache_ids=["../../etc/passwd"]), "cache_ids[0]", ["not a cache id"]),
@@ -61,7 +62,6 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(stop=["x"] * 17), "stop", ["at most 16 stop strings, got 17"]),
         (chat_body(stop=["x", "y" * 1001]), "stop", ["stop string 1 has 1001 characters; at most 1000"]),
         (chat_body(stop="y" * 1001), "stop", ["stop string 0 has 1001 characters"]),
-        (chat_body(top_logprobs=5), "top_logprobs", ["not supported"]),
         (chat_body(tool_choice="required"), "tool_choice", ["not supported"]),
         (chat_body(functions=[{"name": "f", "parameters": {}}]), "functions", ["not supported"]),
         (chat_body(function_call={"name": "f"}), "function_call", ["not supported"]),
@@ -128,6 +128,10 @@ def test_bad_completion_prompts(http):
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": [-1, 5]}), 400, "prompt", "token id -1")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a", "b"]}), 400, "prompt", "one prompt")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": {"text": "a"}}), 400, "prompt")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": "a", "logprobs": 21}), 400, "logprobs",
+                 "less than or equal to 20")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": "a", "echo": True, "logprobs": 1}), 400,
+                 "echo", "not supported")
 
 
 def test_the_server_keeps_serving_after_bad_input(http, client):

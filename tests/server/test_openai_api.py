@@ -94,6 +94,53 @@ def test_streamed_chat_is_the_same_text_with_usage_last(client):
     assert all(c.usage is None for c in unasked) and len(unasked) == len(chunks) - 1  # null: not asked for
 
 
+def test_chat_logprobs_are_the_models_own_for_each_token(client, tiny_chat_engine):
+    """Each generated token with its log-probability and the 3 most likely at its step: the first token's from a
+    full prefill's logits, the chosen one (greedy) the most likely; as many as completion_tokens."""
+    tokenizer = tiny_chat_engine.tokenizer
+    request = chat_request(tokenizer, [], [], QUESTION[0]["content"])
+    expected = tiny_chat_engine.generate(request, "full", SamplingParams(max_tokens=8))
+    first = tiny_chat_engine.prefill(request, "full").logits.float().log_softmax(-1)
+    response = client.chat.completions.create(messages=QUESTION, logprobs=True, top_logprobs=3,
+                                              extra_body={"kvreuse": {"method": "full"}}, **GREEDY)
+    content = response.choices[0].logprobs.content
+    assert [entry.token for entry in content] == [tokenizer.decode([t]) for t in expected.token_ids]
+    assert len(content) == response.usage.completion_tokens
+    assert content[0].logprob == pytest.approx(float(first[expected.token_ids[0]]), abs=1e-5)
+    top = first.topk(3)
+    assert [alt.token for alt in content[0].top_logprobs] == [tokenizer.decode([t]) for t in top.indices.tolist()]
+    assert [alt.logprob for alt in content[0].top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-5)
+    for entry in content:
+        assert len(entry.top_logprobs) == 3 and entry.bytes == list(entry.token.encode())
+        assert entry.logprob == entry.top_logprobs[0].logprob  # greedy: the most likely
+        assert [alt.logprob for alt in entry.top_logprobs] == sorted((a.logprob for a in entry.top_logprobs),
+                                                                    reverse=True)
+    streamed = list(client.chat.completions.create(messages=QUESTION, logprobs=True, top_logprobs=3, stream=True,
+                                                   extra_body={"kvreuse": {"method": "full"}}, **GREEDY))
+    assert [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content] \
+        == content
+    plain = client.chat.completions.create(messages=QUESTION, **GREEDY)
+    assert plain.choices[0].logprobs is None
+
+
+def test_completion_logprobs_in_the_older_form(client):
+    """Tokens, their log-probabilities, where each token's text starts, and the 2 most likely beside the chosen
+    one; the stream's chunks add up to the same, their offsets going on from chunk to chunk."""
+    whole = client.completions.create(prompt="Once upon a time", logprobs=2, **GREEDY)
+    form = whole.choices[0].logprobs
+    assert len(form.tokens) == len(form.token_logprobs) == len(form.top_logprobs) == whole.usage.completion_tokens
+    assert form.text_offset == [sum(map(len, form.tokens[:i])) for i in range(len(form.tokens))]
+    for token, logprob, top in zip(form.tokens, form.token_logprobs, form.top_logprobs):
+        assert top[token] == logprob == max(top.values()) and 1 <= len(top) <= 2
+    streamed = list(client.completions.create(prompt="Once upon a time", logprobs=2, stream=True, **GREEDY))
+    forms = [c.choices[0].logprobs for c in streamed if c.choices and c.choices[0].logprobs]
+    assert [t for f in forms for t in f.tokens] == form.tokens
+    assert [o for f in forms for o in f.text_offset] == form.text_offset
+    assert [p for f in forms for p in f.token_logprobs] == form.token_logprobs
+    alone = client.completions.create(prompt="Once upon a time", logprobs=0, **GREEDY).choices[0].logprobs
+    assert alone.top_logprobs == [{t: p} for t, p in zip(form.tokens, form.token_logprobs)]  # the chosen, always
+
+
 def test_completions_plain_and_streamed(client):
     whole = client.completions.create(prompt="Once upon a time", **GREEDY)
     assert whole.object == "text_completion" and whole.usage.completion_tokens <= 8
