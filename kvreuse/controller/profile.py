@@ -10,12 +10,16 @@ folder; the server and `method: auto` read it back.
 from __future__ import annotations
 
 import json
+import logging
+import math
 from bisect import bisect_left
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from kvreuse.model.identity import cache_root, save_json
 from kvreuse.model.attention import AttentionCall
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -106,11 +110,47 @@ class MachineProfile:
 
     @classmethod
     def from_json(cls, data: dict) -> MachineProfile:
+        """A profile read back; ValueError names what makes it unusable (a damaged or hand-edited file)."""
         try:
-            return cls(**{**data, "compute": ComputeProfile(**data["compute"]),
-                          "tiers": {name: TierProfile(**t) for name, t in data["tiers"].items()}})
-        except (KeyError, TypeError) as e:
+            profile = cls(**{**data, "compute": ComputeProfile(**data["compute"]),
+                             "tiers": {name: TierProfile(**t) for name, t in data["tiers"].items()}})
+            problem = profile._problem()
+        except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a kvreuse machine profile: {e}") from None
+        if problem:
+            raise ValueError(f"not a usable kvreuse machine profile: {problem}")
+        return profile
+
+    def _problem(self) -> str | None:
+        """What the cost model could not run on: a grid it cannot interpolate, a time or bandwidth it would
+        divide by or add that is not a finite number of its sign, a window list of another model."""
+        c = self.compute
+        grid_ok = (len(c.rows) >= 2 and len(c.dense_seconds) == len(c.rows) and all(map(_count, c.rows))
+                   and all(a < b for a, b in zip(c.rows, c.rows[1:])))
+        times = [*c.dense_seconds, c.score_seconds, c.key_seconds, c.call_seconds, c.place_seconds,
+                 c.request_seconds, c.causal_seconds_per_score, *(t.latency_seconds for t in self.tiers.values())]
+        checks = {
+            "compute.rows: expected 2 or more increasing row counts, one dense_seconds each": grid_ok,
+            "a time that is not a finite number >= 0": all(map(_non_negative, times)),
+            "compute.qkv_share: expected a share in [0, 1]": _non_negative(c.qkv_share) and c.qkv_share <= 1,
+            "a tier's bytes_per_second: expected a finite number > 0":
+                all(_non_negative(t.bytes_per_second) and t.bytes_per_second > 0 for t in self.tiers.values()),
+            "num_layers and kv_bytes_per_token_layer: expected whole numbers > 0":
+                _count(self.num_layers) and _count(self.kv_bytes_per_token_layer),
+            "windows: expected one per layer, each a whole number > 0 or null":
+                len(self.windows) in (0, self.num_layers) and all(w is None or _count(w) for w in self.windows),
+            "tuned_ratios: expected shares in [0, 1]":
+                all(_non_negative(r) and r <= 1 for r in self.tuned_ratios.values()),
+        }
+        return next((problem for problem, ok in checks.items() if not ok), None)
+
+
+def _non_negative(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value >= 0
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 # The compute kernels' revision: a profile measured under an earlier one prices compute the runtime no longer
@@ -149,7 +189,10 @@ def load_profile(model: str, dtype: str, path: Path | None = None) -> MachinePro
     path = path or profile_path(model, dtype)
     try:
         profile = MachineProfile.from_json(json.loads(path.read_text()))
-    except (FileNotFoundError, json.JSONDecodeError, ValueError):
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        log.warning("machine profile %s is unusable (%s): it is measured again", path, e)
         return None
     ours = (profile.model, profile.dtype, profile.runtime_revision) == (model, dtype, RUNTIME_REVISION)
     return profile if ours else None

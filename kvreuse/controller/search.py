@@ -46,7 +46,11 @@ class _CachedCost:
         return self.seen[x]
 
     def best(self) -> SearchResult:
-        x = min(self.seen, key=self.seen.__getitem__)
+        """The point of least cost among those measured; a NaN (a failed measurement) is never the best."""
+        finite = [x for x, cost in self.seen.items() if math.isfinite(cost)]
+        if not finite:
+            raise ValueError(f"no point of the search had a finite cost: {self.seen}")
+        x = min(finite, key=self.seen.__getitem__)
         return SearchResult(x, self.seen[x], tuple(self.seen.items()))
 
 

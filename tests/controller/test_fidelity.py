@@ -92,6 +92,38 @@ def test_a_profile_round_trips_and_a_damaged_one_reads_as_none(tmp_path):
         MachineProfile.from_json({"model": "x"})
 
 
+@pytest.mark.parametrize("damage, named", [
+    (lambda d: d.update(tiers=[]), "not a kvreuse machine profile"),
+    (lambda d: d["compute"].update(rows=[64], dense_seconds=[1e-3]), "compute.rows"),
+    (lambda d: d["compute"].update(rows=[], dense_seconds=[]), "compute.rows"),
+    (lambda d: d["compute"].update(rows=[2048, 64]), "compute.rows"),
+    (lambda d: d["compute"].update(dense_seconds=[float("nan"), 1e-3]), "not a finite number >= 0"),
+    (lambda d: d["compute"].update(place_seconds="fast"), "not a finite number >= 0"),
+    (lambda d: d["tiers"]["ssd"].update(latency_seconds=float("inf")), "not a finite number >= 0"),
+    (lambda d: d["tiers"]["memory"].update(bytes_per_second=0), "bytes_per_second"),
+    (lambda d: d.update(windows=[None]), "windows: expected one per layer"),
+    (lambda d: d.update(tuned_ratios={"cachetune@memory": "0.2"}), "tuned_ratios"),
+    (lambda d: d.update(num_layers=0), "num_layers"),
+])
+def test_a_profile_the_cost_model_cannot_run_on_is_measured_again(damage, named, tmp_path, caplog):
+    """JSON takes NaN and a hand edit takes anything: such a profile stopped every engine of the model from
+    starting (a division by a one-point grid's width or a zero bandwidth), or method auto at its first request."""
+    data = synthetic_profile(1e-5).to_json()
+    damage(data)
+    with pytest.raises(ValueError, match=named):
+        MachineProfile.from_json(data)
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(data))
+    assert load_profile("synthetic", "float32", path) is None
+    assert str(path) in caplog.text and "measured again" in caplog.text
+
+
+def test_a_profile_path_that_cannot_be_read_is_measured_again(tmp_path, caplog):
+    (tmp_path / "p.json").mkdir()
+    assert load_profile("synthetic", "float32", tmp_path / "p.json") is None
+    assert "p.json" in caplog.text
+
+
 def test_ensure_profile_measures_only_the_tiers_the_saved_profile_lacks(tmp_path, monkeypatch, tiny_model):
     from kvreuse.store.spec import open_store
 

@@ -75,6 +75,15 @@ def test_an_optimum_at_an_end_is_returned_exactly():
     assert golden_section(lambda x: -x, FLOOR, CEILING, warm_start=0.3).x == CEILING
 
 
+def test_a_failed_measurement_is_never_the_best_point():
+    """A calibration's one bad timing (NaN) at its warm start was kept as the best: min() keeps a NaN met first."""
+    curve = roofline(0.7)
+    result = golden_section(lambda x: math.nan if x == 0.15 else curve(x), FLOOR, CEILING, warm_start=0.15)
+    assert math.isfinite(result.cost) and abs(result.x - 0.7) <= TOL
+    with pytest.raises(ValueError, match="no point of the search had a finite cost"):
+        golden_section(lambda x: math.nan, FLOOR, CEILING)
+
+
 @pytest.mark.parametrize("warm_start", [None, 0.2, 0.55, 0.9])
 def test_a_flat_bottom_returns_a_point_on_it(warm_start):
     result = golden_section(flat_between(0.4, 0.6), FLOOR, CEILING, warm_start=warm_start)
