@@ -8,7 +8,7 @@ import tempfile
 from kvreuse.engine.reuse import ReuseEngine
 from kvreuse.model.loader import LoadedModel
 from kvreuse.store.redis_server import LocalRedis
-from kvreuse.store.spec import open_store
+from kvreuse.store.spec import open_store, parse_tier
 from kvreuse.store.throttled import DEVICES
 
 # Emulated devices wrap the memory tier, so the device model, not this machine's disk, sets their read time.
@@ -31,6 +31,9 @@ def check_tiers(text: str, redis: bool = True) -> list[str]:
     unknown = [tier for tier in tiers if tier not in names and ":" not in tier]
     if unknown:
         raise ValueError(f"unknown tier {unknown[0]!r}: {expected}")
+    for tier in tiers:
+        if tier not in names:
+            parse_tier(tier)  # a store spec's own mistakes, named now too
     return tiers
 
 

@@ -67,6 +67,15 @@ def checked_by(check: Callable[[str], T]) -> Callable[[str], T]:
     return parse
 
 
+def store_spec(text: str) -> str:
+    """A --store spec, read (opening nothing) when the command starts: a mistyped one is named before any model
+    loads."""
+    from kvreuse.store.spec import parse_store_spec  # imports torch: only once a command that stores is given
+
+    checked_by(parse_store_spec)(text)
+    return text
+
+
 def output_folder(text: str) -> Path:
     """A folder a command writes into (made if missing): checked when it starts, so that a file in its place
     does not lose a long run at its end."""

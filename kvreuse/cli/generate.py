@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from kvreuse.cli.arguments import add_model_args
+from kvreuse.cli.arguments import add_model_args, store_spec
 from kvreuse.store.spec import DEFAULT_STORE
 
 
@@ -16,7 +16,7 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--document", type=_document, action="append", default=[], metavar="FILE",
                      help="a text file placed before the prompt as a reusable chunk (repeatable)")
     gen.add_argument("--method", default=None, help="reuse method, e.g. cacheblend:0.15, naive, full (default: the guarded one, see README)")
-    gen.add_argument("--store", default=DEFAULT_STORE, help="store spec, e.g. disk:/var/cache/kvreuse")
+    gen.add_argument("--store", type=store_spec, default=DEFAULT_STORE, help="store spec, e.g. disk:/var/cache/kvreuse")
     gen.add_argument("--warm", action="store_true", help="compile the documents into the store before timing")
     gen.add_argument("--max-tokens", type=int, default=128)
     gen.add_argument("--temperature", type=float, default=0.0)

@@ -64,6 +64,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
+    config = config_from_args(args)  # a bad setting is named before the server's modules and the model load
+
     import uvicorn
 
     from kvreuse.controller.placement import PlacementPolicy
@@ -71,7 +73,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from kvreuse.server.app import GracefulServer, create_app
     from kvreuse.server.service import EngineService
 
-    config = config_from_args(args)
     logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     placement = PlacementPolicy() if config.placement == "cost" else None
     engine = ReuseEngine.load(config.model, config.store, config.dtype, config.decode_weights,

@@ -15,7 +15,7 @@ import yaml
 
 from kvreuse.fusion.methods import DEFAULT_METHOD, parse_method
 from kvreuse.model.options import DECODE_WEIGHTS, DTYPE_NAMES
-from kvreuse.store.spec import DEFAULT_STORE, parse_size
+from kvreuse.store.spec import DEFAULT_STORE, parse_size, parse_store_spec
 
 ENV_PREFIX = "KVREUSE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
@@ -50,6 +50,10 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         parse_method(self.method)  # a bad one is named before the model loads, not in the server's start-up
+        try:
+            parse_store_spec(self.store)  # read, not opened: that waits for the model, whose entries it holds
+        except ValueError as e:
+            raise ValueError(f"store: {e}") from None
         checks = {
             "port": 0 <= self.port <= 65535,
             # an empty key (KVREUSE_API_KEY= from an unset secret) would leave the API open without a word

@@ -1,4 +1,5 @@
-"""`open_store(spec)`: a store from a textual description, tiers listed top (fastest) to bottom.
+"""`open_store(spec)`: a store from a textual description, tiers listed top (fastest) to bottom;
+`parse_store_spec(spec)` reads one without opening anything.
 
 Tier specs:
   memory:SIZE                    e.g. memory:2GB
@@ -16,14 +17,17 @@ from __future__ import annotations
 import math
 import os
 import re
+from dataclasses import dataclass, replace
 from typing import Sequence
 from urllib.parse import urlsplit
+
+from redis.connection import parse_url
 
 from kvreuse.store.base import KVStore
 from kvreuse.store.disk import DiskTier
 from kvreuse.store.memory import MemoryTier
 from kvreuse.store.redis import RedisTier
-from kvreuse.store.throttled import DEVICES, ThrottledTier
+from kvreuse.store.throttled import DEVICES, Device, ThrottledTier
 from kvreuse.store.tiered import TieredStore
 
 DEFAULT_STORE = "memory:4GB"  # the engine's, the server's and `kvreuse generate`'s store when none is given
@@ -48,28 +52,42 @@ def parse_size(text: str) -> int:
     return size
 
 
-def open_tier(spec: str, *, create_folders: bool = True, **expect: str | bool | None) -> KVStore:
-    """One tier; `create_folders=False`: a disk tier's folder must exist (inspecting a store creates nothing)."""
+@dataclass(frozen=True)
+class TierSpec:
+    """One tier of a store spec, read: what `open_tier` builds. Reading opens nothing, so a command checks its
+    spec when it starts, before a model loads."""
+
+    kind: str  # memory, disk, redis, throttled
+    text: str  # as written
+    capacity: int | None = None  # bytes: memory's, and disk's (None: unlimited)
+    path: str = ""  # disk: its folder, ~ expanded
+    device: Device | None = None  # throttled: the emulated device
+    inner: TierSpec | None = None  # throttled: the tier it slows
+    quantize: bool = False  # int8: entries kept in the lossy 8-bit form
+
+
+def parse_tier(spec: str) -> TierSpec:
     kind, _, rest = spec.partition(":")
     if kind == "int8":
         if rest.partition(":")[0] not in ("disk", "redis", "rediss"):
             raise ValueError(f"bad store spec {_shown(spec)}: int8 applies to disk and redis tiers")
-        return open_tier(rest, create_folders=create_folders, quantize=True, **expect)
+        return replace(parse_tier(rest), quantize=True)
     if kind in ("redis", "rediss"):
-        return open_redis(spec, **expect)
+        _check_redis_url(spec)
+        return TierSpec("redis", spec)
     if kind == "memory" and rest:
-        return MemoryTier(parse_size(rest), **expect)
+        return TierSpec("memory", spec, capacity=_size_in(spec, rest))
     if kind == "disk" and rest:
         path, size = _disk_path_and_size(rest)
-        capacity = _size_in(spec, size) if size is not None else None
         # A shell leaves a ~ inside a word as it is (--store disk:~/kv): a folder named ~ under the working one
-        return DiskTier(os.path.expanduser(path), capacity, create=create_folders, **expect)
+        return TierSpec("disk", spec, capacity=_size_in(spec, size) if size is not None else None,
+                        path=os.path.expanduser(path))
     if kind == "throttled":
         device, _, inner = rest.partition(":")
         if device not in DEVICES or not inner:
             raise ValueError(f"bad store spec {_shown(spec)}: expected throttled:DEVICE:TIER, DEVICE in "
                              f"{sorted(DEVICES)}")
-        return ThrottledTier(open_tier(inner, create_folders=create_folders, **expect), DEVICES[device])
+        return TierSpec("throttled", spec, device=DEVICES[device], inner=parse_tier(inner))
     raise ValueError(
         f"bad store spec {_shown(spec)}: expected memory:SIZE, disk:PATH[:SIZE], redis://HOST:PORT, "
         "throttled:DEVICE:TIER or int8:TIER"
@@ -96,7 +114,7 @@ def _size_in(spec: str, size: str) -> int:
         raise ValueError(f"bad store spec {_shown(spec)}: {e}") from None
 
 
-def open_redis(spec: str, **expect: str | bool | None) -> RedisTier:
+def _check_redis_url(spec: str) -> None:
     url = urlsplit(spec)
     if not url.hostname:
         raise ValueError(f"bad store spec {_shown(spec)}: expected redis://HOST:PORT[/DB], it names no host")
@@ -104,19 +122,38 @@ def open_redis(spec: str, **expect: str | bool | None) -> RedisTier:
     if db and not db.isdigit():
         raise ValueError(f"bad store spec {_shown(spec)}: the database after the port must be a number, got {db!r}")
     try:
-        return RedisTier(spec, **expect)
-    except ValueError as e:  # redis-py's own, e.g. a port that is not a number
+        parse_url(spec)  # redis-py's own reading of it (a port that is not a number, a bad option), connecting to none
+    except ValueError as e:
         raise ValueError(f"bad store spec {_shown(spec)}: {e}") from None
+
+
+def parse_store_spec(spec: str | Sequence[str]) -> list[TierSpec]:
+    """The tiers a spec names, top (fastest) first: a list of tier specs, or one string of them joined by commas."""
+    if not isinstance(spec, (str, list, tuple)) or not all(isinstance(s, str) for s in spec):
+        raise TypeError(f"store spec: expected text such as 'memory:4GB,disk:/var/kv', got {_shown(spec)}")
+    specs = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
+    if not specs or not all(specs):
+        raise ValueError(f"bad store spec {_shown(spec)}: no tiers named")
+    return [parse_tier(s) for s in specs]
+
+
+def open_tier(spec: str | TierSpec, *, create_folders: bool = True, **expect: str | bool | None) -> KVStore:
+    """One tier; `create_folders=False`: a disk tier's folder must exist (inspecting a store creates nothing)."""
+    tier = parse_tier(spec) if isinstance(spec, str) else spec
+    if tier.quantize:
+        expect["quantize"] = True
+    if tier.kind == "redis":
+        return RedisTier(tier.text, **expect)
+    if tier.kind == "memory":
+        return MemoryTier(tier.capacity, **expect)
+    if tier.kind == "disk":
+        return DiskTier(tier.path, tier.capacity, create=create_folders, **expect)
+    return ThrottledTier(open_tier(tier.inner, create_folders=create_folders, **expect), tier.device)
 
 
 def open_store(spec: str | Sequence[str], *, model_fingerprint: str | None = None, dtype: str | None = None,
                create_folders: bool = True) -> TieredStore:
     """Open the tiers named by `spec`. With model_fingerprint/dtype set, entries of any other model or dtype
     read as misses (and putting one is an error). `create_folders=False`: a disk tier's folder must exist."""
-    if not isinstance(spec, (str, list, tuple)) or not all(isinstance(s, str) for s in spec):
-        raise TypeError(f"store spec: expected text such as 'memory:4GB,disk:/var/kv', got {_shown(spec)}")
-    specs = [s.strip() for s in spec.split(",")] if isinstance(spec, str) else list(spec)
-    if not specs or not all(specs):
-        raise ValueError(f"bad store spec {_shown(spec)}: no tiers named")
-    return TieredStore([open_tier(s, create_folders=create_folders, model_fingerprint=model_fingerprint, dtype=dtype)
-                        for s in specs])
+    return TieredStore([open_tier(tier, create_folders=create_folders, model_fingerprint=model_fingerprint,
+                                  dtype=dtype) for tier in parse_store_spec(spec)])

@@ -15,6 +15,8 @@ def test_names_and_store_specs_pass():
     ("memory,memroy", True, "unknown tier 'memroy'"),
     ("redis", False, "unknown tier 'redis'"),  # profile costs starts no private server
     (" , ", True, "no tier named"),
+    ("memory,disk:/kv:5XB", True, "bad size '5XB'"),  # a store spec's own mistake, before the model loads
+    ("throttled:floppy:memory:1GB", False, "DEVICE in"),
 ])
 def test_a_misspelt_or_missing_tier_is_named(text, redis, message):
     with pytest.raises(ValueError, match=message):

@@ -33,6 +33,18 @@ def test_a_document_that_is_no_text_is_named_before_the_model_loads(content, mes
     assert message in err
 
 
+@pytest.mark.parametrize("command", [["generate", "--prompt", "hi"],
+                                     ["eval", "--dataset", "../shared/datasets/hotpotqa.jsonl"]])
+def test_a_bad_store_spec_is_named_before_the_model_loads(command, capsys, monkeypatch):
+    import kvreuse.engine.reuse
+
+    monkeypatch.setattr(kvreuse.engine.reuse.ReuseEngine, "load", lambda *a, **k: pytest.fail("loaded the model"))
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command, "--store", "memory:1GB,disk:/tmp/kv:5XB"])
+    assert exit_info.value.code == 2
+    assert "argument --store: bad store spec 'disk:/tmp/kv:5XB': bad size '5XB'" in capsys.readouterr().err
+
+
 def test_generate_decodes_over_int8_weights_when_asked(tiny_model_dir, capsys, monkeypatch):
     from kvreuse.model.runtime import LayerwiseModel
 

@@ -82,6 +82,8 @@ def test_a_server_whose_default_is_auto_has_its_machine_profile_before_its_first
         ("method: bogus\n", {}, "method: unknown method 'bogus'"),
         ("", {"KVREUSE_DTYPE": "float64"}, "dtype: invalid value 'float64'"),
         ("log_level: loud\n", {}, "log_level: invalid value 'loud'"),
+        ("store: memory:0\n", {}, "store: bad store spec 'memory:0': bad size '0'"),
+        ("", {"KVREUSE_STORE": "throttled:floppy:memory:1GB"}, "store: bad store spec 'throttled:floppy"),
     ],
 )
 def test_bad_settings_name_themselves(tmp_path, yaml_text, environ, message):

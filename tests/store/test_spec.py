@@ -5,7 +5,7 @@ import pytest
 from kvreuse.store.disk import DiskTier
 from kvreuse.store.memory import MemoryTier
 from kvreuse.store.redis import RedisTier
-from kvreuse.store.spec import open_store, parse_size
+from kvreuse.store.spec import open_store, parse_size, parse_store_spec
 from kvreuse.store.throttled import ThrottledTier
 from kvreuse.store.tiered import tier_label
 
@@ -49,6 +49,18 @@ def test_list_form_keeps_commas_in_paths(tmp_path):
 def test_bad_specs_say_what_is_wrong(spec, message):
     with pytest.raises(ValueError, match=message):
         open_store(spec)
+    with pytest.raises(ValueError, match=message):
+        parse_store_spec(spec)
+
+
+def test_a_spec_is_read_without_opening_anything(tmp_path):
+    """What a command checks when it starts: no folder made, no server asked (nothing listens on port 1)."""
+    tiers = parse_store_spec(f"memory:2GB, int8:disk:{tmp_path}/kv:1GB, throttled:ssd:redis://127.0.0.1:1/3")
+    assert [t.kind for t in tiers] == ["memory", "disk", "throttled"]
+    assert (tiers[0].capacity, tiers[1].capacity, tiers[1].path, tiers[1].quantize) == \
+        (2 * 10**9, 10**9, f"{tmp_path}/kv", True)
+    assert tiers[2].device.name == "ssd" and tiers[2].inner.kind == "redis"
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize("size", ["50XB", "5OGB", "", "-1GB", "0"])
