@@ -9,6 +9,8 @@ from pathlib import Path
 from kvreuse.cli.arguments import add_model_args, store_spec
 from kvreuse.store.spec import DEFAULT_STORE
 
+DEFAULT_MAX_TOKENS = 128
+
 
 def add_arguments(gen: argparse.ArgumentParser) -> None:
     add_model_args(gen)
@@ -18,7 +20,8 @@ def add_arguments(gen: argparse.ArgumentParser) -> None:
     gen.add_argument("--method", default=None, help="reuse method, e.g. cacheblend:0.15, naive, full (default: the guarded one, see README)")
     gen.add_argument("--store", type=store_spec, default=DEFAULT_STORE, help="store spec, e.g. disk:/var/cache/kvreuse")
     gen.add_argument("--warm", action="store_true", help="compile the documents into the store before timing")
-    gen.add_argument("--max-tokens", type=int, default=128)
+    gen.add_argument("--max-tokens", type=int, default=None,
+                     help=f"tokens to generate at most (default {DEFAULT_MAX_TOKENS}, or the room the window leaves)")
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
@@ -41,15 +44,19 @@ def _document(path: str) -> str:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
     from kvreuse.engine.reuse import ReuseEngine
     from kvreuse.engine.sampling import SamplingParams
 
-    params = SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop=args.stop
-    )
+    params = SamplingParams(max_tokens=args.max_tokens or DEFAULT_MAX_TOKENS, temperature=args.temperature,
+                            top_p=args.top_p, seed=args.seed, stop=args.stop)  # checked before the model loads
     engine = ReuseEngine.load(args.model, args.store, args.dtype, args.decode_weights)
     try:
         request = engine.build_request(args.document, args.prompt)
+        if args.max_tokens is None:  # the default, as the server's: no more than the window leaves room for
+            room = engine.model.config.max_position_embeddings - len(request)
+            params = replace(params, max_tokens=max(1, min(DEFAULT_MAX_TOKENS, room)))
         if args.warm:
             engine.compile(request, [args.method])
         result = engine.generate(request, args.method, params)

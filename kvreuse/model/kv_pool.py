@@ -50,12 +50,13 @@ class PooledStep:
 
 class KVPool:
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, slots: int,
-                 max_bytes: int, device: torch.device | str = "cpu"):
+                 max_bytes: int, device: torch.device | str = "cpu", max_rows: int | None = None):
         """slots: sequences held at once; max_bytes: the most the pool's keys and values may take together (a
-        sequence that would need more decodes in a cache of its own)."""
+        sequence that would need more decodes in a cache of its own); max_rows: the most rows a sequence can hold
+        (the model's window), past which growing by doubling would only allocate rows no sequence reaches."""
         if slots < 1 or max_bytes < 1:
             raise ValueError(f"a KV pool needs slots >= 1 and max_bytes >= 1, got {slots} and {max_bytes}")
-        self.num_layers, self.slots, self.max_bytes = num_layers, slots, max_bytes
+        self.num_layers, self.slots, self.max_bytes, self.max_rows = num_layers, slots, max_bytes, max_rows
         self._head_shape = (num_kv_heads, head_dim)
         self.dtype, self.device = dtype, device
         self.capacity = 0
@@ -67,7 +68,7 @@ class KVPool:
     @classmethod
     def for_model(cls, model, slots: int, max_bytes: int) -> KVPool:
         return cls(model.num_layers, model.num_kv_heads, model.head_dim, model.dtype, slots, max_bytes,
-                   model.device)
+                   model.device, max_rows=model.config.max_position_embeddings)
 
     @property
     def members(self) -> list[KVCache]:
@@ -163,7 +164,9 @@ class KVPool:
             return
         capacity = self._rounded(capacity)
         if self.bytes_for(2 * self.capacity) <= self.max_bytes:  # doubling: a growing batch re-allocates rarely
-            capacity = max(capacity, 2 * self.capacity)
+            doubled = 2 * self.capacity if self.max_rows is None else min(2 * self.capacity,
+                                                                          self._rounded(self.max_rows))
+            capacity = max(capacity, doubled)
         heads, dim = self._head_shape
         shape = (self.slots, heads, capacity, dim)
         # Every tensor is made before any is assigned: an allocation that fails (memory exhausted) leaves the pool as

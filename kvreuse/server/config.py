@@ -19,6 +19,8 @@ from kvreuse.store.spec import DEFAULT_STORE, parse_size, parse_store_spec
 
 ENV_PREFIX = "KVREUSE_"
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
+CHOICES = {"placement": ("all", "cost"), "batch_restore": ("auto", "on", "off"), "dtype": DTYPE_NAMES,
+           "decode_weights": DECODE_WEIGHTS, "log_level": LOG_LEVELS}  # the settings that name one of a few
 
 
 @dataclass
@@ -59,25 +61,22 @@ class ServerConfig:
             # an empty key (KVREUSE_API_KEY= from an unset secret) would leave the API open without a word
             "api_key": self.api_key is None or bool(self.api_key.strip()),
             "prefix_block_size": self.prefix_block_size >= 1,
-            "placement": self.placement in ("all", "cost"),
             "max_concurrency": self.max_concurrency >= 1,
             "max_prefill_batch": self.max_prefill_batch >= 1,
             "max_token_gap_ms": self.max_token_gap_ms is None or self.max_token_gap_ms >= 0,
             "decode_pool": _is_size(self.decode_pool),
-            "batch_restore": self.batch_restore in ("auto", "on", "off"),
             "max_queue": self.max_queue >= 0,
             "request_timeout": self.request_timeout > 0,
             "max_model_len": self.max_model_len is None or self.max_model_len >= 2,
             "default_max_tokens": self.default_max_tokens >= 1,
             "max_request_bytes": self.max_request_bytes >= 1024,
             "shutdown_timeout": self.shutdown_timeout >= 0,
-            "decode_weights": self.decode_weights in DECODE_WEIGHTS,
-            "dtype": self.dtype in DTYPE_NAMES,
-            "log_level": self.log_level in LOG_LEVELS,
+            **{name: getattr(self, name) in choices for name, choices in CHOICES.items()},
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise ValueError(f"{bad[0]}: invalid value {getattr(self, bad[0])!r}")
+            expected = f"; expected one of {', '.join(CHOICES[bad[0]])}" if bad[0] in CHOICES else ""
+            raise ValueError(f"{bad[0]}: invalid value {getattr(self, bad[0])!r}{expected}")
 
 
 def _is_size(text: str) -> bool:

@@ -1,5 +1,7 @@
 """The `kvreuse` command end to end on the embedded model."""
 
+from dataclasses import replace
+
 import pytest
 
 from kvreuse.cli import main
@@ -58,3 +60,20 @@ def test_generate_decodes_over_int8_weights_when_asked(tiny_model_dir, capsys, m
     with pytest.raises(SystemExit):
         main(args + ["--decode-weights", "int4"])
     assert "--decode-weights: invalid choice: 'int4'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("words, budget", [(1, 128), (8100, None)])
+def test_the_default_budget_is_what_the_window_leaves_room_for(words, budget, tiny_model_dir, monkeypatch):
+    """As the server's: a prompt a few tokens short of the window generates to its end, not a refusal for the
+    128 tokens it did not ask for."""
+    from kvreuse.engine.reuse import ReuseEngine
+
+    asked = []
+    generate = ReuseEngine.generate
+    monkeypatch.setattr(ReuseEngine, "generate", lambda self, request, method, params:
+                        asked.append((len(request), self.model.config.max_position_embeddings, params.max_tokens))
+                        or generate(self, request, method, replace(params, max_tokens=1)))
+    assert main(["generate", "--model", str(tiny_model_dir), "--prompt", "word " * words]) == 0
+    ((prompt, window, max_tokens),) = asked
+    assert max_tokens == (budget or window - prompt) and prompt + max_tokens <= window
+    assert budget or window - prompt < 128

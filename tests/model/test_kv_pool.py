@@ -132,6 +132,17 @@ def layouts(tensors: list[torch.Tensor]) -> list[tuple]:
     return [(t.shape, t.stride(), t.dtype) for t in tensors]
 
 
+def test_growing_by_doubling_stops_at_the_models_window(tiny_model):
+    """Rows past the window are rows no sequence reaches: doubling 768 would allocate 1536 of a 1024-row window
+    (zeroed, and kept for the server's life)."""
+    window = tiny_model.config.max_position_embeddings
+    pool = pool_of(tiny_model, 2)
+    pool.grow(3 * CAPACITY_STEP)
+    pool.grow(3 * CAPACITY_STEP + 1)
+    assert pool.capacity == window == 4 * CAPACITY_STEP
+    assert pool.keys[0].shape[2] == window
+
+
 def test_a_growth_that_fails_part_way_leaves_the_pool_as_it_was(tiny_model, monkeypatch):
     """Memory running out as the values are allocated, after the keys, must not leave grown keys beside old values:
     the next pooled decoding step would read the values by the keys' layout, past their end."""

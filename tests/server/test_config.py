@@ -72,7 +72,7 @@ def test_a_server_whose_default_is_auto_has_its_machine_profile_before_its_first
         ("", {"KVREUSE_PORT": "eighty"}, "KVREUSE_PORT: port must be int"),
         ("", {"KVREUSE_MAX_CONCURRENCY": "0"}, "max_concurrency: invalid value 0"),
         ("decode_pool: lots\n", {}, "decode_pool: invalid value 'lots'"),
-        ("decode_weights: int4\n", {}, "decode_weights: invalid value 'int4'"),
+        ("decode_weights: int4\n", {}, "decode_weights: invalid value 'int4'; expected one of model, int8"),
         ("", {"KVREUSE_MAX_TOKEN_GAP_MS": "-1"}, "max_token_gap_ms: invalid value -1.0"),
         ("port: true\n", {}, "port must be int, got True"),  # not port 1
         ("port: 8000.9\n", {}, "port must be int, got 8000.9"),  # not port 8000
@@ -80,7 +80,7 @@ def test_a_server_whose_default_is_auto_has_its_machine_profile_before_its_first
         ("", {"KVREUSE_API_KEY": ""}, "api_key: invalid value ''"),  # an unset secret: not an open API
         ("api_key: '  '\n", {}, "api_key: invalid value '  '"),
         ("method: bogus\n", {}, "method: unknown method 'bogus'"),
-        ("", {"KVREUSE_DTYPE": "float64"}, "dtype: invalid value 'float64'"),
+        ("", {"KVREUSE_DTYPE": "bf16"}, "dtype: invalid value 'bf16'; expected one of float32, bfloat16, float16"),
         ("log_level: loud\n", {}, "log_level: invalid value 'loud'"),
         ("store: memory:0\n", {}, "store: bad store spec 'memory:0': bad size '0'"),
         ("", {"KVREUSE_STORE": "throttled:floppy:memory:1GB"}, "store: bad store spec 'throttled:floppy"),
