@@ -290,11 +290,9 @@ class ReuseEngine:
         prefill and prefill_batch ask first)."""
         if not isinstance(request, Request):
             raise TypeError(f"request: expected a Request (build_request makes one), got {describe(request)}")
-        vocab_size, ids = self.model.config.vocab_size, request.token_ids
-        # the bounds first: a prompt's thousands of ids are not walked one by one unless one is out
-        if not 0 <= int(ids.min()) <= int(ids.max()) < vocab_size:
-            raise ValueError(f"prompt: token id {outside_vocabulary(ids, vocab_size)} is outside the vocabulary "
-                             f"[0, {vocab_size})")
+        vocab_size = self.model.config.vocab_size
+        if (bad := outside_vocabulary(request.token_ids, vocab_size)) is not None:
+            raise ValueError(f"prompt: token id {bad} is outside the vocabulary [0, {vocab_size})")
         window = self.model.config.max_position_embeddings
         for i, chunk in enumerate(request.of_kind(SegmentKind.CHUNK)):
             if len(chunk.token_ids) > window:

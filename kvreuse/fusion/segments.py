@@ -6,6 +6,7 @@ key) never depend on the text around it.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -14,8 +15,11 @@ import torch
 WHOLE_NUMBERS = (torch.int64, torch.int32, torch.int16, torch.int8, torch.uint8)  # token ids as torch reads them
 
 
-def outside_vocabulary(token_ids: list[int] | torch.Tensor, vocab_size: int) -> int | None:
+def outside_vocabulary(token_ids: Iterable[int] | torch.Tensor, vocab_size: int) -> int | None:
     """The first token id not in [0, vocab_size), or None: what the embedding would fail on, deep in torch."""
+    if isinstance(token_ids, torch.Tensor) and (
+            not token_ids.numel() or 0 <= int(token_ids.min()) <= int(token_ids.max()) < vocab_size):
+        return None  # the bounds first: a prompt's thousands of ids are not walked one by one unless one is out
     return next((int(t) for t in token_ids if not 0 <= t < vocab_size), None)
 
 

@@ -44,6 +44,13 @@ def fingerprint(*parts: str) -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()[:32]
 
 
+def config_identity(config: dict) -> str:
+    """What names a model's configuration (RoPE base and scaling, norms' epsilon, ...: what its KV depends on
+    beside the weights), whatever the folder it was read from and the transformers version that read it."""
+    return json.dumps({k: v for k, v in config.items() if k not in ("_name_or_path", "transformers_version")},
+                      sort_keys=True, default=str)
+
+
 def tokenizer_identity(tokenizer: str | Path, revision: str | None = None) -> str:
     """What names a tokenizer: the digest of a local directory's tokenizer files (the same files name the same
     tokenizer whatever their path), else its name and revision."""

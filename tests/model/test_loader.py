@@ -93,3 +93,17 @@ def test_a_converted_gguf_file_is_not_read_again_at_each_load(tmp_path, monkeypa
                         or open_path(path, *args, **kwargs))
     assert [convert_gguf(gguf) for _ in range(3)] == [converted] * 3
     assert reads == [gguf]
+
+
+def test_a_tokenizer_with_ids_past_the_embedding_is_warned_of(tmp_path, embedded_tokenizer, caplog):
+    """Tokens added without resizing the embedding have no row: named when the model loads (the server refuses
+    prompts that hold them, tests/server/test_errors.py)."""
+    config = AutoConfig.for_model("llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                  num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    embedded_tokenizer.save_pretrained(tmp_path)
+    load_model(str(tmp_path))
+    assert f"has token ids up to {len(embedded_tokenizer) - 1}, the model's embedding 256 rows" in caplog.text
+    caplog.clear()
+    load_model(None)
+    assert "token ids up to" not in caplog.text

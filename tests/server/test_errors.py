@@ -134,6 +134,17 @@ def test_bad_completion_prompts(http):
                  "echo", "not supported")
 
 
+def test_text_the_tokenizer_turns_into_ids_the_model_lacks_is_a_400(server, http, monkeypatch):
+    """A tokenizer larger than the model's embedding (tokens added without resizing it): a 500 from the engine
+    thread for every text request before; a 400 that says so now."""
+    monkeypatch.setattr(server.service, "vocab_size", 300)
+    why = "outside the model's vocabulary [0, 300): its tokenizer does not match its weights"
+    assert_error(http.post(CHAT, json=chat_body()), 400, "messages", why)
+    assert_error(http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": "Paris, in the spring"}), 400,
+                 "prompt", why)
+    assert_error(http.post("/v1/caches", json={"text": "Paris, in the spring"}), 400, "text", why)
+
+
 def test_the_server_keeps_serving_after_bad_input(http, client):
     http.post(CHAT, content=b"\xff\xfe garbage", headers={"content-type": "application/json"})
     assert client.chat.completions.create(messages=MESSAGES, model=MODEL_NAME, max_tokens=2).choices
