@@ -247,6 +247,14 @@ class CompletionRequest(GenerationParams):
 # ---- responses -----------------------------------------------------------------------------------------
 
 
+class AutoChoice(BaseModel):
+    """What method auto chose it from: the cost model's TTFT for it and for every candidate."""
+
+    requested_method: str = Field(description="the method as asked, e.g. auto:kl=0.35")
+    predicted_ttft_seconds: float
+    candidates: dict[str, float] = Field(description="each candidate method's predicted TTFT, in seconds")
+
+
 class KvreuseUsage(BaseModel):
     """How the prompt's KV was obtained."""
 
@@ -266,6 +274,7 @@ class KvreuseUsage(BaseModel):
                                               "(in ttft_seconds, not in compute_seconds)")
     queue_seconds: float
     ttft_seconds: float = Field(description="arrival to first token, queueing included")
+    auto: AutoChoice | None = Field(None, description="method auto's choice, when the request ran it")
 
 
 class PromptTokensDetails(BaseModel):

@@ -31,6 +31,7 @@ from kvreuse.server.errors import APIError, bad_request
 from kvreuse.server.logprobs import TokenTexts
 from kvreuse.server.metrics import Metrics
 from kvreuse.server.protocol import (
+    AutoChoice,
     CacheCreateRequest,
     CacheInfo,
     ChatCompletionRequest,
@@ -105,6 +106,9 @@ def usage_of(result: Generation) -> Usage:
             paused_seconds=fusion.paused_seconds,
             queue_seconds=s.queue_seconds,
             ttft_seconds=result.ttft,
+            auto=None if s.auto is None else AutoChoice(requested_method=s.auto.requested_method or "auto",
+                                                         predicted_ttft_seconds=s.auto.predicted_ttft,
+                                                         candidates=s.auto.candidates),
         ),
     )
 

@@ -141,6 +141,26 @@ def test_completion_logprobs_in_the_older_form(client):
     assert alone.top_logprobs == [{t: p} for t, p in zip(form.tokens, form.token_logprobs)]  # the chosen, always
 
 
+def test_method_autos_choice_and_its_prediction_are_in_the_usage(client, server, monkeypatch):
+    from kvreuse.controller.auto import AutoController
+    from kvreuse.controller.fidelity import Fidelity, FidelityTable
+    from kvreuse.controller.profile import ComputeProfile, MachineProfile, TierProfile
+
+    engine = server.service.engine
+    compute = ComputeProfile([64, 2048], [64e-5, 2048e-5], 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
+    profile = MachineProfile(engine.fingerprint, "float32", engine.model.num_layers, 64, compute,
+                             {"memory": TierProfile("memory", 1e10, 0.0)})
+    table = FidelityTable(engine.fingerprint, {"naive": Fidelity(0.05, 0.9)})
+    monkeypatch.setattr(engine, "_controller", AutoController(profile, table))
+    options = dict(messages=QUESTION, **GREEDY)
+    chosen = kvreuse_usage(client.chat.completions.create(
+        **options, extra_body={"documents": DOCUMENTS, "kvreuse": {"method": "auto:kl=0.1"}}).usage)
+    auto = chosen["auto"]
+    assert auto["requested_method"] == "auto:kl=0.1" and set(auto["candidates"]) == {"naive", "prefix"}
+    assert auto["predicted_ttft_seconds"] == auto["candidates"][chosen["method"]]
+    assert kvreuse_usage(client.chat.completions.create(**options).usage)["auto"] is None
+
+
 def test_completions_plain_and_streamed(client):
     whole = client.completions.create(prompt="Once upon a time", **GREEDY)
     assert whole.object == "text_completion" and whole.usage.completion_tokens <= 8
