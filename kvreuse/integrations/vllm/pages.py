@@ -20,6 +20,7 @@ import torch
 
 from kvreuse.store import EntryMeta, KVEntry
 from kvreuse.store.entry import dtype_name
+from kvreuse.store.spec import parse_store_spec
 
 
 def block_halves(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,6 +67,15 @@ def write_entry(caches: Sequence[torch.Tensor], block_id: int, entry: KVEntry) -
         k_half, v_half = block_halves(cache)
         k_half[block_id].copy_(entry.k[layer].transpose(0, 1))
         v_half[block_id].copy_(entry.v[layer].transpose(0, 1))
+
+
+def check_exact_tiers(spec: str) -> None:
+    """The connector's prefixes are exact (vLLM's own output): an int8 tier, whose entries read back lossy, is
+    refused at start-up, as is a spec that does not read."""
+    lossy = [f"int8:{tier.text}" for tier in parse_store_spec(spec) if tier.quantize]
+    if lossy:
+        raise ValueError(f"store {spec!r}: int8 tiers keep KV lossy, and the connector's prefixes are exact: "
+                         f"use a plain tier in place of {lossy[0]!r}")
 
 
 def scheduler_tiers(spec: str) -> str:

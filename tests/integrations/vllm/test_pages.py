@@ -16,6 +16,7 @@ from kvreuse.integrations.vllm.pages import (
     leading_present,
     probe_layout,
     rotate_keys,
+    check_exact_tiers,
     scheduler_tiers,
     unnamed_reason,
     write_entry,
@@ -207,3 +208,11 @@ def test_only_requests_whose_tokens_name_their_kv_are_served():
     assert "embeddings" in unnamed_reason(None, multimodal=False, lora=False)
     assert "images" in unnamed_reason([1, 2, 3], multimodal=True, lora=False)
     assert "LoRA" in unnamed_reason([1, 2, 3], multimodal=False, lora=True)
+
+
+def test_an_int8_tier_is_refused_the_connectors_prefixes_are_exact():
+    check_exact_tiers("memory:2GB,disk:/x,redis://127.0.0.1:6379/0")
+    with pytest.raises(ValueError, match="use a plain tier in place of 'int8:redis://127.0.0.1:6379/0'"):
+        check_exact_tiers("memory:2GB,int8:redis://127.0.0.1:6379/0")
+    with pytest.raises(ValueError, match="bad store spec"):
+        check_exact_tiers("memory:2GB,disk:/x:5XB")
