@@ -35,10 +35,15 @@ from kvreuse.server.protocol import (
     CompletionRequest,
     CompletionResponse,
     DeltaMessage,
+    DetokenizeRequest,
+    DetokenizeResponse,
     ErrorResponse,
     GenerationParams,
     ModelCard,
     ModelList,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    TokenizeResponse,
 )
 from kvreuse.server.service import EngineService, JobStream, Prepared, error_of, usage_of
 
@@ -213,6 +218,23 @@ def create_app(service: EngineService) -> FastAPI:
         return CacheDeleted(id=cache_id)
 
     app.include_router(v1)
+
+    @app.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+    async def tokenize(body: TokenizeChatRequest | TokenizeCompletionRequest) -> TokenizeResponse:
+        """vLLM's: the token ids of the prompt a chat or completion request of this body would run, documents and
+        cached ones included, so a client can fit its documents to the window."""
+        service.check_model(body.model)
+        if isinstance(body, TokenizeChatRequest):
+            prompt = await service.chat_prompt(body)
+        else:
+            prompt = await service.completion_prompt(body, body.prompt)
+        return TokenizeResponse(count=len(prompt), max_model_len=service.max_model_len,
+                                tokens=prompt.token_ids.tolist())
+
+    @app.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+    async def detokenize(body: DetokenizeRequest) -> DetokenizeResponse:
+        service.check_model(body.model)
+        return DetokenizeResponse(prompt=await service.detokenize(body.tokens))
 
     @app.get("/health")
     async def health() -> dict[str, Any]:

@@ -75,10 +75,18 @@ class ChatMessage(BaseModel):
 GUIDED = ("guided_json", "guided_regex", "guided_choice", "guided_grammar", "structured_outputs")  # vLLM's
 
 
-class GenerationParams(BaseModel):
-    """What chat and completion requests share: sampling, streaming, and our reuse extensions."""
+class PromptParts(BaseModel):
+    """What a prompt holds beside its text, and whose it is: what generation requests and /tokenize share."""
 
     model: Text | None = Field(None, description="a served model name (default: the first)")
+    documents: list[NonEmptyText] = Field(default_factory=list, description="reusable chunks, placed in order")
+    cache_ids: list[Text] = Field(default_factory=list, description="ids from POST /v1/caches, placed first")
+    cache_salt: NonEmptyText | None = Field(None, description="tenant: store entries are shared only within it")
+
+
+class GenerationParams(PromptParts):
+    """What chat and completion requests share: sampling, streaming, and our reuse extensions."""
+
     temperature: float | None = Field(None, ge=0, le=2)
     top_p: float | None = Field(None, gt=0, le=1)
     seed: int | None = Field(None, **SEED_RANGE)
@@ -103,10 +111,7 @@ class GenerationParams(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     structured_outputs: Any = None
-    documents: list[NonEmptyText] = Field(default_factory=list, description="reusable chunks, placed in order")
-    cache_ids: list[Text] = Field(default_factory=list, description="ids from POST /v1/caches, placed first")
     kvreuse: KvreuseOptions | None = None
-    cache_salt: NonEmptyText | None = Field(None, description="tenant: store entries are shared only within it")
 
     @field_validator("stop")
     @classmethod
@@ -199,7 +204,6 @@ class ChatCompletionRequest(GenerationParams):
             "prediction": self.prediction is not None and "predicted outputs are not supported",
             "response_format": bool(self.response_format and self.response_format.get("type") != "text")
             and "only the text response format is supported",
-            "messages": self.messages[-1].role != "user" and "the last message must be the user's",
         }
 
     @property
@@ -407,6 +411,34 @@ class ErrorResponse(BaseModel):
 
 
 # ---- the context-cache API -----------------------------------------------------------------------------
+
+
+class TokenizeChatRequest(PromptParts):
+    """vLLM's /tokenize of a conversation: the prompt a chat request of these messages and documents would run."""
+
+    model_config = ConfigDict(extra="forbid")
+    messages: list[ChatMessage] = Field(min_length=1)
+
+
+class TokenizeCompletionRequest(PromptParts):
+    model_config = ConfigDict(extra="forbid")
+    prompt: Text | list[int]
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: Text | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 class CacheCreateRequest(BaseModel):

@@ -39,7 +39,9 @@ from kvreuse.server.protocol import (
     GenerationParams,
     KvreuseOptions,
     KvreuseUsage,
+    PromptParts,
     PromptTokensDetails,
+    TokenizeChatRequest,
     Usage,
 )
 from kvreuse.store.spec import parse_size
@@ -293,6 +295,13 @@ class EngineService:
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
         self._refuse_unsupported(body)
+        return self._prepare(body, await self.chat_prompt(body), "messages")
+
+    async def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Request:
+        """The prompt of a conversation: its template head and history, its cached and given documents, and its last
+        message as the question."""
+        if body.messages[-1].role != "user":
+            raise bad_request("messages: the last message must be the user's", "messages")
         cached = self._cached_chunks(body.cache_ids, body.cache_salt)
         history = [{"role": m.role, "content": m.text} for m in body.messages[:-1]]
         question = body.messages[-1].text
@@ -305,12 +314,15 @@ class EngineService:
             self._check_tokenized(request.token_ids)
             return request
 
-        return self._prepare(body, await self._tokenize(build, "messages"), "messages")
+        return await self._tokenize(build, "messages")
 
     async def prepare_completion(self, body: CompletionRequest) -> Prepared:
         self._refuse_unsupported(body)
+        return self._prepare(body, await self.completion_prompt(body, body.single_prompt), "prompt")
+
+    async def completion_prompt(self, body: PromptParts, prompt: str | list[int]) -> Request:
+        """The prompt of a completion: its cached and given documents, then `prompt` (text or token ids)."""
         cached = self._cached_chunks(body.cache_ids, body.cache_salt)
-        prompt = body.single_prompt
         self._check_length([*body.documents, prompt if isinstance(prompt, str) else ""], "prompt")
         tokenizer = self.engine.tokenizer
 
@@ -324,7 +336,11 @@ class EngineService:
             self._check_tokenized(request.token_ids)
             return request
 
-        return self._prepare(body, await self._tokenize(build, "prompt"), "prompt")
+        return await self._tokenize(build, "prompt")
+
+    async def detokenize(self, ids: list[int]) -> str:
+        self._check_token_ids(ids, "tokens")
+        return await self._tokenize(lambda: self.engine.tokenizer.decode(ids), "tokens")
 
     # ---- generation ------------------------------------------------------------------------------------
 

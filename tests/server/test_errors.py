@@ -372,3 +372,12 @@ def test_a_value_error_inside_the_engine_is_a_500_not_the_clients_fault(server, 
     response = http.post(CHAT, json=chat_body())
     assert response.status_code == 500, response.text
     assert response.json()["error"]["message"] == "generation failed: ValueError"
+
+
+def test_tokenize_refuses_what_a_request_would(http):
+    assert_error(http.post("/tokenize", json={"messages": [{"role": "assistant", "content": "Hi."}]}), 400,
+                 "messages", "the last message must be the user's")
+    assert_error(http.post("/tokenize", json={"prompt": "x", "cache_ids": ["kvc-missing"]}), 404, "cache_ids[0]")
+    assert_error(http.post("/detokenize", json={"tokens": [10**9]}), 400, "tokens", "outside the vocabulary")
+    assert_error(http.post("/tokenize", json={"model": "other", "prompt": "x"}), 404, "model")
+    assert http.post("/tokenize", json={"text": "x"}).status_code == 400

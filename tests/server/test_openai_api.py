@@ -271,3 +271,20 @@ def test_a_cache_from_token_ids(http):
 
 def test_health(http):
     assert http.get("/health").json()["status"] == "ok"
+
+
+def test_tokenize_gives_the_prompt_a_request_of_the_same_body_runs(client, http, tiny_chat_engine):
+    """vLLM's /tokenize, with kvreuse's documents and cached documents: its count is the request's prompt_tokens."""
+    cache_id = http.post("/v1/caches", json={"text": DOCUMENTS[1]}).json()["id"]
+    parts = {"documents": DOCUMENTS[:1], "cache_ids": [cache_id]}
+    chat = http.post("/tokenize", json={"messages": QUESTION, **parts}).json()
+    answer = client.chat.completions.create(messages=QUESTION, extra_body=parts, **GREEDY)
+    assert chat["count"] == len(chat["tokens"]) == answer.usage.prompt_tokens
+    tokenizer = tiny_chat_engine.tokenizer
+    expected = chat_request(tokenizer, [], [chunk_ids(tokenizer, DOCUMENTS[1]), chunk_ids(tokenizer, DOCUMENTS[0])],
+                            QUESTION[0]["content"])
+    assert chat["tokens"] == expected.token_ids.tolist() and chat["max_model_len"] > chat["count"]
+    completion = http.post("/tokenize", json={"prompt": "Once upon a time"}).json()
+    assert completion["tokens"] == tokenizer.encode("Once upon a time")
+    assert http.post("/detokenize", json={"tokens": completion["tokens"]}).json() == {"prompt": "Once upon a time"}
+
