@@ -3,6 +3,8 @@ metrics, and the context-cache API (POST/GET/DELETE /v1/caches)."""
 
 from __future__ import annotations
 
+import logging
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -142,13 +144,30 @@ def streaming(events: AsyncIterator[str]) -> StreamingResponse:
     return StreamingResponse(events, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
+class HiddenSalts(logging.Filter):
+    """uvicorn's access log shows each request's path with its query, where the context-cache API takes its
+    tenant's cache_salt: the one key to that tenant's caches, hidden there."""
+
+    SALT = re.compile(r"(cache_salt=)[^&\s]*")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) > 2 and isinstance(args[2], str):  # uvicorn's: client, method, path
+            record.args = (*args[:2], self.SALT.sub(r"\1***", args[2]), *args[3:])
+        return True
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn cancels what still runs at its graceful-shutdown timeout, cutting streams mid-chunk: the engine
-    ends those requests a little before, with an error their clients can read."""
+    ends those requests a little before, with an error their clients can read. Its access log hides tenants'
+    salts."""
 
     def __init__(self, config: uvicorn.Config, service: EngineService) -> None:
         super().__init__(config)
         self.service = service
+        access = logging.getLogger("uvicorn.access")
+        if not any(isinstance(f, HiddenSalts) for f in access.filters):
+            access.addFilter(HiddenSalts())
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         if not self.should_exit:

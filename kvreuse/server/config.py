@@ -51,6 +51,8 @@ class ServerConfig:
     log_level: str = "info"
 
     def __post_init__(self) -> None:
+        if isinstance(self.api_key, str):  # a secret file's trailing newline: clients send the key without it
+            self.api_key = self.api_key.strip()
         parse_method(self.method)  # a bad one is named before the model loads, not in the server's start-up
         try:
             parse_store_spec(self.store)  # read, not opened: that waits for the model, whose entries it holds
@@ -123,6 +125,8 @@ def from_yaml(path: str | Path) -> dict[str, Any]:
     unknown = sorted(set(settings) - set(FIELDS))
     if unknown:
         raise ValueError(f"config {path}: unknown setting(s) {', '.join(unknown)}; known: {', '.join(FIELDS)}")
+    if "api_key" in settings and settings["api_key"] is None:  # a templated secret left unset: not an open API
+        raise ValueError(f"config {path}: api_key is empty; give the key, or leave the setting out for no key")
     # a setting left empty (port:) keeps its default, as a null in a request's body does
     return {k: _coerce(k, v, f"config {path}") for k, v in settings.items() if v is not None}
 

@@ -51,6 +51,11 @@ RATIO_METHODS = {"cacheblend", "cachetune"}
 DISCONNECT_POLL_SECONDS = 0.5  # how often a waiting request checks that its client is still there
 RETRY_AFTER_SECONDS = 1  # what a 429 tells the client to wait: the queue drains as fast as requests finish
 TOKENIZER_THREADS = 2  # one long text must not hold up every other request's tokenization
+# Texts longer than a window of ordinary text (~4 characters a token: 32K for 8K tokens) are tokenized apart, on
+# a thread of their own, a few at a time: one client sending them by the dozen (most end in a 400, too long, but
+# only once tokenized) gets 429s, while the other requests' tokenization goes on.
+LONG_TEXT_CHARACTERS = 65_536
+MAX_LONG_TEXTS = 2  # being tokenized or waiting to be
 
 
 @dataclass
@@ -193,6 +198,8 @@ class EngineService:
         self.scheduler.on_decode_step = self.metrics.batch_size.observe
         self.created = int(time.time())
         self._tokenizer_threads = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kv-tokenize")
+        self._long_text_thread = ThreadPoolExecutor(1, thread_name_prefix="kv-tokenize-long")
+        self._long_texts = 0  # on its way through that thread; only ever changed on the event loop
         self._compiling = 0  # context caches being created
         self._shutdown_timer: threading.Timer | None = None
 
@@ -217,6 +224,7 @@ class EngineService:
             self._shutdown_timer.cancel()
         self.scheduler.stop()
         self._tokenizer_threads.shutdown(wait=True)
+        self._long_text_thread.shutdown(wait=True)
         self.engine.close()
 
     # ---- validation and preparation ------------------------------------------------------------------------
@@ -226,17 +234,30 @@ class EngineService:
             raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
         return self.model_names[0]
 
-    def _check_length(self, texts: list[str], param: str) -> None:
+    def _check_length(self, texts: list[str], param: str) -> int:
+        """The texts' characters, refused if they cannot fit the window whatever their tokens."""
         characters = sum(map(len, texts))
         if characters > self.max_prompt_chars:
             raise bad_request(f"{param}: {characters} characters cannot fit the maximum context length of "
                               f"{self.max_model_len} tokens (at most {self.max_prompt_chars} characters)", param)
+        return characters
 
-    async def _tokenize(self, fn: Callable[[], T], param: str) -> T:
+    async def _tokenize(self, fn: Callable[[], T], param: str, characters: int = 0) -> T:
+        """fn() on a tokenizer thread: a long text's (`characters`) on the long texts' one, if it has room."""
+        long = characters > LONG_TEXT_CHARACTERS
+        if long and self._long_texts >= MAX_LONG_TEXTS:
+            self.metrics.queue_rejections.inc()
+            raise APIError(429, f"{param}: {self._long_texts} texts of over {LONG_TEXT_CHARACTERS} characters are "
+                                "being tokenized; retry later", code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+        self._long_texts += int(long)
         try:
-            return await asyncio.get_running_loop().run_in_executor(self._tokenizer_threads, fn)
+            executor = self._long_text_thread if long else self._tokenizer_threads
+            return await asyncio.get_running_loop().run_in_executor(executor, fn)
         except (ValueError, TemplateError) as e:  # a chat template may refuse a conversation (role order)
             raise bad_request(f"{param}: {e}", param) from None
+        finally:
+            self._long_texts -= int(long)
 
     def _check_token_ids(self, ids: list[int], param: str) -> list[int]:
         bad = outside_vocabulary(ids, self.vocab_size)
@@ -305,7 +326,7 @@ class EngineService:
         cached = self._cached_chunks(body.cache_ids, body.cache_salt)
         history = [{"role": m.role, "content": m.text} for m in body.messages[:-1]]
         question = body.messages[-1].text
-        self._check_length([*body.documents, *(m["content"] for m in history), question], "messages")
+        characters = self._check_length([*body.documents, *(m["content"] for m in history), question], "messages")
         tokenizer = self.engine.tokenizer
 
         def build() -> Request:
@@ -314,7 +335,7 @@ class EngineService:
             self._check_tokenized(request.token_ids)
             return request
 
-        return await self._tokenize(build, "messages")
+        return await self._tokenize(build, "messages", characters)
 
     async def prepare_completion(self, body: CompletionRequest) -> Prepared:
         self._refuse_unsupported(body)
@@ -323,7 +344,7 @@ class EngineService:
     async def completion_prompt(self, body: PromptParts, prompt: str | list[int]) -> Request:
         """The prompt of a completion: its cached and given documents, then `prompt` (text or token ids)."""
         cached = self._cached_chunks(body.cache_ids, body.cache_salt)
-        self._check_length([*body.documents, prompt if isinstance(prompt, str) else ""], "prompt")
+        characters = self._check_length([*body.documents, prompt if isinstance(prompt, str) else ""], "prompt")
         tokenizer = self.engine.tokenizer
 
         def build() -> Request:
@@ -336,9 +357,12 @@ class EngineService:
             self._check_tokenized(request.token_ids)
             return request
 
-        return await self._tokenize(build, "prompt")
+        return await self._tokenize(build, "prompt", characters)
 
     async def detokenize(self, ids: list[int]) -> str:
+        if len(ids) > self.max_model_len:  # no prompt or generation holds more
+            raise bad_request(f"tokens: {len(ids)} tokens, more than the maximum context length of "
+                              f"{self.max_model_len}", "tokens")
         self._check_token_ids(ids, "tokens")
         return await self._tokenize(lambda: self.engine.tokenizer.decode(ids), "tokens")
 
@@ -371,8 +395,8 @@ class EngineService:
             raise bad_request("text: give exactly one of text and token_ids", "text")
         param = "text" if body.text is not None else "token_ids"
         if body.text is not None:
-            self._check_length([body.text], param)
-            ids = await self._tokenize(lambda: self._tokenized_chunk(body.text), param)
+            characters = self._check_length([body.text], param)
+            ids = await self._tokenize(lambda: self._tokenized_chunk(body.text), param, characters)
         else:
             ids = self._check_token_ids(body.token_ids, param)
         if len(ids) > self.max_model_len:

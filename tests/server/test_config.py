@@ -78,7 +78,8 @@ def test_a_server_whose_default_is_auto_has_its_machine_profile_before_its_first
         ("port: 8000.9\n", {}, "port must be int, got 8000.9"),  # not port 8000
         ("request_timeout: false\n", {}, "request_timeout must be float, got False"),
         ("", {"KVREUSE_API_KEY": ""}, "api_key: invalid value ''"),  # an unset secret: not an open API
-        ("api_key: '  '\n", {}, "api_key: invalid value '  '"),
+        ("api_key: '  '\n", {}, "api_key: invalid value ''"),
+        ("api_key:\n", {}, "api_key is empty; give the key"),  # a templated secret left unset: not an open API
         ("method: bogus\n", {}, "method: unknown method 'bogus'"),
         ("", {"KVREUSE_DTYPE": "bf16"}, "dtype: invalid value 'bf16'; expected one of float32, bfloat16, float16"),
         ("log_level: loud\n", {}, "log_level: invalid value 'loud'"),
@@ -99,8 +100,14 @@ def test_a_config_file_that_is_not_text_is_named(tmp_path):
 
 
 def test_a_setting_left_empty_in_the_file_keeps_its_default(tmp_path):
-    (tmp_path / "c.yaml").write_text("port:\nmax_concurrency: null\napi_key:\n")
+    (tmp_path / "c.yaml").write_text("port:\nmax_concurrency: null\n")
     assert load_config({}, str(tmp_path / "c.yaml"), {}) == ServerConfig()
+
+
+def test_an_api_key_read_with_a_newline_is_the_key_clients_send():
+    """A key from a secret file ends in a newline; clients send it without: every request was a 401."""
+    assert ServerConfig(api_key=" s3cret\n").api_key == "s3cret"
+    assert load_config({}, None, {"KVREUSE_API_KEY": "s3cret\n"}).api_key == "s3cret"
 
 
 def free_port() -> int:

@@ -339,6 +339,30 @@ def test_text_too_long_for_the_context_is_refused_before_it_is_tokenized(server,
     assert calls == []
 
 
+def test_long_texts_are_tokenized_apart_a_few_at_a_time(server, http, monkeypatch):
+    """One client's dozens of long texts (each a 400 only once tokenized) held both tokenizer threads: another
+    client's one-token request waited 2.6 s instead of 0.07. They take a thread of their own, and past a few
+    waiting they are a 429."""
+    import kvreuse.server.service as service_module
+
+    threads = []
+    encode = server.service.engine.tokenizer.encode
+    monkeypatch.setattr(server.service.engine.tokenizer, "encode",
+                        lambda *a, **k: threads.append(threading.current_thread().name) or encode(*a, **k))
+    monkeypatch.setattr(service_module, "LONG_TEXT_CHARACTERS", 40)
+    long_prompt = {"model": MODEL_NAME, "prompt": "word " * 10, "max_tokens": 1}
+    assert http.post("/v1/completions", json=long_prompt).status_code == 200
+    assert http.post("/v1/completions", json={**long_prompt, "prompt": "word"}).status_code == 200
+    assert threads[0].startswith("kv-tokenize-long") and not threads[-1].startswith("kv-tokenize-long")
+    monkeypatch.setattr(service_module, "MAX_LONG_TEXTS", 0)
+    refused = http.post("/v1/completions", json=long_prompt)
+    assert_error(refused, 429, None, "texts of over 40 characters are being tokenized")
+    assert refused.headers["retry-after"] == "1"
+    assert http.post("/v1/completions", json={**long_prompt, "prompt": "word"}).status_code == 200
+    assert_error(http.post("/detokenize", json={"tokens": [5] * (server.service.max_model_len + 1)}), 400,
+                 "tokens", "more than the maximum context length")
+
+
 def test_a_non_streaming_client_that_disconnects_frees_its_slot(make_server):
     server = make_server()
     body = json.dumps(chat_body(max_tokens=8000, ignore_eos=True)).encode()

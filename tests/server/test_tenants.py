@@ -94,3 +94,19 @@ def test_a_cache_id_and_its_stored_chunk_do_not_cross_a_salt(server, ask):
             assert http.delete(f"/v1/caches/{cache_id}", params={"cache_salt": salt} if salt else {}).status_code == 404
     # the same text sent as a document by another tenant is computed, not found under the owner's key
     assert ask("cache-thief", question(), documents=[text], kvreuse={"method": "naive"}) == NOTHING
+
+
+def test_the_access_log_hides_a_tenants_cache_salt():
+    """The context-cache API takes the salt in the query, which uvicorn's access log shows at info level: the one
+    key to a tenant's caches, hidden there by the server it runs."""
+    import logging
+
+    import uvicorn
+
+    from kvreuse.server.app import GracefulServer
+
+    GracefulServer(uvicorn.Config(app=None), service=None)
+    record = logging.LogRecord("uvicorn.access", logging.INFO, __file__, 0, '%s - "%s %s HTTP/%s" %d',
+                               ("127.0.0.1:5", "GET", "/v1/caches/kvc-1?cache_salt=acme-42&x=1", "1.1", 200), None)
+    assert all(f.filter(record) for f in logging.getLogger("uvicorn.access").filters)
+    assert record.getMessage() == '127.0.0.1:5 - "GET /v1/caches/kvc-1?cache_salt=***&x=1 HTTP/1.1" 200'
