@@ -20,7 +20,8 @@ def add_arguments(ev: argparse.ArgumentParser) -> None:
     add_model(ev)
     add("--limit", type=positive_int, default=None, metavar="N", help="the first N examples only")
     add("--chunking", default="passage", metavar="passage|fixed:N", help="one chunk per passage, or N-token pieces")
-    add("--store", type=store_spec, default=None, metavar="SPEC", help="KV store, e.g. memory:4GB or disk:PATH (default: the engine's)")
+    add("--store", type=store_spec, default=None, metavar="SPEC",
+        help="KV store, e.g. memory:4GB or disk:PATH (default: the engine's)")
     add("--out", type=output_folder, default="eval-results", metavar="DIR", help="output directory and resume cache")
     add("--max-tokens", type=positive_int, default=None, metavar="N", help="default 32 QA, 128 SAMSum, 512 Multi-News")
     add("--floor", type=positive_float, default=None, metavar="KL",
