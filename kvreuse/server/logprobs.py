@@ -32,7 +32,7 @@ class TokenTexts:
 
 def chat_logprobs(entries: Sequence[TokenLogprob], texts: TokenTexts) -> protocol.ChatLogprobs:
     return protocol.ChatLogprobs(content=[
-        protocol.TokenLogprob(**texts.top(e.token, e.logprob).model_dump(),
+        protocol.ChatTokenLogprob(**texts.top(e.token, e.logprob).model_dump(),
                               top_logprobs=[texts.top(token, logprob) for token, logprob in e.top])
         for e in entries])
 

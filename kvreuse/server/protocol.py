@@ -306,12 +306,12 @@ class TopLogprob(BaseModel):
     bytes: list[int]  # the token's text in UTF-8
 
 
-class TokenLogprob(TopLogprob):
+class ChatTokenLogprob(TopLogprob):
     top_logprobs: list[TopLogprob]  # the most likely tokens at its step, most likely first
 
 
 class ChatLogprobs(BaseModel):
-    content: list[TokenLogprob]
+    content: list[ChatTokenLogprob]
 
 
 class CompletionLogprobs(BaseModel):
