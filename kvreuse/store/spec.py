@@ -58,7 +58,7 @@ class TierSpec:
     spec when it starts, before a model loads."""
 
     kind: str  # memory, disk, redis, throttled
-    text: str  # as written
+    text: str  # as written (an int8 tier's: the tier it keeps in that form)
     capacity: int | None = None  # bytes: memory's, and disk's (None: unlimited)
     path: str = ""  # disk: its folder, ~ expanded
     device: Device | None = None  # throttled: the emulated device
@@ -140,14 +140,12 @@ def parse_store_spec(spec: str | Sequence[str]) -> list[TierSpec]:
 def open_tier(spec: str | TierSpec, *, create_folders: bool = True, **expect: str | bool | None) -> KVStore:
     """One tier; `create_folders=False`: a disk tier's folder must exist (inspecting a store creates nothing)."""
     tier = parse_tier(spec) if isinstance(spec, str) else spec
-    if tier.quantize:
-        expect["quantize"] = True
     if tier.kind == "redis":
-        return RedisTier(tier.text, **expect)
+        return RedisTier(tier.text, quantize=tier.quantize, **expect)
     if tier.kind == "memory":
         return MemoryTier(tier.capacity, **expect)
     if tier.kind == "disk":
-        return DiskTier(tier.path, tier.capacity, create=create_folders, **expect)
+        return DiskTier(tier.path, tier.capacity, create=create_folders, quantize=tier.quantize, **expect)
     return ThrottledTier(open_tier(tier.inner, create_folders=create_folders, **expect), tier.device)
 
 
