@@ -33,6 +33,7 @@ what a decoding step of a few rows waits on (0.14 GB more for SmolLM2).
 
 from __future__ import annotations
 
+import os
 import weakref
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -41,6 +42,16 @@ import torch
 from torch import nn
 
 from kvreuse.model import native
+
+# oneDNN (and ideep, torch's layer over it) keep every product's primitive for its row count, 1024 of each by
+# default, and a primitive holds buffers of its shape's size: SmolLM2's q/k/v, gate/up and down products kept 25.6
+# MB more for each new prompt length past the panels' rows (a Zen 4 EPYC, fp32, 2.1K rows), so a server given
+# prompts of many lengths grew by gigabytes. Both caches read their capacity once, when their first primitive is
+# made: set here, before any product runs (a setting of the user's stands). Making a primitive again costs little
+# beside its product: about 10 ms against 50 for 3K rows of gate/up.
+ONEDNN_CACHED_PRIMITIVES = 16
+for _capacity in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
+    os.environ.setdefault(_capacity, str(ONEDNN_CACHED_PRIMITIVES))
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN lays a packed weight out for; the layout serves any row count (checked at 1-2048 rows:

@@ -3,12 +3,17 @@ nn.Linear's, stacked projections equal each one alone, and a changed weight is f
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
 
 from kvreuse.model import native
-from kvreuse.model.linear import linear, route
+from kvreuse.model.linear import linear, onednn_available, route
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -218,3 +223,44 @@ def test_where_onednn_has_no_bf16_path_bf16_products_run_widened_to_fp32(monkeyp
             # fp32 sums of exact products, rounded once: within one bf16 rounding of the fp64 product
             torch.testing.assert_close(got.double(), widened, atol=1e-2, rtol=2 ** -8)
             assert torch.equal(added, linear(x, layers[0]) + residual[:, :48])
+
+
+# A fresh process makes oneDNN products of many row counts and reports how much its anonymous memory grew: each
+# primitive of these shapes holds about 2 MB, and oneDNN and ideep keep 1024 of them unless told otherwise.
+_PRODUCTS_OF_MANY_ROW_COUNTS = """
+import kvreuse.model.linear
+import torch
+
+def anonymous_bytes():
+    status = open("/proc/self/status").read().splitlines()
+    return int(next(line for line in status if line.startswith("RssAnon")).split()[1]) * 1024
+
+torch.set_grad_enabled(False)
+in_features, out_features = 576, 512
+packed = torch.ops.mkldnn._reorder_linear_weight(torch.randn(out_features, in_features), 2048)
+rows = torch.randn(2300, in_features)
+for count in (2000, 2001):
+    torch.ops.mkldnn._linear_pointwise(rows[:count], packed, None, "none", [], "")
+before = anonymous_bytes()
+for count in range(2002, 2202):
+    torch.ops.mkldnn._linear_pointwise(rows[:count], packed, None, "none", [], "")
+print(anonymous_bytes() - before)
+"""
+
+
+def _growth_over_many_row_counts(capacities: dict[str, str]) -> int:
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    done = subprocess.run([sys.executable, "-c", _PRODUCTS_OF_MANY_ROW_COUNTS], env={**env, **capacities},
+                          capture_output=True, text=True, timeout=300, check=True)
+    return int(done.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not onednn_available() or not Path("/proc/self/status").exists(),
+                    reason="no oneDNN products or no /proc here")
+def test_onednn_keeps_a_bounded_number_of_primitives_however_many_row_counts_it_sees():
+    # 200 row counts kept would be about 430 MB; the 16 kvreuse lets each cache keep, about 35.
+    assert _growth_over_many_row_counts({}) < 150e6
+    # A capacity the user set stands (which also shows the measurement sees primitives kept).
+    users = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"}
+    assert _growth_over_many_row_counts(users) > 300e6
