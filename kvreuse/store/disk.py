@@ -197,6 +197,11 @@ class DiskTier(BlobTier):
             raise OSError(errno.ENOSPC, f"{len(data)} bytes exceed the tier's capacity {self.policy.capacity}")
         final = self.path(key)
         final.parent.mkdir(parents=True, exist_ok=True)  # the root too, if it was deleted under us
+        # Room is made before the file is written, so the folder never holds more than its capacity, not even
+        # while a write lands (a capacity sized to a partition would otherwise fill it).
+        with self.lock:
+            evicted = self.policy.admit(key, len(data))
+        self._evict(evicted)
         tmp = final.parent / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
         try:
             with open(tmp, "wb") as f:
@@ -206,11 +211,9 @@ class DiskTier(BlobTier):
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
+            self._remove(key)  # what it replaced too: a key names its content, so it is a miss, not a loss
             raise
         _fsync_dir(final.parent)
-        with self.lock:
-            evicted = self.policy.admit(key, len(data))
-        self._evict(evicted)
 
     def _remove(self, key: str) -> bool:
         with self.lock:

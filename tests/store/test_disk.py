@@ -49,6 +49,39 @@ def test_an_entry_larger_than_the_capacity_goes_at_the_next_write(tmp_path, make
     assert list(tier.keys()) == [small.key]
 
 
+def _folder_bytes(root: Path) -> int:
+    return sum(path.stat().st_size for path in root.rglob("*") if path.is_file())
+
+
+def test_the_folder_never_holds_more_than_its_capacity_not_even_while_a_write_lands(
+        tmp_path, make_entry, monkeypatch):
+    entries = [make_entry() for _ in range(4)]
+    size = DiskTier(tmp_path / "sizing").path(fill(tmp_path / "sizing", entries[:1])[0]).stat().st_size
+    tier = DiskTier(tmp_path / "kv", capacity=int(2.5 * size))
+    landing: list[int] = []  # the folder's bytes as each new file is about to take its entry's name
+    replace = os.replace
+    monkeypatch.setattr(disk.os, "replace", lambda src, dst: (landing.append(_folder_bytes(tier.root)),
+                                                               replace(src, dst)))
+    assert all(tier.put(entry) for entry in entries)
+    assert len(landing) == 4 and max(landing) <= tier.policy.capacity
+    assert sorted(tier.keys()) == sorted(e.key for e in entries[2:])
+
+
+def test_a_failed_write_is_a_miss_that_holds_no_room(tmp_path, make_entry, monkeypatch):
+    entry = make_entry()
+    tier = DiskTier(tmp_path, capacity=10 << 20)
+
+    def full(fd: int) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(disk.os, "fsync", full)
+    assert not tier.put(entry)
+    assert tier.stats()["bytes_used"] == 0 and tier.get(entry.key) is None
+    assert not list(tier.root.rglob(f"{TMP_PREFIX}*"))
+    monkeypatch.undo()
+    assert tier.put(entry) and tier.get(entry.key) is not None
+
+
 def test_a_store_that_cannot_remove_its_stale_temp_files_still_opens(tmp_path, make_entry, monkeypatch, caplog):
     keys = fill(tmp_path, [make_entry()])
     stale = Path(DiskTier(tmp_path).path(keys[0])).parent / f"{TMP_PREFIX}dead-writer"
