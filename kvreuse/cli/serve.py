@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import logging
 
 from kvreuse.server.config import ServerConfig, load_config
@@ -79,6 +80,11 @@ def cmd_serve(args: argparse.Namespace) -> int:
                               prefix_block_size=config.prefix_block_size,
                               batch_restore=config.batch_restore, placement=placement)
     service = EngineService(engine, config)
+    # What the start made (modules, the model, its tokenizer: 400 thousand objects) lives as long as the process.
+    # Frozen, the collector's full passes no longer walk it: 0.2 s each, a pause of every stream, and one more
+    # when the process ends.
+    gc.collect()
+    gc.freeze()
     server_config = uvicorn.Config(create_app(service), host=config.host, port=config.port,
                                    log_level=config.log_level, timeout_graceful_shutdown=config.shutdown_timeout)
     with contextlib.suppress(KeyboardInterrupt):  # uvicorn raises the SIGINT it stopped on again, once stopped

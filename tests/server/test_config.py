@@ -3,6 +3,7 @@ itself, started as a user would."""
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -148,8 +149,9 @@ def test_kvreuse_serve_refuses_bad_settings_before_loading_anything(capsys):
     assert "method: unknown method 'bogus'" in capsys.readouterr().err
 
 
-def test_serve_loads_the_engine_with_the_config_s_model_settings(monkeypatch):
-    """What `kvreuse serve` hands the engine it loads (the server itself is not started)."""
+def _serve_without_a_server(monkeypatch, argv: list[str], on_run=lambda: None) -> tuple[dict, list]:
+    """Run `kvreuse serve argv` with the engine's load, the service and the HTTP server replaced: what the load
+    was handed, and the uvicorn configs the server was made with (`on_run` called where it would serve)."""
     import uvicorn
 
     from kvreuse.engine import reuse
@@ -171,12 +173,30 @@ def test_serve_loads_the_engine_with_the_config_s_model_settings(monkeypatch):
             served.append(config)
 
         def run(self) -> None:
-            pass
+            on_run()
 
     monkeypatch.setattr(app, "GracefulServer", NoServer)
-    args = build_parser().parse_args(["serve", "some/model", "--dtype", "float32", "--decode-weights", "int8",
-                                      "--prefix-block-size", "64", "--shutdown-timeout", "3"])
-    assert args.func(args) == 0
+    args = build_parser().parse_args(["serve", *argv])
+    try:
+        assert args.func(args) == 0
+    finally:
+        gc.unfreeze()  # what serve froze goes back to the collector: this process goes on with other tests
+    return loaded, served
+
+
+def test_serve_loads_the_engine_with_the_config_s_model_settings(monkeypatch):
+    """What `kvreuse serve` hands the engine it loads (the server itself is not started)."""
+    loaded, served = _serve_without_a_server(monkeypatch, ["some/model", "--dtype", "float32", "--decode-weights",
+                                                           "int8", "--prefix-block-size", "64", "--shutdown-timeout",
+                                                           "3"])
     assert served[0].timeout_graceful_shutdown == 3
     assert loaded["args"] == ("some/model", "memory:4GB", "float32", "int8")
     assert loaded["kwargs"]["prefix_block_size"] == 64
+
+
+def test_serve_freezes_what_its_start_made_before_it_serves(monkeypatch):
+    """The start's objects (the model, its tokenizer, the modules) out of the collector's full passes."""
+    assert gc.get_freeze_count() == 0
+    frozen_when_serving = []
+    _serve_without_a_server(monkeypatch, ["some/model"], lambda: frozen_when_serving.append(gc.get_freeze_count()))
+    assert frozen_when_serving[0] > 10_000 and gc.get_freeze_count() == 0
