@@ -6,8 +6,10 @@ import argparse
 import contextlib
 import gc
 import logging
+from typing import TYPE_CHECKING
 
-from kvreuse.server.config import ServerConfig, load_config
+if TYPE_CHECKING:
+    from kvreuse.server.config import ServerConfig
 
 # flag -> (type, help); every default is None so that unset flags leave the YAML file and environment in force
 FLAGS = {
@@ -59,6 +61,8 @@ def add_arguments(serve: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
+    from kvreuse.server.config import load_config  # imports torch: not for `kvreuse serve --help`
+
     flags = {name: getattr(args, name) for name in
              ["model", "served_model_name", "allowed_origins", *(f[2:].replace("-", "_") for f in FLAGS)]}
     return load_config(flags, args.config)

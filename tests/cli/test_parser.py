@@ -27,6 +27,12 @@ def test_help_and_a_mistyped_command_import_no_command(argv, exit_code, shown):
     assert run.stdout.splitlines()[-1] == f"exit {exit_code} []" and shown in run.stdout + run.stderr
 
 
+def test_serve_s_help_imports_neither_torch_nor_transformers():
+    run = subprocess.run([sys.executable, "-c", SCRIPT, "serve", "--help"], capture_output=True, text=True,
+                         timeout=60)
+    assert run.stdout.splitlines()[-1] == "exit 0 ['kvreuse.cli.serve']" and "--max-concurrency" in run.stdout
+
+
 def test_the_command_given_gets_its_arguments(capsys):
     from kvreuse.cli import main
 
