@@ -45,7 +45,7 @@ class Restoration:
     prior: Rates = Rates()  # what earlier restorations from its tier achieved
     pointers: TwoPointer = field(init=False)
     log: UnitLog = field(default_factory=UnitLog)
-    admitted: float = field(default_factory=time.perf_counter)
+    admitted: float = field(default_factory=time.perf_counter)  # when its admission began
     restored: float = 0.0  # when its prefix was all in place
     busy: bool = False  # in a compute step (its spans are computed in order)
     prefix_only: bool = False  # resolves to a PrefixRestoration once its prefix is in place: no remainder
@@ -180,6 +180,7 @@ class BatchRestorer:
 
     def _admit(self, restorer: PrefixRestorer, token_ids: Sequence[int] | torch.Tensor, strategy: str,
                cache_capacity: int | None, max_tokens: int | None = None) -> Future:
+        admitted = time.perf_counter()  # as PrefixRestorer.restore's clock: the look-up and set-up count
         if strategy == "load" or strategy == "compute":
             raise ValueError("the batch scheduler runs two-pointer strategies: cake, layerwise or auto")
         ids = as_ids(token_ids, restorer.model.device)
@@ -190,7 +191,7 @@ class BatchRestorer:
         job = restorer.new_job(ids, blocks, cache_capacity)
         axis = STRATEGIES[strategy][0](job)
         request = Restoration(job, axis, strategy, Future(), restorer.compute_run, key_weight(restorer.model),
-                              restorer.prior_rates(axis, job), prefix_only=max_tokens is not None)
+                              restorer.prior_rates(axis, job), prefix_only=max_tokens is not None, admitted=admitted)
         with self._cond:
             if self._closed:
                 raise RuntimeError("the batch restorer is closed")

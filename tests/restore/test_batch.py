@@ -4,6 +4,8 @@ the request with the most restoration work left."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -53,6 +55,26 @@ def test_a_batch_of_mixed_requests_restores_exactly(make_tiny, compute_workers, 
     for prompt, result in zip(prompts, results):
         assert_full_prefill(model, prompt, result)
     assert [r.stats["prefix_tokens"] for r in results] == [56, 16, 24, 0, 47]
+
+
+def test_a_request_s_times_count_its_look_up_as_a_lone_restoration_s_do(tiny_model, monkeypatch):
+    """Its clock starts where PrefixRestorer.restore's starts, before the stored blocks are looked up."""
+    restorer = PrefixRestorer(tiny_model, open_store("memory:64MB"), KeySpace("tiny", "tok"), block_size=8)
+    prompt = ids_of(40, 0)
+    restorer.store_prefix(prompt[:32])
+    look_up = restorer.blocks_to_restore
+
+    def slow_look_up(*args, **kwargs):
+        time.sleep(0.2)
+        return look_up(*args, **kwargs)
+
+    monkeypatch.setattr(restorer, "blocks_to_restore", slow_look_up)
+    batch = BatchRestorer(restorer, 1, "auto")
+    try:
+        result = batch.submit(prompt, "cake").result(timeout=60)
+    finally:
+        batch.close()
+    assert result.stats["total_seconds"] >= 0.2 and result.stats["restore_seconds"] >= 0.2
 
 
 def test_every_family_restores_a_mixed_batch_with_lost_blocks_exactly(tiny_model):
