@@ -102,7 +102,7 @@ def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple
                           f"{statistics.median(prediction_errors(c)):.0%}",
                           f"{statistics.mean(c.kl):.3f}", f"{statistics.mean(c.recompute_share):.3f}",
                           str(c.peak_layers_held))
-    Console(width=180).print(table)
+    Console(width=220).print(table)  # an emulated tier's name (its device model) takes 20 more
     print("limit = max(read time of the bytes the method loads, full's TTFT x rows computed per layer / prompt rows);"
           " 'stored layers held' is the executor's measured peak of stored layers alive at once; prediction error:"
           " median over examples of |predicted - measured| / measured (kvreuse profile costs gives the profile).")
@@ -124,8 +124,9 @@ def print_auto_against_fixed(methods: list[str], tiers: list[str], cells: dict[t
             ttft = {m: statistics.mean(cells[tier, m].ttft) for m in fixed + [auto]}
             best = min(admitted, key=ttft.__getitem__)  # full is always there, and exact
             fastest = min(fixed, key=ttft.__getitem__)
-            print(f"{tier}: {auto} {ttft[auto]:.3f} s = {ttft[auto] / ttft[best]:.2f}x the best fixed method meeting "
-                  f"its floor ({best}, {ttft[best]:.3f} s); fastest fixed: {fastest} {ttft[fastest]:.3f} s")
+            print(f"{report_name(tier)}: {auto} {ttft[auto]:.3f} s = {ttft[auto] / ttft[best]:.2f}x the best fixed "
+                  f"method meeting its floor ({best}, {ttft[best]:.3f} s); fastest fixed: {fastest} "
+                  f"{ttft[fastest]:.3f} s")
 
 
 def prediction_errors(cell: Cell) -> list[float]:

@@ -24,7 +24,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from kvreuse.bench.tiers import report_name, tier_spec
+from kvreuse.bench.tiers import emulated_device, report_name, tier_spec
 from kvreuse.model.loader import load_model
 from kvreuse.model.runtime import LayerwiseModel
 from kvreuse.restore import PrefixRestorer, l_delta
@@ -156,7 +156,8 @@ def _length_row(bench: BenchModel, length: int, tier: str, runs: dict) -> dict:
              ("layerwise", runs[(tier, "layerwise")]))}
     ttft["cacheflow"] = ttft[choice]
     best = [min(a, b) for a, b in zip(ttft["load"], ttft["compute"])]
-    row = {"tier": tier, "prefix": length, "repeats": len(compute), "ideal": statistics.median(ideals),
+    row = {"tier": tier, "emulated": emulated_device(tier), "prefix": length, "repeats": len(compute),
+           "ideal": statistics.median(ideals),
            **{name: statistics.median(times) for name, times in ttft.items()}, "cacheflow_strategy": choice,
            "cake_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "cake")]),
            "layerwise_tokens_computed": statistics.median(r["tokens_computed"] for r in runs[(tier, "layerwise")])}
@@ -220,8 +221,8 @@ def bench_batch(bench: BenchModel, tier: str, lengths: list[int], repeats: int, 
                       "paired_speedup": {"mean": _paired(means[base], means[name]),
                                          "p90": _paired(p90s[base], p90s[name])}}
                for name, ts in times.items()}
-    return {"tier": tier, "lengths": lengths, "compute_workers": compute_workers, "repeats": repeats,
-            "variants": summary}
+    return {"tier": tier, "emulated": emulated_device(tier), "lengths": lengths, "compute_workers": compute_workers,
+            "repeats": repeats, "variants": summary}
 
 
 def measure_l_delta(bench: BenchModel, tier: str, lengths: list[int], repeats: int, block: int, compute_run: int,

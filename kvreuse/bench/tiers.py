@@ -28,6 +28,9 @@ def check_tiers(text: str, redis: bool = True) -> list[str]:
     tiers = [tier.strip() for tier in text.split(",") if tier.strip()]
     if not tiers:
         raise ValueError(f"no tier named: {expected}")
+    twice = next((tier for i, tier in enumerate(tiers) if tier in tiers[:i]), None)
+    if twice is not None:
+        raise ValueError(f"tier {twice!r} is named twice")
     unknown = [tier for tier in tiers if tier not in names and ":" not in tier]
     if unknown:
         raise ValueError(f"unknown tier {unknown[0]!r}: {expected}")
@@ -44,7 +47,12 @@ def tier_spec(tier: str, scratch: str) -> str:
 
 def report_name(tier: str) -> str:
     """How a report names a tier: emulated devices say so, with their model."""
-    return str(DEVICES[tier]) if tier in DEVICES else tier
+    return emulated_device(tier) or tier
+
+
+def emulated_device(tier: str) -> str | None:
+    """The emulated device a tier name stands for, with its model (what a figures file records), else None."""
+    return str(DEVICES[tier]) if tier in DEVICES else None
 
 
 def open_engines(loaded: LoadedModel, tiers: list[str], stack: contextlib.ExitStack, dtype: str = "float32",

@@ -4,26 +4,29 @@ import json
 
 import pytest
 
+from kvreuse.bench.tiers import report_name
 from kvreuse.cli import main
 
 from ..eval.support import DATASETS
+
+TIERS = ("memory", "disk", "redis", "ssd")  # ssd: an emulated device, named so
 
 
 def test_fusion_bench_reports_every_method_and_tier(tiny_model_dir, capsys, monkeypatch, tmp_path):
     monkeypatch.setenv("KVREUSE_CACHE_DIR", str(tmp_path))  # the machine profile auto measures goes here
     args = ["bench", "fusion", "--dataset", str(DATASETS / "2wikimqa.jsonl"), "--limit", "1", "--repeats", "1",
-            "--methods", "naive,cacheblend:0.15,cachetune:0.15,auto", "--tiers", "memory,disk,redis",
+            "--methods", "naive,cacheblend:0.15,cachetune:0.15,auto", "--tiers", "memory,disk,redis,ssd",
             "--model", str(tiny_model_dir), "--json", str(tmp_path / "fusion.json")]
     assert main(args) == 0
     out = capsys.readouterr().out
-    for tier in ("memory", "disk", "redis"):
+    for tier in TIERS:
         for method in ("full", "naive", "cacheblend:0.15", "cachetune:0.15", "auto"):
             assert any(tier in line and f" {method} " in line for line in out.splitlines()), (tier, method)
         # no fidelity table for a random model: auto may only choose exact plans, as fast as full at best
-        assert f"{tier}: auto " in out and "the best fixed method meeting its floor (full" in out
+        assert f"{report_name(tier)}: auto " in out and "the best fixed method meeting its floor (full" in out
     assert "cost model over every (example, tier, method): median error" in out
     cells = json.loads((tmp_path / "fusion.json").read_text())["cells"]
-    assert sorted(cells) == sorted(f"{t}|{m}" for t in ("memory", "disk", "redis")
+    assert sorted(cells) == sorted(f"{t}|{m}" for t in TIERS
                                    for m in ("full", "naive", "cacheblend:0.15", "cachetune:0.15", "auto"))
     assert all(len(cell["ttft"]) == 1 and cell["ttft"][0] > 0 for cell in cells.values())
 

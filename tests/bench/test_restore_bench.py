@@ -34,10 +34,11 @@ def test_paired_ratio_keeps_what_a_repeat_s_variants_share_out_of_the_ratio():
 def test_bench_restore_runs_end_to_end(tmp_path, capsys):
     """Plumbing: the embedded model cut to one layer, one short prefix on the memory tier, timings unread."""
     out = tmp_path / "restore.json"
-    assert main(["bench", "restore", "--layers", "1", "--tiers", "memory", "--lengths", "64", "--repeats", "1",
+    assert main(["bench", "restore", "--layers", "1", "--tiers", "memory", "ssd", "--lengths", "64", "--repeats", "1",
                  "--block", "32", "--batch-tiers", "none", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
-    assert [(row["tier"], row["prefix"]) for row in rows] == [("memory", 64)]
+    assert [(row["tier"], row["prefix"]) for row in rows] == [("memory", 64), ("ssd", 64)]
+    assert rows[0]["emulated"] is None and rows[1]["emulated"].startswith("ssd (emulated")  # as the table says
     assert "Prefix restoration" in capsys.readouterr().out
 
 

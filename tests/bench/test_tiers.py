@@ -17,6 +17,7 @@ def test_names_and_store_specs_pass():
     (" , ", True, "no tier named"),
     ("memory,disk:/kv:5XB", True, "bad size '5XB'"),  # a store spec's own mistake, before the model loads
     ("throttled:floppy:memory:1GB", False, "DEVICE in"),
+    ("memory,disk,memory", True, "tier 'memory' is named twice"),  # its rows would be printed twice
 ])
 def test_a_misspelt_or_missing_tier_is_named(text, redis, message):
     with pytest.raises(ValueError, match=message):
