@@ -109,7 +109,18 @@ def _print(rows: list[PrefillRow], model_name: str, repeats: int) -> None:
     Console(width=240).print(table)
     print("kvreuse / peer: kvreuse's time over the peer's (below 1.0: kvreuse is faster); transformers computes "
           "the last row's logits only, as kvreuse does")
+    bandwidths = sorted({f"{row.limit.bytes_per_second / 1e9:.1f}" for row in rows}, key=float)
     print("floor = the prefill's FLOPs at the best rate one layer's matmuls reach at that many rows (whole, or in "
           "passes through native's panels) in that dtype on this machine (or its weights read once at "
-          f"{rows[-1].limit.bytes_per_second / 1e9:.1f} GB/s); "
+          f"{' to '.join(dict.fromkeys([bandwidths[0], bandwidths[-1]]))} GB/s, measured for each row); "
           "achieved / limit = floor / time")
+    for line in above_the_floor(rows):
+        print(line)
+
+
+def above_the_floor(rows: list[PrefillRow]) -> list[str]:
+    """A warning for each row an engine ran faster than its floor: the floor's rates were measured apart from the
+    prefills (best of a few products), so a machine busier then than during the prefills lowers them."""
+    return [f"warning: {engine} at {row.tokens} tokens in {row.dtype} took {row.seconds[engine]:.3f} s, under the "
+            f"floor of {row.floor:.3f} s: the machine was busier while its rates were measured; rerun on a quiet "
+            "machine" for row in rows for engine in row.seconds if row.achieved(engine) > 1]

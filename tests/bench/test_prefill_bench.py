@@ -1,9 +1,11 @@
 """`kvreuse bench prefill` plumbing: a tiny random model, two lengths, two dtypes, the vLLM peer skipped. Timings
 are never asserted; that every engine and dtype is measured and every ratio comes from the samples is."""
 
+import dataclasses
+
 import pytest
 
-from kvreuse.bench.prefill import prompt_ids, run
+from kvreuse.bench.prefill import above_the_floor, prompt_ids, run
 from kvreuse.cli import main
 
 
@@ -20,6 +22,13 @@ def test_every_length_and_dtype_runs_kvreuse_and_transformers(rows):
         assert set(row.seconds) == {"kvreuse", "transformers"}  # vLLM skipped: no venv
         assert row.limit.dtype == row.dtype and row.limit.rows == row.tokens
         assert row.achieved("kvreuse") == pytest.approx(row.floor / row.seconds["kvreuse"])
+
+
+def test_a_time_under_its_floor_is_named_not_shown_as_is(rows):
+    """A floor measured while the machine was busy (its rate here made 100x too slow) gives achieved > 1."""
+    slowed = dataclasses.replace(rows[0], floor=100 * max(rows[0].seconds.values()))
+    warnings = above_the_floor([slowed])
+    assert len(warnings) == 2 and all("under the floor" in w and "48 tokens in float32" in w for w in warnings)
 
 
 def test_every_engine_gets_the_same_prompt_per_length():
