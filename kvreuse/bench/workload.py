@@ -6,6 +6,7 @@ or, without one, from seeded synthetic sentences: the product needs no data set 
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from itertools import cycle, islice
@@ -92,5 +93,9 @@ def build_workload(tokenizer, source: TextSource, shape: Shape, index: int, wind
                          f"{overhead}-token template and question")
     # about 4 characters a token; twice that so the cut never runs out of text
     text = source.context(index, min_chars=8 * target)
-    chunks = fixed_chunks(text, per_chunk, tokenizer)[: shape.chunks]
-    return Workload(shape, index, build_request(tokenizer, chunks, question))
+    request = build_request(tokenizer, fixed_chunks(text, per_chunk, tokenizer)[: shape.chunks], question)
+    # The template around chunks can take a token more than around none (the question's separator): cut again.
+    while (excess := len(request) - target) > 0 and per_chunk > 1:
+        per_chunk = max(1, per_chunk - math.ceil(excess / shape.chunks))
+        request = build_request(tokenizer, fixed_chunks(text, per_chunk, tokenizer)[: shape.chunks], question)
+    return Workload(shape, index, request)
