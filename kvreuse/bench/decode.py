@@ -7,6 +7,7 @@ also set against this machine's floor for it (kvreuse.bench.machine): achieved /
 from __future__ import annotations
 
 import contextlib
+import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -80,11 +81,14 @@ def run(model: str | None, batches: list[int], prompt_tokens: int, steps: int, r
 def _kvreuse_step_medians(model: LayerwiseModel, prompts: list[list[int]], steps: int,
                           repeats: int) -> dict[str, float]:
     """The median step of each of kvreuse's ways to decode, taking turns `repeats` times, `steps` steps each, from
-    the same prefilled prompts: a slow spell of the machine then falls on every way alike."""
+    the same prefilled prompts: a slow spell of the machine then falls on every way alike. In another order each
+    turn (a seeded shuffle, as timing.interleaved_samples), so that no way always runs after the same one."""
     prefilled = _prefill(model, prompts, WARM_UP_STEPS + steps + 1)
     engines = [e for e in ENGINES if not e[3] or (model.dtype == torch.float32 and native.available())]
     samples: dict[str, list[float]] = {engine: [] for engine, *_ in engines}
+    shuffle = random.Random(0).shuffle
     for _ in range(repeats):
+        shuffle(engines)
         for engine, pooled, native_kernels, int8 in engines:
             model.decode_in_int8(int8)
             try:
