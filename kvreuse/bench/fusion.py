@@ -20,7 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvreuse.bench.tiers import open_engines, report_name
-from kvreuse.bench.timing import time_request
+from kvreuse.bench.timing import time_request, under_its_limit
 from kvreuse.controller.auto import meets
 from kvreuse.controller.cost import predict
 from kvreuse.controller.fidelity import FidelityTable, expected_fidelity, load_table
@@ -106,6 +106,13 @@ def _print(report: dict, methods: list[str], tiers: list[str], cells: dict[tuple
     print("limit = max(read time of the bytes the method loads, full's TTFT x rows computed per layer / prompt rows);"
           " 'stored layers held' is the executor's measured peak of stored layers alive at once; prediction error:"
           " median over examples of |predicted - measured| / measured (kvreuse profile costs gives the profile).")
+    for tier in tiers:
+        for method in methods:
+            cell = cells[tier, method]
+            if method != "full" and (warning := under_its_limit(f"{method} on {report_name(tier)}",
+                                                                statistics.mean(cell.ttft),
+                                                                statistics.mean(cell.limit))):
+                print(warning)
     errors = [e for c in cells.values() for e in prediction_errors(c)]
     if len(errors) > 1:
         print(f"cost model over every (example, tier, method): median error {statistics.median(errors):.1%}, "

@@ -66,6 +66,15 @@ def interleaved_samples(variants: dict[K, Callable[[], T]], repeats: int) -> dic
     return samples
 
 
+def under_its_limit(what: str, seconds: float, limit: float) -> str | None:
+    """A warning when a method ran faster than its limit: the limit scales full prefill's time, measured apart from
+    the method's runs, so a slow spell then (or a single repeat) lifts it above what the method takes."""
+    if seconds >= limit:
+        return None
+    return (f"warning: {what} took {seconds * 1e3:.1f} ms, under its limit of {limit * 1e3:.1f} ms: full prefill's "
+            "time, which the limit scales, was measured slower than it runs; use more --repeats or a quiet machine")
+
+
 @dataclass
 class RequestTimings:
     """One request's variants timed in turns, keyed by (tier, variant): kvreuse's full prefill once under

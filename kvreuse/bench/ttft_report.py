@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvreuse.bench.tiers import report_name
+from kvreuse.bench.timing import under_its_limit
 from kvreuse.bench.ttft import NO_TIER, Cell
 from kvreuse.bench.workload import Shape
 from kvreuse.eval.report import machine
@@ -123,6 +124,11 @@ def print_report(raw: dict, rows: list[dict]) -> None:
     console.print("=" * 80)
     for line in FOOTNOTES:
         print(line)
+    for row in rows:
+        if row["limit_ms"] is not None and row["variant"] != "full" and (warning := under_its_limit(
+                f"{row['variant']} on {row['tier']} at {row['tokens']} tokens", row["mean_ttft_ms"] / 1e3,
+                row["limit_ms"] / 1e3)):
+            print(warning)
 
 
 FOOTNOTES = (

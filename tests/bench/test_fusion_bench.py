@@ -53,3 +53,19 @@ def test_a_figures_file_that_cannot_be_written_is_refused_before_the_run(command
         with pytest.raises(SystemExit) as exit_info:
             main([*command, "--json", str(path)])
         assert exit_info.value.code == 2 and error in capsys.readouterr().err
+
+
+def test_a_method_under_its_limit_is_named(capsys):
+    from kvreuse.bench.fusion import Cell, _print
+
+    def cell(ttft: float, limit: float, method: str) -> Cell:
+        return Cell(ttft=[ttft], kl=[0.0], limit=[limit], recompute_share=[0.1], predicted=[ttft], chosen=[method])
+
+    cells = {("ssd", "full"): cell(1.0, 1.0, "full"), ("ssd", "naive"): cell(0.05, 0.2, "naive"),
+             ("ssd", "cacheblend:0.15"): cell(0.3, 0.2, "cacheblend:0.15")}
+    report = {"dataset": "d", "examples": 1, "prompt_tokens_mean": 900.0, "repeats": 1}
+    _print(report, ["full", "naive", "cacheblend:0.15"], ["ssd"], cells)
+    warnings = [line for line in capsys.readouterr().out.splitlines() if line.startswith("warning:")]
+    assert warnings == [f"warning: naive on {report_name('ssd')} took 50.0 ms, under its limit of 200.0 ms: full "
+                        "prefill's time, which the limit scales, was measured slower than it runs; use more "
+                        "--repeats or a quiet machine"]

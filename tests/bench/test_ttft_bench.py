@@ -102,3 +102,21 @@ def test_the_header_says_when_vllm_was_not_asked_for():
     raw = {"model": "m", "source": "s", "duration_seconds": 1.0, "prompt_tokens": {}, "peers": {},
            "settings": {"prompts": 1, "repeats": 1}}
     assert ("vLLM:", "not asked for (--peers)") in _header_lines(raw, [])
+
+
+@pytest.mark.parametrize("naive_limit, warned", [(0.25, False), (1.0, True)])
+def test_a_method_under_its_limit_is_named(capsys, naive_limit, warned):
+    """A limit above the method's time (full prefill's time, which it scales, measured slow) is warned of."""
+    from kvreuse.bench.ttft_report import print_report
+
+    shape = Shape(1024, 4)
+    cells = {
+        (shape, NO_TIER, "full"): Cell("kvreuse", seconds=[1.0, 2.0, 3.0], limits=[2.0], recompute_shares=[0.0]),
+        (shape, "memory", "naive"): Cell("kvreuse", seconds=[0.5] * 3, limits=[naive_limit], recompute_shares=[0.0]),
+    }
+    raw = {"cells": cells, "prompt_tokens": {shape: [1020]}, "model": "m", "source": "s", "duration_seconds": 1.0,
+           "peers": {}, "settings": {"prompts": 1, "repeats": 3}}
+    print_report(raw, summarize(raw))
+    out = capsys.readouterr().out
+    assert ("warning: naive on memory at 1024 tokens took 500.0 ms, under its limit of 1000.0 ms" in out) == warned
+    assert "warning: full" not in out
