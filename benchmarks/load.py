@@ -1,7 +1,8 @@
 """Soak and load benchmark of `kvreuse serve`: concurrent clients send a realistic, hostile mix for a fixed time.
 
 The mix (shares set by --mix): RAG chats whose documents are HotpotQA passages from a small pool (documents
-repeat, so their stored chunks are reused); bursts of identical requests sent at the same moment; streams the
+repeat, so their stored chunks are reused); on request (`long_rag`), RAG chats over the passages of several rows,
+prompts of lengths that vary (2-7K tokens); bursts of identical requests sent at the same moment; streams the
 client drops after the first token; non-streaming requests the client abandons; malformed requests of several
 kinds; completions. It reports requests and errors by kind (any 5xx or transport error is the server's fault),
 client-side TTFT percentiles of the streamed chats, the server's RSS over time (flat after warm-up or not),
@@ -27,7 +28,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import httpx
@@ -38,7 +39,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvreuse.eval.datasets import load_dataset
 
 DEFAULT_MIX = "rag=0.5,identical=0.15,cancel_stream=0.1,abandon=0.05,malformed=0.15,completion=0.05"
+KINDS = ("rag", "long_rag", "identical", "cancel_stream", "abandon", "malformed", "completion")
 IDENTICAL_BURST = 3  # clients sending the very same request at once
+# long_rag: the passages of this many rows of the pool, some of each left out, so that prompt lengths vary past the
+# 2048 rows where fp32 products leave the native panels for oneDNN (which kept a primitive per length, session 39)
+LONG_RAG_ROWS = (2, 4)
 CANCELLED = 499  # what the server counts for a client that went away
 # each sent raw, as a broken or hostile client would
 MALFORMED = ["invalid_json", "wrong_type", "unknown_model", "bad_api_key", "too_long", "lone_surrogate"]
@@ -98,7 +103,7 @@ def parse_mix(spec: str) -> dict[str, float]:
     mix = {}
     for part in spec.split(","):
         name, _, share = part.partition("=")
-        if name not in {"rag", "identical", "cancel_stream", "abandon", "malformed", "completion"}:
+        if name not in KINDS:
             raise SystemExit(f"--mix: unknown kind {name!r}")
         mix[name] = float(share)
     if not sum(mix.values()) > 0:
@@ -242,6 +247,15 @@ def agreement(sent: list[Sent], counted: Counter) -> tuple[list[dict], bool]:
 # ---- the requests -------------------------------------------------------------------------------------------
 
 
+def long_rag_prompt(prompts: list, rng: random.Random):
+    """A prompt over the passages of several rows of the pool, each row's passages cut at a random count: the
+    question of the first."""
+    rows = rng.sample(prompts, min(len(prompts), rng.randint(*LONG_RAG_ROWS)))
+    chunks = [chunk for row in rows for chunk in row.chunks[: rng.randint(max(1, len(row.chunks) // 2),
+                                                                         len(row.chunks))]]
+    return replace(rows[0], chunks=chunks)
+
+
 def chat_body(model: str, prompt, args: argparse.Namespace, **extra) -> dict:
     return {"model": model, "messages": [{"role": "user", "content": prompt.question}], "documents": prompt.chunks,
             "max_tokens": args.max_tokens, "temperature": 0, "kvreuse": {"method": args.method}, **extra}
@@ -301,6 +315,9 @@ async def send(kind: str, client: httpx.AsyncClient, model: str, prompts: list, 
         try:
             if kind == "rag":
                 await streamed(client, s, chat, chat_body(model, prompt, args), stop_after_first=False)
+            elif kind == "long_rag":
+                await streamed(client, s, chat, chat_body(model, long_rag_prompt(prompts, rng), args),
+                               stop_after_first=False)
             elif kind == "cancel_stream":
                 await streamed(client, s, chat, chat_body(model, prompt, args, max_tokens=256, ignore_eos=True),
                                stop_after_first=True)

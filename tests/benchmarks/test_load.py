@@ -4,12 +4,14 @@ the tiny test server that must account for every request and see no server error
 from __future__ import annotations
 
 import os
+import random
 from collections import Counter
 
 import pytest
 
-from benchmarks.load import (Report, Sent, agreement, mean_waits, parse_args, parse_mix, percentile, print_report,
-                             rss_summary, run)
+from benchmarks.load import (Report, Sent, agreement, long_rag_prompt, mean_waits, parse_args, parse_mix, percentile,
+                             print_report, rss_summary, run)
+from kvreuse.eval.datasets import ChunkedPrompt
 
 
 def test_sent_and_counted_agree_row_by_row_and_a_miscount_is_reported():
@@ -68,6 +70,17 @@ def test_a_mix_naming_an_unknown_kind_is_refused():
     assert parse_mix("rag=1,identical=0.5") == {"rag": 1.0, "identical": 0.5}
     with pytest.raises(SystemExit, match="unknown kind 'flood'"):
         parse_mix("rag=1,flood=2")
+
+
+def test_long_rag_prompts_join_several_rows_passages_in_lengths_that_vary():
+    rows = [ChunkedPrompt(f"r{i}", [f"r{i}p{j}" for j in range(10)], f"q{i}", [], "qa") for i in range(8)]
+    rng = random.Random(0)
+    prompts = [long_rag_prompt(rows, rng) for _ in range(20)]
+    assert parse_mix("rag=1,long_rag=0.2") == {"rag": 1.0, "long_rag": 0.2}
+    for prompt in prompts:
+        sources = list(dict.fromkeys(chunk.split("p")[0] for chunk in prompt.chunks))
+        assert 2 <= len(sources) <= 4 and prompt.question == f"q{sources[0][1:]}"
+    assert len({len(p.chunks) for p in prompts}) > 5
 
 
 def test_a_short_soak_accounts_for_every_request(make_server):
