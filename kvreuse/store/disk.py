@@ -117,6 +117,7 @@ class DiskTier(BlobTier):
         self.root.mkdir(parents=True, exist_ok=True)
         self.policy = SegmentedLRU(capacity, protected_share)
         self.lock = threading.Lock()
+        self._landing: set[str] = set()  # keys whose room is taken while their files are written
         self.mappings = FileMappings()
         self._scan()
 
@@ -190,7 +191,8 @@ class DiskTier(BlobTier):
         """An entry file removed by someone else (`kvreuse cache rm` or `clear` beside a server, the folder
         deleted) stops counting in the tier's usage and budget once it is found missing."""
         with self.lock:
-            self.policy.remove(key)
+            if key not in self._landing:  # its file is on its way: its room stays taken
+                self.policy.remove(key)
 
     def _write(self, key: str, data: bytes) -> None:
         if not self.policy.fits(len(data)):
@@ -201,6 +203,7 @@ class DiskTier(BlobTier):
         # while a write lands (a capacity sized to a partition would otherwise fill it).
         with self.lock:
             evicted = self.policy.admit(key, len(data))
+            self._landing.add(key)
         self._evict(evicted)
         tmp = final.parent / f"{TMP_PREFIX}{key}-{uuid.uuid4().hex}"
         try:
@@ -211,8 +214,12 @@ class DiskTier(BlobTier):
             os.replace(tmp, final)
         except BaseException:
             tmp.unlink(missing_ok=True)
+            with self.lock:
+                self._landing.discard(key)
             self._remove(key)  # what it replaced too: a key names its content, so it is a miss, not a loss
             raise
+        with self.lock:
+            self._landing.discard(key)
         _fsync_dir(final.parent)
 
     def _remove(self, key: str) -> bool:

@@ -67,6 +67,19 @@ def test_the_folder_never_holds_more_than_its_capacity_not_even_while_a_write_la
     assert sorted(tier.keys()) == sorted(e.key for e in entries[2:])
 
 
+def test_a_read_while_its_entry_lands_leaves_the_entry_counted(tmp_path, make_entry, monkeypatch):
+    """A reader finds no file yet (a miss) while the room for it is already taken: the entry still counts once it
+    lands, so the folder's budget holds it."""
+    entry = make_entry()
+    tier = DiskTier(tmp_path, capacity=10 << 20)
+    replace = os.replace
+    misses = []
+    monkeypatch.setattr(disk.os, "replace", lambda src, dst: (misses.append(tier.get(entry.key)), replace(src, dst)))
+    assert tier.put(entry) and misses == [None]
+    assert tier.stats()["bytes_used"] == tier.path(entry.key).stat().st_size
+    assert tier.get(entry.key) is not None
+
+
 def test_a_failed_write_is_a_miss_that_holds_no_room(tmp_path, make_entry, monkeypatch):
     entry = make_entry()
     tier = DiskTier(tmp_path, capacity=10 << 20)
