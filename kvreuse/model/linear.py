@@ -50,8 +50,10 @@ from kvreuse.model import native
 # made: set here, before any product runs (a setting of the user's stands). Making a primitive again costs little
 # beside its product: about 10 ms against 50 for 3K rows of gate/up.
 ONEDNN_CACHED_PRIMITIVES = 16
-for _capacity in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY"):
-    os.environ.setdefault(_capacity, str(ONEDNN_CACHED_PRIMITIVES))
+# Those set here, not by the user: a peer engine the benches start (vLLM) is run without them, in its own settings.
+ONEDNN_CAPACITIES_SET = tuple(name for name in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+                              if name not in os.environ)
+os.environ.update(dict.fromkeys(ONEDNN_CAPACITIES_SET, str(ONEDNN_CACHED_PRIMITIVES)))
 
 PACKED_DTYPES = (torch.float32, torch.bfloat16)
 # The row count oneDNN lays a packed weight out for; the layout serves any row count (checked at 1-2048 rows:

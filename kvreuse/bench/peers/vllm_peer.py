@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Callable, Iterator, Mapping, Protocol, TypeVar
 
 from kvreuse.model.identity import cache_root
+from kvreuse.model.linear import ONEDNN_CAPACITIES_SET
 
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 IMPORT_ROOT = Path(__file__).parents[3]  # the directory holding the kvreuse package
@@ -186,10 +187,16 @@ def run_vllm_rounds(settings: VllmSettings, rounds: list[Round], connector: dict
                          for outputs in result["results"]], result["startup_seconds"], result["log"])
 
 
+def peer_environment() -> dict[str, str]:
+    """This process's environment as the user set it: without the oneDNN capacities kvreuse set for itself."""
+    return {name: value for name, value in os.environ.items() if name not in ONEDNN_CAPACITIES_SET}
+
+
 def _run_job(settings: VllmSettings, mode: str, work: dict, repeats: int) -> dict:
     job = {"model": str(settings.model_dir), "mode": mode, "repeats": repeats, "dtype": settings.dtype,
            "max_model_len": settings.max_model_len, "kv_cache_bytes": settings.kv_cache_bytes, **work}
-    env = dict(os.environ, VLLM_CPU_OMP_THREADS_BIND=f"0-{settings.threads - 1}", OMP_NUM_THREADS=str(settings.threads),
+    env = dict(peer_environment(), VLLM_CPU_OMP_THREADS_BIND=f"0-{settings.threads - 1}",
+               OMP_NUM_THREADS=str(settings.threads),
                PYTHONUNBUFFERED="1",  # vLLM kills its engine process at shutdown: its log lines must be out by then
                # kvreuse's connector is imported inside vLLM's processes, from this checkout
                PYTHONPATH=os.pathsep.join(filter(None, [str(IMPORT_ROOT), os.environ.get("PYTHONPATH")])))
