@@ -94,6 +94,7 @@ class Report:
     machine_load_1min: float
     settings: dict = field(default_factory=dict)
     failure_samples: list[str] = field(default_factory=list)
+    long_rag_ttft_s: dict[str, float] | None = None  # p50, p90, p99 of the long_rag chats, when the mix sends them
     server_waits_s: dict[str, float | None] = field(default_factory=dict)  # mean_waits over the run
     write_back_pending: float | None = None  # store writes waiting at the end
     reused_tokens: tuple[float, float] | None = None  # prompt tokens whose stored KV was reused, of all, over the run
@@ -421,7 +422,8 @@ def run(url: str, server_pid: int | None, args: argparse.Namespace) -> Report:
 def summarise(sent: list[Sent], counted: Counter, has_code: bool, series: list[tuple[float, float]],
               elapsed: float, args: argparse.Namespace) -> Report:
     failures = [s.failure for s in sent if s.failure]
-    ttfts = [s.ttft for s in sent if s.kind == "rag" and s.status == 200 and s.ttft is not None]
+    ttfts, long_ttfts = ([s.ttft for s in sent if s.kind == kind and s.status == 200 and s.ttft is not None]
+                         for kind in ("rag", "long_rag"))
     rows, agree = agreement(sent, counted)
     note = "sent vs counted by /metrics (cancelled requests may have finished first: compared as 200|499)"
     if not has_code:
@@ -436,6 +438,7 @@ def summarise(sent: list[Sent], counted: Counter, has_code: bool, series: list[t
         metrics_note=note, machine_load_1min=os.getloadavg()[0],
         settings={k: v for k, v in vars(args).items() if k not in ("out", "api_key")},
         failure_samples=failures[:10],
+        long_rag_ttft_s={f"p{p}": percentile(long_ttfts, p) for p in (50, 90, 99)} if long_ttfts else None,
     )
 
 
@@ -446,6 +449,8 @@ def print_report(report: Report) -> None:
     print(f"failures: {sum(report.failures_by_kind.values())} {report.failures_by_kind or ''}; "
           f"server errors (5xx): {report.server_errors}")
     print(f"RAG TTFT p50 {report.ttft_p50_s:.2f} s, p90 {report.ttft_p90_s:.2f} s, p99 {report.ttft_p99_s:.2f} s")
+    if report.long_rag_ttft_s:
+        print("long RAG TTFT " + ", ".join(f"{p} {s:.2f} s" for p, s in report.long_rag_ttft_s.items()))
     rss = report.rss_mb
     if rss.get("end_mb") is not None:
         slope = rss["slope_mb_per_min"]

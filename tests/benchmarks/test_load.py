@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 
 from benchmarks.load import (Report, Sent, agreement, long_rag_prompt, mean_waits, parse_args, parse_mix, percentile,
-                             print_report, rss_summary, run)
+                             print_report, rss_summary, run, summarise)
 from kvreuse.eval.datasets import ChunkedPrompt
 
 
@@ -81,6 +81,17 @@ def test_long_rag_prompts_join_several_rows_passages_in_lengths_that_vary():
         sources = list(dict.fromkeys(chunk.split("p")[0] for chunk in prompt.chunks))
         assert 2 <= len(sources) <= 4 and prompt.question == f"q{sources[0][1:]}"
     assert len({len(p.chunks) for p in prompts}) > 5
+
+
+def test_long_rag_chats_have_their_own_ttft_line(capsys):
+    sent = [Sent("rag", "chat", 200, ttft=1.0), Sent("long_rag", "chat", 200, ttft=3.0),
+            Sent("long_rag", "chat", 200, ttft=5.0), Sent("long_rag", "chat", 503, ttft=9.0)]
+    args = parse_args(["--url", "http://127.0.0.1:1", "--duration", "1"])
+    report = summarise(sent, Counter(), True, [], 1.0, args)
+    assert report.ttft_p50_s == 1.0 and report.long_rag_ttft_s == {"p50": 4.0, "p90": 4.8, "p99": 4.98}
+    print_report(report)
+    assert "long RAG TTFT p50 4.00 s, p90 4.80 s, p99 4.98 s" in capsys.readouterr().out
+    assert summarise(sent[:1], Counter(), True, [], 1.0, args).long_rag_ttft_s is None
 
 
 def test_a_short_soak_accounts_for_every_request(make_server):
