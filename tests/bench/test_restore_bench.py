@@ -32,13 +32,18 @@ def test_paired_ratio_keeps_what_a_repeat_s_variants_share_out_of_the_ratio():
 
 
 def test_bench_restore_runs_end_to_end(tmp_path, capsys):
-    """Plumbing: the embedded model cut to one layer, one short prefix on the memory tier, timings unread."""
+    """Plumbing: the embedded model cut to one layer, a short prefix on memory and an emulated ssd, a batch of two
+    on the ssd, timings unread."""
     out = tmp_path / "restore.json"
     assert main(["bench", "restore", "--layers", "1", "--tiers", "memory", "ssd", "--lengths", "64", "--repeats", "1",
-                 "--block", "32", "--batch-tiers", "none", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
+                 "--block", "32", "--batch-tiers", "ssd", "--batch-lengths", "64", "128", "--batch-repeats", "1",
+                 "--batch-compute-workers", "1", "--json", str(out)]) == 0
+    figures = json.loads(out.read_text())
+    rows, batches = figures["rows"], figures["batches"]
     assert [(row["tier"], row["prefix"]) for row in rows] == [("memory", 64), ("ssd", 64)]
     assert rows[0]["emulated"] is None and rows[1]["emulated"].startswith("ssd (emulated")  # as the table says
+    assert [(batch["tier"], batch["lengths"]) for batch in batches] == [("ssd", [64, 128])]
+    assert batches[0]["emulated"] == rows[1]["emulated"]
     assert "Prefix restoration" in capsys.readouterr().out
 
 

@@ -264,3 +264,14 @@ def test_onednn_keeps_a_bounded_number_of_primitives_however_many_row_counts_it_
     # A capacity the user set stands (which also shows the measurement sees primitives kept).
     users = {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": "1024", "LRU_CACHE_CAPACITY": "1024"}
     assert _growth_over_many_row_counts(users) > 300e6
+
+
+def test_only_the_capacities_the_user_left_unset_are_set_and_named_so():
+    """The names kvreuse set are what a peer engine's process is started without (bench.peers.vllm_peer)."""
+    script = ("import os, kvreuse.model.linear as linear; print(linear.ONEDNN_CAPACITIES_SET, "
+              "os.environ['ONEDNN_PRIMITIVE_CACHE_CAPACITY'], os.environ['LRU_CACHE_CAPACITY'])")
+    env = {name: value for name, value in os.environ.items()
+           if name not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    done = subprocess.run([sys.executable, "-c", script], env={**env, "LRU_CACHE_CAPACITY": "5"},
+                          capture_output=True, text=True, timeout=120, check=True)
+    assert done.stdout.split() == ["('ONEDNN_PRIMITIVE_CACHE_CAPACITY',)", "16", "5"]
