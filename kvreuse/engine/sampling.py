@@ -1,5 +1,6 @@
 """Choosing the next token: greedy, or by temperature with top-k, nucleus (top-p) and min-p filtering, reproducible by
-seed; penalties for what the prompt and output hold; the log-probabilities of each choice and its alternatives."""
+seed; biases a request sets on tokens, penalties for what the prompt and output hold; the log-probabilities of each
+choice and its alternatives."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import torch
 
 
 MAX_LOGPROBS = 20  # alternatives a token can report (OpenAI's top_logprobs bound, vLLM's default max_logprobs)
+MAX_LOGIT_BIAS = 100.0  # |bias| a token can take (OpenAI's range: -100 bans a token, 100 all but forces it)
 LOWEST_LOGPROB = -9999.0  # what a token of probability 0 reports (-inf has no JSON form; vLLM's value)
 
 
@@ -41,6 +43,7 @@ class SamplingParams:
     min_tokens: int = 0  # no EOS, stop token or stop string ends the sequence before this many tokens
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # report each token's log-probability and this many most likely alternatives
+    logit_bias: dict[int, float] = field(default_factory=dict)  # added to these tokens' logits before anything else
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):  # as OpenAI's API takes it: one stop string, not one per character
@@ -49,6 +52,10 @@ class SamplingParams:
             raise TypeError(f"stop: expected a text or a list of texts, got {self.stop!r}")
         if not isinstance(self.stop_token_ids, (list, tuple)) or not all(map(_whole, self.stop_token_ids)):
             raise TypeError(f"stop_token_ids: expected a list of token ids, got {self.stop_token_ids!r}")
+        if not isinstance(self.logit_bias, dict) or not all(
+                _whole(token) and isinstance(bias, (int, float)) and not isinstance(bias, bool)
+                for token, bias in self.logit_bias.items()):
+            raise TypeError(f"logit_bias: expected token ids mapped to numbers, got {self.logit_bias!r}")
         for name in ("max_tokens", "seed", "top_k", "min_tokens", "logprobs"):
             value = getattr(self, name)
             if not _whole(value) and not (name in ("seed", "logprobs") and value is None):
@@ -72,6 +79,9 @@ class SamplingParams:
             "stop_token_ids": (all(t >= 0 for t in self.stop_token_ids), "must be token ids >= 0"),
             "logprobs": (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
                          f"must be in [0, {MAX_LOGPROBS}]"),
+            "logit_bias": (all(token >= 0 and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS
+                               for token, bias in self.logit_bias.items()),
+                           f"must map token ids >= 0 to biases in [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]"),
         }
         for name, (ok, rule) in checks.items():
             if not ok:
@@ -99,8 +109,8 @@ class Sampler:
     """One sequence's choice of each next token. It keeps the tokens it chose, which the penalties and min_tokens
     read; `prompt` (token ids) is what repetition_penalty counts beside them, `eos_ids` what min_tokens holds back
     with the stop tokens. With `params.logprobs` set, `last_logprob` is the last choice's: from the model's own
-    distribution, before penalties, temperature and filtering (vLLM's default, raw_logprobs), so that they say what
-    the model predicted whatever the sampling settings."""
+    distribution, before biases, penalties, temperature and filtering (vLLM's default, raw_logprobs), so that they
+    say what the model predicted whatever the sampling settings."""
 
     def __init__(self, params: SamplingParams, prompt: torch.Tensor | None = None,
                  eos_ids: frozenset[int] | set[int] = frozenset()):
@@ -115,6 +125,7 @@ class Sampler:
         self._prompt = prompt
         self._counts: torch.Tensor | None = None  # how often the output holds each token (penalties only)
         self._in_prompt: torch.Tensor | None = None  # which tokens the prompt holds (repetition_penalty only)
+        self._bias: torch.Tensor | None = None  # logit_bias over the vocabulary, made at the first choice
         self.last_logprob: TokenLogprob | None = None
 
     def __call__(self, logits: torch.Tensor) -> int:
@@ -129,8 +140,10 @@ class Sampler:
         return token
 
     def _adjusted(self, logits: torch.Tensor) -> torch.Tensor:
-        """The logits after the penalties and min_tokens (a copy where either applies)."""
+        """The logits after the biases, the penalties and min_tokens, in vLLM's order (a copy where any applies)."""
         params, vocab = self.params, logits.shape[-1]
+        if params.logit_bias:
+            logits = self._biased(logits.float())
         if params.penalized:
             if self._counts is None:
                 self._counts, self._in_prompt = torch.zeros(vocab), torch.zeros(vocab, dtype=torch.bool)
@@ -141,6 +154,18 @@ class Sampler:
             held_back = torch.tensor([t for t in self._held_back if t < vocab], dtype=torch.long)
             logits = logits.index_fill(-1, held_back, -math.inf)
         return logits
+
+    def _biased(self, logits: torch.Tensor) -> torch.Tensor:
+        if self._bias is None:
+            vocab = logits.shape[-1]
+            outside = [token for token in self.params.logit_bias if token >= vocab]
+            if outside:  # the server checks ids against the vocabulary first; a library caller learns it here
+                raise InvalidSampling("logit_bias", f"logit_bias: token id {outside[0]} is outside the vocabulary "
+                                                    f"[0, {vocab})")
+            self._bias = torch.zeros(vocab)
+            tokens = torch.tensor(list(self.params.logit_bias), dtype=torch.long)
+            self._bias[tokens] = torch.tensor(list(self.params.logit_bias.values()), dtype=torch.float32)
+        return logits + self._bias
 
     def _choose(self, logits: torch.Tensor) -> int:
         params = self.params

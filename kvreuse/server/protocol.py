@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import (AfterValidator, BaseModel, ConfigDict, Field, ValidationInfo, field_validator,
                       model_serializer, model_validator)
 
-from kvreuse.engine.sampling import MAX_LOGPROBS
+from kvreuse.engine.sampling import MAX_LOGIT_BIAS, MAX_LOGPROBS
 
 SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed accepts
 # Every running sequence's text is checked against its stop strings after every token, on the engine thread
@@ -97,7 +97,7 @@ class GenerationParams(PromptParts):
     user: Text | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = Field(None, description="token id (as text) -> bias added to its logit")
     # vLLM's sampling parameters, which clients written for it send
     ignore_eos: bool = False
     top_k: int | None = Field(None, ge=-1, description="the k most likely tokens only; 0 or -1: all (vLLM)")
@@ -124,6 +124,20 @@ class GenerationParams(PromptParts):
                 raise ValueError(f"stop string {i} has {len(text)} characters; at most {MAX_STOP_CHARACTERS}")
         return stop
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids_and_bounded_biases(cls, biases: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (biases or {}).items():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"{key!r} is not a token id (a whole number >= 0, as text)")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails it too
+                raise ValueError(f"token {key}'s bias {bias} is outside [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+        return biases
+
+    @property
+    def token_biases(self) -> dict[int, float]:
+        return {int(key): bias for key, bias in (self.logit_bias or {}).items()}
+
     @model_validator(mode="before")
     @classmethod
     def _null_is_unset(cls, body: Any) -> Any:
@@ -145,7 +159,6 @@ class GenerationParams(PromptParts):
         guided = {name: getattr(self, name) is not None and "guided decoding is not supported" for name in GUIDED}
         unsupported = {
             "n": self.n != 1 and "only n=1 is supported",
-            "logit_bias": bool(self.logit_bias) and "logit_bias is not supported",
             **guided,
             **self._unsupported(),
         }

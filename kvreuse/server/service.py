@@ -300,11 +300,14 @@ class EngineService:
 
     def _sampling(self, body: GenerationParams, max_tokens: int) -> SamplingParams:
         given = {name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None}
+        biases = body.token_biases
+        self._check_token_ids(list(biases), "logit_bias")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if body.temperature is None else body.temperature,  # OpenAI's default, not greedy
             stop=body.stop_strings,
             stop_token_ids=self._check_token_ids(body.stop_token_ids or [], "stop_token_ids"),
+            logit_bias=biases,
             logprobs=body.logprob_alternatives,
             **given,  # the others take SamplingParams' defaults where the body leaves them unset
         )

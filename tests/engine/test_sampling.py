@@ -37,7 +37,8 @@ def test_a_tiny_top_p_keeps_the_top_token(top_p):
                      ("seed", -(2**63) - 1), ("seed", 2**64), ("top_k", -2), ("min_p", 1.5),
                      ("presence_penalty", 2.5), ("frequency_penalty", -3), ("repetition_penalty", 0),
                      ("repetition_penalty", float("inf")), ("min_tokens", -1), ("min_tokens", 200),
-                     ("stop_token_ids", [-1]), ("logprobs", -1), ("logprobs", 21)]
+                     ("stop_token_ids", [-1]), ("logprobs", -1), ("logprobs", 21), ("logit_bias", {-1: 1.0}),
+                     ("logit_bias", {3: 100.5}), ("logit_bias", {3: float("nan")})]
 )
 def test_bad_parameters_name_the_field(field, value):
     with pytest.raises(InvalidSampling, match=field) as raised:
@@ -82,6 +83,23 @@ def test_penalties_follow_vllm():
     assert torch.equal(counted._adjusted(logits), torch.tensor([0.75, -1.0, 0.75, 0.5]))  # two 0s: 2 - 1 - 0.25
 
 
+def test_logit_bias_is_added_to_the_tokens_logits_before_the_penalties():
+    logits = torch.tensor([2.0, -1.0, 1.5, 0.5])
+    assert Sampler(SamplingParams(temperature=0, logit_bias={0: -100}))(logits) == 2  # -100 all but bans a token
+    assert Sampler(SamplingParams(temperature=0, logit_bias={1: 3.5}))(logits) == 1  # -1 + 3.5 passes 2.0
+    forced = Sampler(SamplingParams(temperature=1.0, seed=0, logit_bias={3: 100}))
+    assert {forced(logits) for _ in range(50)} == {3}
+    # vLLM's order: the bias first, then the repetition penalty divides the (now positive) biased logit
+    penalized = Sampler(SamplingParams(logit_bias={1: 4.0}, repetition_penalty=2.0), prompt=torch.tensor([1]))
+    assert torch.equal(penalized._adjusted(logits), torch.tensor([2.0, 1.5, 1.5, 0.5]))  # (-1 + 4) / 2, not -2 + 4
+
+
+def test_logit_bias_outside_the_vocabulary_is_named():
+    with pytest.raises(InvalidSampling, match="logit_bias: token id 4 is outside the vocabulary") as raised:
+        Sampler(SamplingParams(logit_bias={4: 1.0}))(torch.zeros(4))
+    assert raised.value.param == "logit_bias"
+
+
 def test_min_tokens_holds_back_eos_and_stop_tokens_until_then():
     logits = torch.tensor([0.0, 5.0, 4.0, 1.0])  # 1 is EOS, 2 a stop token
     sampler = Sampler(SamplingParams(min_tokens=2, stop_token_ids=[2]), eos_ids={1})
@@ -103,6 +121,7 @@ def test_one_stop_string_is_one_stop_not_one_per_character():
     ({"max_tokens": 16.0}, "max_tokens: expected a whole number"), ({"max_tokens": True}, "max_tokens"),
     ({"seed": "7"}, "seed: expected a whole number"), ({"stop": ["ok", 3]}, "stop: expected a text or a list"),
     ({"temperature": "0.5"}, "temperature: expected a number"), ({"top_p": None}, "top_p: expected a number"),
+    ({"logit_bias": {"3": 1.0}}, "logit_bias: expected token ids"), ({"logit_bias": [3]}, "logit_bias: expected"),
 ])
 def test_parameters_of_the_wrong_type_name_the_field(fields, message):
     with pytest.raises(TypeError, match=message):
@@ -119,12 +138,12 @@ def test_a_masked_token_keeps_temperature_sampling_and_nan_is_an_error():
 
 
 def test_logprobs_are_the_models_own_distribution_whatever_the_sampling():
-    """vLLM's raw_logprobs: before penalties, temperature and filtering, so that a client reads what the model
+    """vLLM's raw_logprobs: before biases, penalties, temperature and filtering, so that a client reads what the model
     predicted; the alternatives most likely first."""
     logits = torch.tensor([2.0, 0.5, 1.0, -1.0, 3.0])
     raw = logits.log_softmax(-1)
-    sampler = Sampler(SamplingParams(temperature=1.7, top_k=2, repetition_penalty=1.5, seed=3, logprobs=3),
-                      prompt=torch.tensor([4]))
+    sampler = Sampler(SamplingParams(temperature=1.7, top_k=2, repetition_penalty=1.5, seed=3, logprobs=3,
+                                     logit_bias={1: 5.0}), prompt=torch.tensor([4]))
     token = sampler(logits)
     chosen = sampler.last_logprob
     assert chosen.token == token and chosen.logprob == pytest.approx(float(raw[token]))

@@ -55,6 +55,20 @@ def test_vllms_sampling_parameters_reach_the_engine(client, server, monkeypatch)
     assert {name: getattr(job.sampling, name) for name in sent} == sent
 
 
+def test_logit_bias_steers_the_answer_as_the_engine_does(client, tiny_chat_engine):
+    request = chat_request(tiny_chat_engine.tokenizer, [], [], QUESTION[0]["content"])
+    greedy = tiny_chat_engine.generate(request, "full", SamplingParams(max_tokens=6, ignore_eos=True))
+    boosted = next(t for t in range(100, 200) if t not in greedy.token_ids)
+    biases = {greedy.token_ids[0]: -100.0, boosted: 6.0}
+    expected = tiny_chat_engine.generate(request, "full", SamplingParams(max_tokens=6, ignore_eos=True,
+                                                                         logit_bias=biases))
+    assert expected.token_ids != greedy.token_ids
+    response = client.chat.completions.create(messages=QUESTION, model=MODEL_NAME, max_tokens=6, temperature=0,
+                                              logit_bias={str(t): b for t, b in biases.items()},
+                                              extra_body={"ignore_eos": True, "kvreuse": {"method": "full"}})
+    assert response.choices[0].message.content == expected.text
+
+
 def test_a_stop_token_ends_a_chat_and_is_its_stop_reason(client, tiny_chat_engine):
     request = chat_request(tiny_chat_engine.tokenizer, [], [], QUESTION[0]["content"])
     greedy = tiny_chat_engine.generate(request, "full", SamplingParams(max_tokens=12, ignore_eos=True))
