@@ -12,7 +12,9 @@ between two layers of a prompt once they have waited that long for a token (a pr
 stops there either way). Each decoding step outside the engine's own steps is followed by store writes, as those
 are, for a share of the time since the last ones. A running sequence's KV lives in a slot of the scheduler's
 `KVPool`, so that each decoding step attends every sequence in one call per layer (a sequence the pool cannot
-hold decodes from its own cache). Jobs report through a callback they supply, called on the engine thread.
+hold decodes from its own cache). A job of several choices (OpenAI's `n`) has its prompt computed once; each
+choice then decodes from its own copy of that KV and holds a running slot. Jobs report through a callback they
+supply, called on the engine thread.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -66,10 +68,11 @@ class ShuttingDown(JobCancelled):
 
 @dataclass
 class JobEvent:
+    choice: int = 0  # which of the job's choices the text, log-probabilities and result are of
     text: str = ""  # text settled since the previous event
     logprobs: list[TokenLogprob] | None = None  # of the tokens taken since the previous event, when asked for
-    result: Generation | None = None  # set on the last event of a finished job
-    error: BaseException | None = None  # set on the last event of a failed, timed-out or cancelled job
+    result: Generation | None = None  # set on the last event of a finished choice
+    error: BaseException | None = None  # set on the last event of a failed, timed-out or cancelled job (once)
 
 
 @dataclass(eq=False)  # jobs are compared by identity: two clients may send the very same request
@@ -79,6 +82,7 @@ class GenerationJob:
     on_event: Callable[[JobEvent], None]  # called on the engine thread
     method: str | None = None
     timeout: float | None = None  # seconds from arrival, queueing included
+    choices: int = 1  # sequences sampled from the one prompt (OpenAI's n); choice i draws with seed + i
     arrived: float = field(default_factory=time.perf_counter)
     _cancelled: threading.Event = field(default_factory=threading.Event)
 
@@ -97,6 +101,7 @@ class GenerationJob:
 @dataclass(eq=False)
 class _Sequence:
     job: GenerationJob
+    choice: int
     cache: KVCache
     sampler: Sampler
     stream: TextStream
@@ -129,8 +134,8 @@ class Scheduler:
         self._eos_ids = eos_token_ids(engine.loaded)
         self._waiting: deque[GenerationJob] = deque()
         self._running: list[_Sequence] = []
-        # Jobs taken from the queue whose prompts are being computed: they hold running slots before they join
-        # `_running` (a long prompt takes seconds), for admission and for the gauges alike.
+        # The choices of jobs taken from the queue whose prompts are being computed: they hold running slots before
+        # they join `_running` (a long prompt takes seconds), for admission and for the gauges alike.
         self._prefilling = 0
         self.pool = KVPool.for_model(engine.model, max_running, pool_bytes)
         self._calls: deque[tuple[Callable[[], Any], Future, threading.Event | None]] = deque()
@@ -173,10 +178,12 @@ class Scheduler:
 
     @property
     def running(self) -> int:
-        """Jobs decoding or having their prompt computed."""
+        """Sequences decoding or having their prompt computed (a job of n choices counts n)."""
         return len(self._running) + self._prefilling
 
     def submit(self, job: GenerationJob) -> None:
+        if not 1 <= job.choices <= self.max_running:  # more could never be admitted
+            raise ValueError(f"a job's choices must be in [1, max_running={self.max_running}], got {job.choices}")
         with self._lock:
             running = self.running
             if len(self._waiting) >= self.max_waiting + max(0, self.max_running - running):
@@ -269,18 +276,20 @@ class Scheduler:
                 self._waiting.remove(job)
         for job, error in failed:
             job.on_event(JobEvent(error=error))
-        for seq in list(self._running):
-            if error := seq.job.failure(now):
-                self._retire(seq)
-                seq.job.on_event(JobEvent(text=seq.stream.new_text(), error=error))
+        for job in {seq.job: None for seq in self._running}:
+            if error := job.failure(now):
+                self._end_job(job, error)
 
     def _admit(self) -> bool:
-        """Prefill up to max_prefill_batch waiting jobs, as one batch; each joins the running sequences (and
-        streams its first token) as soon as its own prefill is done."""
+        """Prefill up to max_prefill_batch waiting jobs, in their order, as many as the free running slots hold
+        (a job of n choices takes n), as one batch; each joins the running sequences (and streams its first
+        token) as soon as its own prefill is done."""
         with self._lock:
-            take = min(self.max_running - len(self._running), self.max_prefill_batch, len(self._waiting))
-            jobs = [self._waiting.popleft() for _ in range(max(take, 0))]
-            self._prefilling = len(jobs)
+            free, jobs = self.max_running - len(self._running), []
+            while self._waiting and len(jobs) < self.max_prefill_batch and self._waiting[0].choices <= free:
+                jobs.append(self._waiting.popleft())
+                free -= jobs[-1].choices
+            self._prefilling = sum(job.choices for job in jobs)
         if not jobs:
             return False
         admitted = time.perf_counter()
@@ -348,30 +357,51 @@ class Scheduler:
         """A prefilled job joins the running sequences and streams its first token; a failed one reports. Its
         slot passes from prefilling to running at once, so that the count of running jobs never counts it twice."""
         if isinstance(fused, Exception):  # one job's failure must not stop the engine
-            self._prefilled()
+            self._prefilled(job)
             if not isinstance(fused, (JobCancelled, JobTimeout)):  # those stopped between two layers: no fault
                 log.error("prefill failed", exc_info=fused)
             job.on_event(JobEvent(error=fused))
         elif error := job.failure(time.perf_counter()):  # cancelled or timed out while it was prefilled
-            self._prefilled()
+            self._prefilled(job)
             job.on_event(JobEvent(error=error))
         else:
-            seq = self._sequence(job, fused, queued)
-            self._prefilled(seq)
-            self._advance(seq, seq.last_token)
-            if seq in self._running:  # after the first token: a pool's first allocation must not delay it
-                seq.cache = self.pool.adopt(seq.cache, seq.cache.length + job.sampling.max_tokens) or seq.cache
+            try:
+                seqs = [self._sequence(job, choice, fused, queued) for choice in range(job.choices)]
+            except Exception as e:  # no first token (the logits hold NaN): this job fails, not the batch's others
+                self._prefilled(job)
+                log.error("the first token could not be drawn", exc_info=e)
+                job.on_event(JobEvent(error=e))
+                return
+            self._prefilled(job, seqs)
+            for seq in seqs:
+                self._advance(seq, seq.last_token)
+            self._own_caches([seq for seq in seqs if seq in self._running], fused.cache, job.sampling.max_tokens)
 
-    def _prefilled(self, seq: _Sequence | None = None) -> None:
-        """A job's prompt is done: it leaves the prefilling count, and joins the running sequences as `seq`."""
+    def _own_caches(self, seqs: list[_Sequence], prompt: KVCache, max_tokens: int) -> None:
+        """After their first tokens, which a pool's first allocation must not delay, each of a job's running
+        choices gets KV of its own: a slot of the pool, else the prompt's cache itself for one, a copy for others."""
+        kept = False
+        for seq in seqs:
+            pooled = self.pool.adopt(prompt, prompt.length + max_tokens)
+            seq.cache = pooled or (prompt.clone() if kept else prompt)
+            kept = kept or pooled is None
+
+    def _prefilled(self, job: GenerationJob, seqs: Iterable[_Sequence] = ()) -> None:
+        """A job's prompt is done: its choices leave the prefilling count, and join the running sequences as
+        `seqs`."""
         with self._lock:
-            self._prefilling -= 1
-            if seq is not None:
-                self._running.append(seq)
+            self._prefilling -= job.choices
+            self._running.extend(seqs)
 
-    def _sequence(self, job: GenerationJob, fused: FusedPrefill, queued: float) -> _Sequence:
-        sampler = Sampler(job.sampling, job.request.token_ids, self._eos_ids)
-        seq = _Sequence(job, fused.cache, sampler, TextStream(self.engine.tokenizer, job.sampling, self._eos_ids),
+    def _sequence(self, job: GenerationJob, choice: int, fused: FusedPrefill, queued: float) -> _Sequence:
+        """Choice `choice` of the job, its first token drawn from the prompt's logits; it reads the prompt's cache
+        until _start gives it its own."""
+        sampling = job.sampling
+        if choice and sampling.seed is not None:  # vLLM's seeds for the choices of one request
+            sampling = replace(sampling, seed=(sampling.seed + choice) % 2**64)  # a seed torch.Generator takes
+        sampler = Sampler(sampling, job.request.token_ids, self._eos_ids)
+        seq = _Sequence(job, choice, fused.cache, sampler,
+                        TextStream(self.engine.tokenizer, sampling, self._eos_ids),
                         replace(fused.stats, queue_seconds=queued))
         seq.last_token = sampler(fused.logits)
         seq.ttft = time.perf_counter() - job.arrived
@@ -393,12 +423,12 @@ class Scheduler:
         text = seq.stream.new_text()
         if not finished:
             if text:  # tokens whose text waits (a possible stop string) send their log-probabilities with it
-                seq.job.on_event(JobEvent(text=text, logprobs=seq.stream.new_logprobs()))
+                seq.job.on_event(JobEvent(seq.choice, text, seq.stream.new_logprobs()))
             return
         self._retire(seq)
         result = seq.stream.generation(len(seq.job.request), seq.ttft, time.perf_counter() - seq.job.arrived)
         result.stats = seq.stats
-        seq.job.on_event(JobEvent(text=text, logprobs=seq.stream.new_logprobs(), result=result))
+        seq.job.on_event(JobEvent(seq.choice, text, seq.stream.new_logprobs(), result=result))
 
     def _retire(self, seq: _Sequence) -> None:
         """The sequence stops running: its slot of the pool is free for the next one."""
@@ -406,11 +436,19 @@ class Scheduler:
         if seq.cache.pool is self.pool:
             self.pool.release(seq.cache)
 
-    def _fail_running(self, error: BaseException) -> None:
-        running = list(self._running)
-        for seq in running:
+    def _end_job(self, job: GenerationJob, error: BaseException) -> None:
+        """Stop the job's running choices; each sends the text it had settled, and the job its error, once."""
+        seqs = [seq for seq in self._running if seq.job is job]
+        for seq in seqs:
             self._retire(seq)
-            seq.job.on_event(JobEvent(error=error))
+        for seq in seqs[:-1]:
+            if text := seq.stream.new_text():
+                job.on_event(JobEvent(seq.choice, text))
+        job.on_event(JobEvent(seqs[-1].choice, seqs[-1].stream.new_text(), error=error))
+
+    def _fail_running(self, error: BaseException) -> None:
+        for job in {seq.job: None for seq in self._running}:
+            self._end_job(job, error)
 
     def _fail_all(self, error: BaseException) -> None:
         with self._lock:

@@ -54,14 +54,14 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection before the response ended
 SHUTDOWN_MARGIN_SECONDS = 0.5  # what streams ended at shutdown get to send their error event and [DONE]
-# endpoint -> (id prefix, response type, the choice of a finished generation)
+# endpoint -> (id prefix, response type, the choice (index, finished generation) of a response)
 ENDPOINTS = {
-    "chat": ("chatcmpl", ChatCompletionResponse, lambda result, texts: ChatChoice(
-        message=AssistantMessage(content=result.text), finish_reason=result.finish_reason,
+    "chat": ("chatcmpl", ChatCompletionResponse, lambda index, result, texts: ChatChoice(
+        index=index, message=AssistantMessage(content=result.text), finish_reason=result.finish_reason,
         stop_reason=result.stop_reason,
         logprobs=None if result.logprobs is None else chat_logprobs(result.logprobs, texts))),
-    "completions": ("cmpl", CompletionResponse, lambda result, texts: CompletionChoice(
-        text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+    "completions": ("cmpl", CompletionResponse, lambda index, result, texts: CompletionChoice(
+        index=index, text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         logprobs=None if result.logprobs is None else completion_logprobs(result.logprobs, texts, 0))),
 }
 SALT_QUERY = Query(None, min_length=1, description="the tenant the cache was created for")
@@ -72,72 +72,79 @@ def sse(data: str) -> str:
 
 
 class Chunker:
-    """Builds one endpoint's stream chunks (chat deltas or completion texts) under one id."""
+    """Builds one endpoint's stream chunks (chat deltas or completion texts) under one id, each of one choice."""
 
     def __init__(self, chat: bool, id_: str, model: str, include_usage: bool, texts: TokenTexts):
         self.chat, self.id, self.model, self.include_usage, self.texts = chat, id_, model, include_usage, texts
         self.created = int(time.time())
-        self._token_characters = 0  # the text of the tokens sent so far: the completions form's offsets go on
+        # each choice's text of the tokens sent so far: the completions form's offsets go on from it
+        self._token_characters: dict[int, int] = {}
 
     def _chunk(self, choices: list, usage=None) -> str:
         kind = ChatCompletionChunk if self.chat else CompletionResponse
         chunk = kind(id=self.id, created=self.created, model=self.model, choices=choices, usage=usage)
         return sse(chunk.model_dump_json(exclude=None if self.include_usage else {"usage"}))
 
-    def text(self, text: str, role: bool = False, logprobs: list[TokenLogprob] | None = None) -> str:
+    def text(self, choice: int, text: str, role: bool = False, logprobs: list[TokenLogprob] | None = None) -> str:
         if self.chat:
             delta = DeltaMessage(role="assistant" if role else None, content=text)
-            return self._chunk([ChatChunkChoice(delta=delta, logprobs=chat_logprobs(logprobs, self.texts)
-                                                if logprobs else None)])
-        form = completion_logprobs(logprobs, self.texts, self._token_characters) if logprobs else None
+            form = chat_logprobs(logprobs, self.texts) if logprobs else None
+            return self._chunk([ChatChunkChoice(index=choice, delta=delta, logprobs=form)])
+        offset = self._token_characters.get(choice, 0)
+        form = completion_logprobs(logprobs, self.texts, offset) if logprobs else None
         if form is not None:
-            self._token_characters = form.text_offset[-1] + len(form.tokens[-1])
-        return self._chunk([CompletionChoice(text=text, logprobs=form)])
+            self._token_characters[choice] = form.text_offset[-1] + len(form.tokens[-1])
+        return self._chunk([CompletionChoice(index=choice, text=text, logprobs=form)])
 
-    def finish(self, result: Generation) -> str:
-        """The last choice chunk: how the generation ended, no text."""
-        ended = dict(finish_reason=result.finish_reason, stop_reason=result.stop_reason)
+    def finish(self, choice: int, result: Generation) -> str:
+        """A choice's last chunk: how its generation ended, no text."""
+        ended = dict(index=choice, finish_reason=result.finish_reason, stop_reason=result.stop_reason)
         if self.chat:
             return self._chunk([ChatChunkChoice(delta=DeltaMessage(), **ended)])
         return self._chunk([CompletionChoice(text="", **ended)])
 
-    def usage(self, result: Generation) -> str:
-        return self._chunk([], usage_of(result))
+    def usage(self, results: list[Generation]) -> str:
+        return self._chunk([], usage_of(results))
 
 
 async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, service: EngineService
                        ) -> AsyncIterator[str]:
     """The job's events as server-sent events. Its 200 header is sent before the end is known: how it really
     ended (an error event, a client gone mid-stream) is recorded for the request metrics."""
-    first, ended = True, False
+    started: set[int] = set()  # the choices whose first chunk was sent
+    results: dict[int, Generation] = {}
+    ended = False
     try:
         async for event in stream.events(raw.is_disconnected):
-            if chunker.chat and first and not event.error:  # as vLLM: the role comes with the first token
-                yield chunker.text("", role=True)
-            first = False
+            if chunker.chat and event.choice not in started and not event.error:
+                yield chunker.text(event.choice, "", role=True)  # as vLLM: the role comes with the first token
+            started.add(event.choice)
             if event.text or event.logprobs:
-                yield chunker.text(event.text, logprobs=event.logprobs)
+                yield chunker.text(event.choice, event.text, logprobs=event.logprobs)
             if event.error:
                 error = error_of(event.error)
                 set_outcome(raw.scope, error.status)
                 ended = True
                 yield sse(error.body.model_dump_json())
             if event.result:
-                service.metrics.generated(event.result)
+                results[event.choice] = event.result
+                yield chunker.finish(event.choice, event.result)
+            if len(results) == stream.job.choices:
+                finished = [results[choice] for choice in range(stream.job.choices)]
+                service.metrics.generated(finished)
                 ended = True
-                yield chunker.finish(event.result)
                 if chunker.include_usage:
-                    yield chunker.usage(event.result)
+                    yield chunker.usage(finished)
         yield "data: [DONE]\n\n"
     finally:
         if not ended:  # the client went away before the end
             set_outcome(raw.scope, CLIENT_GONE)
 
 
-async def wait_for_result(stream: JobStream, raw: Request, service: EngineService) -> Generation:
-    result = await stream.result(raw.is_disconnected)
-    service.metrics.generated(result)
-    return result
+async def wait_for_results(stream: JobStream, raw: Request, service: EngineService) -> list[Generation]:
+    results = await stream.results(raw.is_disconnected)
+    service.metrics.generated(results)
+    return results
 
 
 def streaming(events: AsyncIterator[str]) -> StreamingResponse:
@@ -205,9 +212,9 @@ def create_app(service: EngineService) -> FastAPI:
         if body.stream:
             chunker = Chunker(endpoint == "chat", id_, model, body.include_usage, service.token_texts)
             return streaming(event_stream(stream, raw, chunker, service))
-        result = await wait_for_result(stream, raw, service)
-        choice = choice_of(result, service.token_texts)
-        return response_type(id=id_, created=int(time.time()), model=model, choices=[choice], usage=usage_of(result))
+        results = await wait_for_results(stream, raw, service)
+        choices = [choice_of(index, result, service.token_texts) for index, result in enumerate(results)]
+        return response_type(id=id_, created=int(time.time()), model=model, choices=choices, usage=usage_of(results))
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

@@ -97,17 +97,18 @@ class Metrics:
     def request(self, endpoint: str, outcome: str, status: int) -> None:
         self.requests.labels(endpoint, outcome, str(status)).inc()
 
-    def generated(self, result: Generation) -> None:
-        """A finished generation's tokens and latencies."""
+    def generated(self, results: list[Generation]) -> None:
+        """A finished request's tokens and latencies: its choices' generations (one prompt, computed once)."""
+        result = results[0]
         self.prompt_tokens.inc(result.prompt_tokens)
         self.cached_tokens.inc(result.stats.cached_tokens)
-        self.generation_tokens.inc(len(result.token_ids))
+        self.generation_tokens.inc(sum(len(r.token_ids) for r in results))
         self._restored(result.stats.prefix)
-        self.ttft.observe(result.ttft)
+        self.ttft.observe(min(r.ttft for r in results))
         self.queue_time.observe(result.stats.queue_seconds)
         self.prefill_time.observe(result.stats.fusion.prefill_seconds)
         self.prefill_paused.observe(result.stats.fusion.paused_seconds)
-        self.e2e.observe(result.total_seconds)
+        self.e2e.observe(max(r.total_seconds for r in results))
 
     def _restored(self, prefix: PrefixRestoreStats) -> None:
         if not prefix.restored_tokens:  # nothing of its prefix was stored

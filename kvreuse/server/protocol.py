@@ -93,7 +93,7 @@ class GenerationParams(PromptParts):
     stop: Text | list[Text] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: int = Field(1, ge=1)
+    n: int = Field(1, ge=1, description="choices sampled from the one prompt (at most the server's concurrency)")
     user: Text | None = None
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
@@ -158,7 +158,6 @@ class GenerationParams(PromptParts):
         """(parameter, why) of the first parameter set to something this server does not implement."""
         guided = {name: getattr(self, name) is not None and "guided decoding is not supported" for name in GUIDED}
         unsupported = {
-            "n": self.n != 1 and "only n=1 is supported",
             **guided,
             **self._unsupported(),
         }

@@ -65,6 +65,7 @@ class Prepared:
     request: Request  # carries its tenant (cache salt)
     sampling: SamplingParams
     method: str
+    choices: int = 1  # OpenAI's n
 
 
 def method_spec(options: KvreuseOptions | None, default: str) -> str:
@@ -89,9 +90,12 @@ def method_spec(options: KvreuseOptions | None, default: str) -> str:
     return method
 
 
-def usage_of(result: Generation) -> Usage:
+def usage_of(results: list[Generation]) -> Usage:
+    """A request's usage: its prompt once, the tokens of every choice, how its prompt's KV was obtained (once for
+    all its choices) and its first token's time."""
+    result = results[0]
     s, fusion = result.stats, result.stats.fusion
-    completion = len(result.token_ids)
+    completion = sum(len(r.token_ids) for r in results)
     return Usage(
         prompt_tokens=result.prompt_tokens,
         completion_tokens=completion,
@@ -112,7 +116,7 @@ def usage_of(result: Generation) -> Usage:
             compute_seconds=fusion.prefill_seconds - fusion.load_wait_seconds,
             paused_seconds=fusion.paused_seconds,
             queue_seconds=s.queue_seconds,
-            ttft_seconds=result.ttft,
+            ttft_seconds=min(r.ttft for r in results),
             auto=None if s.auto is None else AutoChoice(requested_method=s.auto.requested_method or "auto",
                                                          predicted_ttft_seconds=s.auto.predicted_ttft,
                                                          candidates=s.auto.candidates),
@@ -139,10 +143,12 @@ class JobStream:
         self.job, self._events = job, events
 
     async def events(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[JobEvent]:
-        """The job's events until its last; stops early (cancelling the job) once the client has gone, which is
-        checked every DISCONNECT_POLL_SECONDS however fast events come."""
+        """The job's events until its last (an error, or the result of its last choice to finish); stops early
+        (cancelling the job) once the client has gone, which is checked every DISCONNECT_POLL_SECONDS however fast
+        events come."""
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_POLL_SECONDS
+        unfinished = self.job.choices
         try:
             while True:
                 try:
@@ -156,19 +162,23 @@ class JobStream:
                 if event is None:
                     continue
                 yield event
-                if event.result or event.error:
+                unfinished -= event.result is not None
+                if event.error or not unfinished:
                     return
         finally:
             self.job.cancel()  # a no-op once it has finished
 
-    async def result(self, disconnected: Callable[[], Awaitable[bool]]) -> Generation:
-        """Wait for the end; raises the job's error as an APIError."""
+    async def results(self, disconnected: Callable[[], Awaitable[bool]]) -> list[Generation]:
+        """Wait for the end; each choice's generation, in their order. Raises the job's error as an APIError."""
+        results: dict[int, Generation] = {}
         async for event in self.events(disconnected):
             if event.error:
                 raise error_of(event.error)
             if event.result:
-                return event.result
-        raise APIError(499, "the client disconnected", code="cancelled")
+                results[event.choice] = event.result
+        if len(results) < self.job.choices:
+            raise APIError(499, "the client disconnected", code="cancelled")
+        return [results[choice] for choice in range(self.job.choices)]
 
 
 # The body's sampling fields that SamplingParams takes as they are, under the same names
@@ -296,7 +306,10 @@ class EngineService:
             sampling = self._sampling(body, budget or min(self.config.default_max_tokens, room))
         except InvalidSampling as e:  # a combination the body's own checks cannot see (min_tokens > max_tokens)
             raise bad_request(str(e), e.param) from None
-        return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method))
+        if body.n > self.config.max_concurrency:  # each choice decodes as a running request
+            raise bad_request(f"n: at most {self.config.max_concurrency} choices (the server's --max-concurrency), "
+                              f"got {body.n}", "n")
+        return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method), body.n)
 
     def _sampling(self, body: GenerationParams, max_tokens: int) -> SamplingParams:
         given = {name: value for name in SAMPLING_FIELDS if (value := getattr(body, name)) is not None}
@@ -380,7 +393,7 @@ class EngineService:
                 loop.call_soon_threadsafe(events.put_nowait, event)
 
         job = GenerationJob(prepared.request, prepared.sampling, deliver, prepared.method,
-                            timeout=self.config.request_timeout)
+                            timeout=self.config.request_timeout, choices=prepared.choices)
         try:
             self.scheduler.submit(job)
         except QueueFull as e:

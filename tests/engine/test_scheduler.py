@@ -1,5 +1,6 @@
 """The scheduler on the tiny model: batched jobs decode as they would alone; admission, cancellation, timeouts."""
 
+import dataclasses
 import queue
 import threading
 import time
@@ -566,5 +567,113 @@ def test_the_engine_thread_starts_with_the_caller_s_threads_and_without_its_idle
         scheduler.start()
         assert released == [threading.current_thread()]
         assert scheduler.call(torch.get_num_threads).result(timeout=60) == 1
+    finally:
+        scheduler.stop()
+
+
+def choices_outcome(events: queue.Queue, choices: int) -> tuple[dict[int, str], dict[int, object]]:
+    """Each choice's streamed text and result, until the job's last choice has finished."""
+    texts, results = {}, {}
+    while len(results) < choices:
+        event = events.get(timeout=60)
+        assert event.error is None, event.error
+        texts[event.choice] = texts.get(event.choice, "") + event.text
+        if event.result:
+            results[event.choice] = event.result
+    return texts, results
+
+
+@pytest.mark.parametrize("pool_bytes", [scheduler_module.DEFAULT_POOL_BYTES, 1])  # 1: no choice fits the pool
+def test_a_job_of_several_choices_computes_its_prompt_once_and_each_choice_draws_with_its_own_seed(
+        tiny_chat_engine, monkeypatch, pool_bytes):
+    """vLLM's n: choice i samples as a request of seed + i would alone (so each decodes from its own copy of the
+    prompt's KV, whether the pool holds it or not), and the prompt is computed once."""
+    prompts = []
+    prefill_batch = tiny_chat_engine.prefill_batch
+    monkeypatch.setattr(tiny_chat_engine, "prefill_batch", lambda batch: prompts.extend(batch) or prefill_batch(batch))
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True, temperature=1.0, seed=2**64 - 2)  # choice 2 wraps to 0
+    events = queue.Queue()
+    job = job_for(tiny_chat_engine, "which of several answers?", events, sampling=sampling, choices=3)
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=8, pool_bytes=pool_bytes)
+    try:
+        scheduler.submit(job)
+        scheduler.start()
+        texts, results = choices_outcome(events, 3)
+        assert scheduler.call(lambda: scheduler.pool.members).result(timeout=10) == []
+    finally:
+        scheduler.stop()
+    assert len(prompts) == 1
+    monkeypatch.undo()
+    for choice, seed in enumerate([2**64 - 2, 2**64 - 1, 0]):
+        alone = tiny_chat_engine.generate(job.request, "full", dataclasses.replace(sampling, seed=seed))
+        assert results[choice].token_ids == alone.token_ids and texts[choice] == results[choice].text
+    assert len({tuple(r.token_ids) for r in results.values()}) > 1
+
+
+def test_a_job_waits_until_the_running_slots_hold_all_its_choices(tiny_chat_engine):
+    scheduler = Scheduler(tiny_chat_engine, max_running=2, max_waiting=4)
+    try:
+        with pytest.raises(ValueError, match=r"choices must be in \[1, max_running=2\], got 3"):
+            scheduler.submit(job_for(tiny_chat_engine, "too many?", queue.Queue(), choices=3))
+        running = queue.Queue()
+        long_job = job_for(tiny_chat_engine, "a long answer?", running,
+                           sampling=SamplingParams(max_tokens=400, ignore_eos=True))
+        scheduler.submit(long_job)
+        scheduler.start()
+        running.get(timeout=60)
+        events = queue.Queue()
+        scheduler.submit(job_for(tiny_chat_engine, "two answers?", events, choices=2))
+        def counts() -> tuple[int, int]:
+            return scheduler.running, scheduler.waiting
+
+        scheduler.call(counts).result(timeout=10)  # a step's admission has seen the job since
+        assert scheduler.call(counts).result(timeout=10) == (1, 1)  # one slot is free, the job needs two
+        assert events.empty()
+        long_job.cancel()
+        assert outcome(running)[1].error is not None
+        assert sorted(choices_outcome(events, 2)[1]) == [0, 1]
+    finally:
+        scheduler.stop()
+
+
+def test_a_cancelled_job_of_several_choices_ends_each_and_reports_once(tiny_chat_engine):
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=4)
+    events = queue.Queue()
+    job = job_for(tiny_chat_engine, "many long answers?", events, choices=3,
+                  sampling=SamplingParams(max_tokens=400, ignore_eos=True))
+    try:
+        scheduler.submit(job)
+        scheduler.start()
+        decoding = set()
+        while len(decoding) < 3:  # each choice's first text is out
+            decoding.add(events.get(timeout=60).choice)
+        job.cancel()
+        assert outcome(events)[1].error is not None
+        assert scheduler.call(lambda: (scheduler.running, scheduler.pool.members)).result(timeout=10) == (0, [])
+        leftover = [events.get_nowait() for _ in range(events.qsize())]
+        assert not any(event.error or event.result for event in leftover)  # one error for the whole job
+    finally:
+        scheduler.stop()
+
+
+def test_a_job_whose_first_token_cannot_be_drawn_fails_alone(tiny_chat_engine, monkeypatch):
+    """First-token logits holding NaN fail that job with the sampler's error; the batch's other job goes on."""
+    prefill_batch = tiny_chat_engine.prefill_batch
+
+    def first_poisoned(jobs):
+        for i, fused in enumerate(prefill_batch(jobs)):
+            yield dataclasses.replace(fused, logits=fused.logits * float("nan")) if i == 0 else fused
+
+    monkeypatch.setattr(tiny_chat_engine, "prefill_batch", first_poisoned)
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=4, max_prefill_batch=2)
+    (doomed, doomed_events), (fine, fine_events) = batch_of(tiny_chat_engine, 2, "a poisoned batch")
+    try:
+        scheduler.start()
+        with scheduler.held():
+            scheduler.submit(doomed)
+            scheduler.submit(fine)
+        assert "NaN" in str(outcome(doomed_events)[1].error)
+        assert outcome(fine_events)[1].result.finish_reason == "length"
+        assert scheduler.call(lambda: scheduler.running).result(timeout=10) == 0
     finally:
         scheduler.stop()

@@ -52,7 +52,7 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(documents=["fine", ""]), "documents[1]", ["at least 1 character"]),
         (chat_body(cache_salt=""), "cache_salt", ["at least 1 character"]),
         (chat_body(documents="not a list"), "documents", []),
-        (chat_body(n=2), "n", ["only n=1"]),
+        (chat_body(n=9), "n", ["n: at most 8 choices (the server's --max-concurrency), got 9"]),
         (chat_body(top_logprobs=2), "top_logprobs", ["needs logprobs set to true"]),
         (chat_body(logprobs=True, top_logprobs=21), "top_logprobs", ["less than or equal to 20"]),
         (chat_body(max_tokens=10**6), "messages", ["maximum context length"]),

@@ -155,6 +155,41 @@ def test_completion_logprobs_in_the_older_form(client):
     assert alone.top_logprobs == [{t: p} for t, p in zip(form.tokens, form.token_logprobs)]  # the chosen, always
 
 
+def test_n_choices_are_sampled_from_one_prompt_each_with_its_seed(client, tiny_chat_engine):
+    """vLLM's n: choice i is what a request of seed + i gives alone; the usage counts the prompt once and every
+    choice's tokens; a stream carries each choice's text, end and role under its index, and the usage once."""
+    request = chat_request(tiny_chat_engine.tokenizer, [], [], QUESTION[0]["content"])
+    sampled = dict(model=MODEL_NAME, max_tokens=6, temperature=1.0, seed=5,
+                   extra_body={"ignore_eos": True, "kvreuse": {"method": "full"}})
+    response = client.chat.completions.create(messages=QUESTION, n=3, **sampled)
+    assert [c.index for c in response.choices] == [0, 1, 2]
+    for choice in response.choices:
+        alone = tiny_chat_engine.generate(request, "full", SamplingParams(max_tokens=6, temperature=1.0,
+                                                                          seed=5 + choice.index, ignore_eos=True))
+        assert choice.message.content == alone.text
+    assert response.usage.prompt_tokens == len(request) and response.usage.completion_tokens == 18
+    chunks = list(client.chat.completions.create(messages=QUESTION, n=3, stream=True,
+                                                 stream_options={"include_usage": True}, **sampled))
+    streamed = {index: "".join(c.choices[0].delta.content or "" for c in chunks
+                               if c.choices and c.choices[0].index == index) for index in range(3)}
+    assert streamed == {c.index: c.message.content for c in response.choices}
+    ends = [c.choices[0] for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert sorted(e.index for e in ends) == [0, 1, 2] and {e.finish_reason for e in ends} == {"length"}
+    roles = [c.choices[0].index for c in chunks if c.choices and c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1, 2]
+    assert [c.usage.completion_tokens for c in chunks if c.usage] == [18] and chunks[-1].usage is not None
+
+
+def test_n_completions_stream_each_choices_logprob_offsets_from_its_own_start(client):
+    whole = client.completions.create(prompt="Once upon a time", n=2, logprobs=1, **GREEDY)
+    assert [c.index for c in whole.choices] == [0, 1] and whole.choices[0].text == whole.choices[1].text  # greedy
+    chunks = list(client.completions.create(prompt="Once upon a time", n=2, logprobs=1, stream=True, **GREEDY))
+    for choice in whole.choices:
+        offsets = [o for c in chunks if c.choices and c.choices[0].index == choice.index and c.choices[0].logprobs
+                   for o in c.choices[0].logprobs.text_offset]
+        assert offsets == choice.logprobs.text_offset and offsets[0] == 0
+
+
 def test_method_autos_choice_and_its_prediction_are_in_the_usage(client, server, monkeypatch):
     from kvreuse.controller.auto import AutoController
     from kvreuse.controller.fidelity import Fidelity, FidelityTable
