@@ -104,6 +104,7 @@ class ReuseEngine:
         # Every compile mode this engine has stored chunks in (compiles run on the write-back thread too)
         self._compile_modes, self._compile_modes_lock = {"plain"}, threading.Lock()
         self._batch_restorer: BatchRestorer | None = None
+        self._warned_unstorable = False  # whether a chunk larger than every tier was logged
         profile = controller.profile if controller else load_profile(self.fingerprint, self._dtype_name)
         if profile is not None:
             self._restore_rates |= step_costs_from(profile, self.store)
@@ -225,10 +226,22 @@ class ReuseEngine:
             self._compile_modes.add(method.compile_mode)
         dummy_id = self.model.config.bos_token_id or 0
         entry = compile_chunk(self.model, segment.token_ids, key, self.fingerprint, dummies, dummy_id)
-        if self.placement is not None and isinstance(self.store, TieredStore) and len(self.store.tiers) > 1:
+        if not self.store.fits(entry.nbytes):
+            self._refused_for_size(entry)
+        elif self.placement is not None and isinstance(self.store, TieredStore) and len(self.store.tiers) > 1:
             self.store.put(entry, self._placed_tier(entry, method))
         else:
             self.store.put(entry)
+
+    def _refused_for_size(self, entry: KVEntry) -> None:
+        """A chunk larger than any tier of the store: not stored, and not compiled again for later requests (each
+        would compute its entry only to have it refused). Said once: every request with the chunk would repeat it."""
+        self.write_back.unstorable(entry.key)
+        if not self._warned_unstorable:
+            self._warned_unstorable = True
+            log.warning("a chunk of %d tokens takes %.1f MB stored, more than any tier of %s holds: such chunks are "
+                        "computed for each request, not stored (a larger store keeps them)", entry.meta.num_tokens,
+                        entry.nbytes / 2**20, self.store.name)
 
     def _placed_tier(self, entry: KVEntry, method: Method) -> int:
         # The share of the entry that `method`, which it is compiled for, recomputes beside its reads: a fixed

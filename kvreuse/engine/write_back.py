@@ -6,6 +6,8 @@ work runs beside decoding, and the engine thread owns all of it. One write per k
 time, and at most MAX_PENDING wait: past that the oldest is dropped (a chunk computed again when next asked for,
 never a request lost), so that traffic the writes cannot keep up with does not grow the queue without end.
 While the engine is `behind`, a chunk is written on its second ask, not its first (`submit(second_ask=...)`).
+A key whose entry no tier of the store can hold (`unstorable`) is not submitted again: its write would compute
+the entry only for the store to refuse it.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kvreuse.model import native
 log = logging.getLogger(__name__)
 MAX_PENDING = 4096  # writes waiting; each holds a chunk's or prefix's token ids until it runs
 ASKED_ONCE_KEYS = 65536  # keys held back once, remembered for their second ask (64-character keys: ~10 MB)
+UNSTORABLE_KEYS = 4096  # keys whose entries the store cannot hold, remembered so that they are not computed again
 
 
 class WriteBack:
@@ -32,6 +35,7 @@ class WriteBack:
         self.dropped = 0  # writes dropped from a full queue, since the start
         self._asked_once: OrderedDict[str, None] = OrderedDict()  # keys held back once while writes were behind
         self.held_back = 0  # writes held back since the start
+        self._unstorable: OrderedDict[str, None] = OrderedDict()  # the last UNSTORABLE_KEYS refused for their size
         self.busy: Callable[[], bool] = lambda: False  # whether requests wait for the engine (a scheduler's queue)
         self._cond = threading.Condition()
         self._thread: ThreadPoolExecutor | None = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-compile")
@@ -53,7 +57,7 @@ class WriteBack:
         if its key was asked for before; the first time it is remembered instead (`behind` says when a caller
         should ask so)."""
         with self._cond:
-            if key in self._pending or key in self._running:
+            if key in self._pending or key in self._running or key in self._unstorable:
                 return
             if second_ask and self._first_ask(key):
                 self.held_back += 1
@@ -68,6 +72,13 @@ class WriteBack:
             thread = self._thread
         if thread is not None:
             thread.submit(self._run_one_in_background)
+
+    def unstorable(self, key: str) -> None:
+        """`key`'s entry is larger than any tier of the store holds: its writes are not submitted from now on."""
+        with self._cond:
+            self._unstorable[key] = None
+            if len(self._unstorable) > UNSTORABLE_KEYS:
+                self._unstorable.popitem(last=False)
 
     def _first_ask(self, key: str) -> bool:
         """Whether `key` is asked for the first time (of the last ASKED_ONCE_KEYS held back); remembers it."""

@@ -151,6 +151,10 @@ class TieredStore(KVStore):
             self._write(i, owned)
         return True
 
+    def fits(self, nbytes: int) -> bool:
+        """Whether some tier could hold an entry of `nbytes`."""
+        return any(tier.fits(nbytes) for tier in self.tiers)
+
     def free_bytes(self, tier: int) -> int | None:
         """Room left in tier `tier` before it evicts, or None if it has no capacity limit."""
         return self.tiers[tier].room_left()

@@ -9,6 +9,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvreuse.engine import reuse as reuse_module
 from kvreuse.fusion.executor import INLINE_LAYERS_PER_READ, LayerLoader
 from kvreuse.fusion.methods import parse_method
 from kvreuse.fusion.segments import Request, Segment, SegmentKind
@@ -16,7 +17,7 @@ from kvreuse.store.disk import DiskTier
 from kvreuse.store.entry import EntryMeta, KVEntry, dtype_name
 from kvreuse.store.memory import MemoryTier
 from kvreuse.store.spec import open_store
-from kvreuse.store.tiered import tier_label
+from kvreuse.store.tiered import TieredStore, tier_label
 
 TOLERANCE = dict(atol=1e-4, rtol=0)
 
@@ -69,6 +70,30 @@ def slow_engine(tiny_model, make_engine):
     yield engine, store
     store.release.set()
     engine.close()
+
+
+def test_a_chunk_larger_than_every_tier_is_compiled_once_and_said_once(tiny_model, make_engine, rag_request,
+                                                                     monkeypatch, caplog):
+    """Its entry is refused for its size: later requests compute its rows as before, but no write-back computes its
+    entry again to be refused again (each logged a write error); the warning comes once. Chunks that fit are
+    stored as always."""
+    request = rag_request(chunks=(30, 32, 5))
+    sized = make_engine(tiny_model, open_store("memory:64MB"))
+    sized.compile(request)
+    *big_keys, small_key = (p.key for p in sized.lookup(request, parse_method("naive")) if p.key is not None)
+    tier = MemoryTier(sized.store.get(big_keys[0]).nbytes - 1)
+    engine = make_engine(tiny_model, TieredStore([tier]))
+    compiled = []
+    compile_chunk = reuse_module.compile_chunk
+    monkeypatch.setattr(reuse_module, "compile_chunk", lambda model, ids, key, *a: compiled.append(key)
+                        or compile_chunk(model, ids, key, *a))
+    for _ in range(3):
+        engine.prefill(request, "naive")
+        engine.wait_for_write_back()
+    assert sorted(compiled) == sorted([*big_keys, small_key])
+    assert tier.contains(small_key) and tier.stats()["write_errors"] == 0
+    assert not any(tier.contains(key) for key in big_keys)
+    assert caplog.text.count("more than any tier") == 1
 
 
 def test_missed_chunks_are_computed_and_written_back_without_waiting(slow_engine, rag_request):

@@ -89,3 +89,18 @@ def test_a_write_asked_for_the_second_time_is_queued_the_first_remembered():
     writes.submit("a", lambda: None, second_ask=True)
     assert writes.pending == 1 and writes.held_back == 1 and writes.behind
     writes.close()
+
+
+def test_an_unstorable_key_is_not_queued_again_while_it_is_remembered(monkeypatch):
+    monkeypatch.setattr(write_back_module, "UNSTORABLE_KEYS", 2)
+    writes = WriteBack()
+    writes.between_steps()
+    writes.unstorable("big")
+    writes.submit("big", lambda: None)
+    assert writes.pending == 0
+    writes.unstorable("other")
+    writes.unstorable("third")  # past the bound: the oldest is forgotten, and written if asked again
+    writes.submit("big", lambda: None)
+    writes.submit("third", lambda: None)
+    assert writes.pending == 1
+    writes.close()

@@ -281,3 +281,11 @@ def test_free_bytes_is_each_tier_s_room_left_without_asking_a_server(tmp_path, m
                                                        None, None]
     store.tiers[3].client = redis.Redis.from_url(redis_server.url)
     store.close()
+
+
+def test_a_store_fits_an_entry_some_tier_could_hold():
+    store = TieredStore([MemoryTier(100), MemoryTier(1000)])
+    try:
+        assert store.fits(100) and store.fits(1000) and not store.fits(1001)
+    finally:
+        store.close()
