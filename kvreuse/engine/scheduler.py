@@ -182,15 +182,25 @@ class Scheduler:
         return len(self._running) + self._prefilling
 
     def submit(self, job: GenerationJob) -> None:
+        """Queue `job`, unless more than max_waiting jobs would then wait for running slots (QueueFull)."""
         if not 1 <= job.choices <= self.max_running:  # more could never be admitted
             raise ValueError(f"a job's choices must be in [1, max_running={self.max_running}], got {job.choices}")
         with self._lock:
-            running = self.running
-            if len(self._waiting) >= self.max_waiting + max(0, self.max_running - running):
-                raise QueueFull(f"the server is at capacity: {running} requests are running and "
-                                f"{len(self._waiting)} waiting")
+            if self._beyond_free_slots([*self._waiting, job]) > self.max_waiting:
+                raise QueueFull(f"the server is at capacity: {self.running} sequences are running and "
+                                f"{len(self._waiting)} requests waiting")
             self._waiting.append(job)
         self._wake.set()
+
+    def _beyond_free_slots(self, jobs: list[GenerationJob]) -> int:
+        """How many of `jobs`, admitted in their order, would find too few free running slots for their choices
+        and wait (with one choice each: those past the free slots)."""
+        free = self.max_running - self.running
+        for i, job in enumerate(jobs):
+            if job.choices > free:
+                return len(jobs) - i
+            free -= job.choices
+        return 0
 
     def call(self, fn: Callable[[], Any], abandoned: threading.Event | None = None) -> Future:
         """Run `fn` on the engine thread between two steps (torch work that must not race the decode). Layers it

@@ -87,7 +87,8 @@ class Metrics:
         self.batch_size = Histogram("kvreuse_decode_batch_size", "sequences per batched decode step",
                                     buckets=(1, 2, 4, 8, 16, 32, 64), registry=r)
         Gauge("kvreuse_num_requests_waiting", "requests queued", registry=r).set_function(waiting)
-        Gauge("kvreuse_num_requests_running", "requests decoding or having their prompt computed",
+        Gauge("kvreuse_num_requests_running", "sequences decoding or having their prompt computed (a request of n "
+              "choices counts n)",
               registry=r).set_function(running)
         Gauge("kvreuse_write_back_pending", "store writes of what requests computed (chunks to compile, prefix "
               "blocks) waiting for the engine thread", registry=r).set_function(lambda: write_back.pending)

@@ -20,6 +20,7 @@ SEED_RANGE = dict(ge=-(2**63), le=2**64 - 1)  # what torch.Generator.manual_seed
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARACTERS = 1000
 MAX_REPETITION_PENALTY = 100.0  # past it every repeated token is out of reach anyway; bounds a client's typo
+MAX_TOKEN_ID_DIGITS = 18  # a logit_bias key's (any int64 id; Python's int() refuses texts past 4300 digits)
 
 
 def encodable(text: str) -> str:
@@ -128,8 +129,9 @@ class GenerationParams(PromptParts):
     @classmethod
     def _token_ids_and_bounded_biases(cls, biases: dict[str, float] | None) -> dict[str, float] | None:
         for key, bias in (biases or {}).items():
-            if not (key.isascii() and key.isdigit()):
-                raise ValueError(f"{key!r} is not a token id (a whole number >= 0, as text)")
+            if not (key.isascii() and key.isdigit() and len(key) <= MAX_TOKEN_ID_DIGITS):
+                raise ValueError(f"{key[:40]!r} is not a token id (a whole number >= 0 of at most "
+                                 f"{MAX_TOKEN_ID_DIGITS} digits, as text)")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN fails it too
                 raise ValueError(f"token {key}'s bias {bias} is outside [{-MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
         return biases

@@ -213,8 +213,22 @@ def test_a_full_queue_refuses_the_job(tiny_chat_engine):
     scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)  # not started: nothing leaves the queue
     for question in ["one?", "two?"]:  # one for the free running slot, one waiting
         scheduler.submit(job_for(tiny_chat_engine, question, queue.Queue()))
-    with pytest.raises(QueueFull, match="0 requests are running and 2 waiting"):
+    with pytest.raises(QueueFull, match="0 sequences are running and 2 requests waiting"):
         scheduler.submit(job_for(tiny_chat_engine, "three?", queue.Queue()))
+
+
+def test_the_queue_bound_counts_the_slots_a_job_s_choices_need(tiny_chat_engine):
+    """With no room to wait, jobs of 2 choices enter while the free slots hold all of them; the next would wait."""
+    scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=0)  # not started: nothing leaves the queue
+    for question in ["one?", "two?"]:
+        scheduler.submit(job_for(tiny_chat_engine, question, queue.Queue(), choices=2))
+    with pytest.raises(QueueFull, match="0 sequences are running and 2 requests waiting"):
+        scheduler.submit(job_for(tiny_chat_engine, "three?", queue.Queue()))
+    waiting = Scheduler(tiny_chat_engine, max_running=4, max_waiting=1)
+    for question in ["one?", "two?"]:  # the first takes 3 slots, the second waits for 3
+        waiting.submit(job_for(tiny_chat_engine, question, queue.Queue(), choices=3))
+    with pytest.raises(QueueFull):  # one free slot, but a job waits before it: it would wait too
+        waiting.submit(job_for(tiny_chat_engine, "three?", queue.Queue()))
 
 
 def test_a_job_whose_prompt_is_being_computed_holds_its_running_slot(tiny_chat_engine, monkeypatch):
@@ -237,7 +251,7 @@ def test_a_job_whose_prompt_is_being_computed_holds_its_running_slot(tiny_chat_e
         assert (scheduler.running, scheduler.waiting) == (1, 0)
         for i, events in enumerate(outcomes[1:]):  # one for the free running slot, two waiting
             scheduler.submit(job_for(tiny_chat_engine, f"short {i}?", events))
-        with pytest.raises(QueueFull, match="1 requests are running and 3 waiting"):
+        with pytest.raises(QueueFull, match="1 sequences are running and 3 requests waiting"):
             scheduler.submit(job_for(tiny_chat_engine, "one too many?", queue.Queue()))
         release.set()
         assert all(outcome(events)[1].result.finish_reason == "length" for events in outcomes)

@@ -78,6 +78,7 @@ def assert_error(response, status: int, param: str | None, *words: str) -> dict:
         (chat_body(stop_token_ids=[10**9]), "stop_token_ids", ["outside the vocabulary"]),
         (chat_body(logit_bias={"10": 1, "the": 5}), "logit_bias", ["'the' is not a token id"]),
         (chat_body(logit_bias={"-3": 5}), "logit_bias", ["'-3' is not a token id"]),
+        (chat_body(logit_bias={"0" * 4400 + "1": 5}), "logit_bias", ["is not a token id", "at most 18 digits"]),
         (chat_body(logit_bias={"10": 100.5}), "logit_bias", ["token 10's bias 100.5 is outside [-100, 100]"]),
         (chat_body(logit_bias={"10": "x"}), "logit_bias.10", ["valid number"]),
         (chat_body(logit_bias={str(10**9): 1}), "logit_bias", ["token id 1000000000 is outside the vocabulary"]),
