@@ -54,14 +54,14 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 }
 CLIENT_GONE = 499  # nginx's status for a client that closed the connection before the response ended
 SHUTDOWN_MARGIN_SECONDS = 0.5  # what streams ended at shutdown get to send their error event and [DONE]
-# endpoint -> (id prefix, response type, the choice (index, finished generation) of a response)
+# endpoint -> (id prefix, response type, the choice (index, finished generation, echoed prompt) of a response)
 ENDPOINTS = {
-    "chat": ("chatcmpl", ChatCompletionResponse, lambda index, result, texts: ChatChoice(
+    "chat": ("chatcmpl", ChatCompletionResponse, lambda index, result, texts, _: ChatChoice(
         index=index, message=AssistantMessage(content=result.text), finish_reason=result.finish_reason,
         stop_reason=result.stop_reason,
         logprobs=None if result.logprobs is None else chat_logprobs(result.logprobs, texts))),
-    "completions": ("cmpl", CompletionResponse, lambda index, result, texts: CompletionChoice(
-        index=index, text=result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+    "completions": ("cmpl", CompletionResponse, lambda index, result, texts, echo: CompletionChoice(
+        index=index, text=echo + result.text, finish_reason=result.finish_reason, stop_reason=result.stop_reason,
         logprobs=None if result.logprobs is None else completion_logprobs(result.logprobs, texts, 0))),
 }
 SALT_QUERY = Query(None, min_length=1, description="the tenant the cache was created for")
@@ -74,8 +74,9 @@ def sse(data: str) -> str:
 class Chunker:
     """Builds one endpoint's stream chunks (chat deltas or completion texts) under one id, each of one choice."""
 
-    def __init__(self, chat: bool, id_: str, model: str, include_usage: bool, texts: TokenTexts):
+    def __init__(self, chat: bool, id_: str, model: str, include_usage: bool, texts: TokenTexts, echo: str = ""):
         self.chat, self.id, self.model, self.include_usage, self.texts = chat, id_, model, include_usage, texts
+        self.echo = echo  # a completion's prompt, sent before its text
         self.created = int(time.time())
         # each choice's text of the tokens sent so far: the completions form's offsets go on from it
         self._token_characters: dict[int, int] = {}
@@ -95,6 +96,13 @@ class Chunker:
         if form is not None:
             self._token_characters[choice] = form.text_offset[-1] + len(form.tokens[-1])
         return self._chunk([CompletionChoice(index=choice, text=text, logprobs=form)])
+
+    def opening(self, choice: int) -> str | None:
+        """What a choice's stream starts with, before its first token: a chat's role (as vLLM sends it), a
+        completion's echoed prompt."""
+        if self.chat:
+            return self.text(choice, "", role=True)
+        return self.text(choice, self.echo) if self.echo else None
 
     def finish(self, choice: int, result: Generation) -> str:
         """A choice's last chunk: how its generation ended, no text."""
@@ -116,8 +124,8 @@ async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, servic
     ended = False
     try:
         async for event in stream.events(raw.is_disconnected):
-            if chunker.chat and event.choice not in started and not event.error:
-                yield chunker.text(event.choice, "", role=True)  # as vLLM: the role comes with the first token
+            if event.choice not in started and not event.error and (opening := chunker.opening(event.choice)):
+                yield opening
             started.add(event.choice)
             if event.text or event.logprobs:
                 yield chunker.text(event.choice, event.text, logprobs=event.logprobs)
@@ -206,14 +214,16 @@ def create_app(service: EngineService) -> FastAPI:
     async def answer(body: GenerationParams, prepare: Callable[..., Awaitable[Prepared]], raw: Request,
                      endpoint: str):
         model = service.check_model(body.model)
-        stream = service.submit(await prepare(body))
+        prepared = await prepare(body)
+        echo = await service.echoed_prompt(body) if isinstance(body, CompletionRequest) and body.echo else ""
+        stream = service.submit(prepared)
         id_prefix, response_type, choice_of = ENDPOINTS[endpoint]
         id_ = f"{id_prefix}-{uuid.uuid4().hex}"
         if body.stream:
-            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage, service.token_texts)
+            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage, service.token_texts, echo)
             return streaming(event_stream(stream, raw, chunker, service))
         results = await wait_for_results(stream, raw, service)
-        choices = [choice_of(index, result, service.token_texts) for index, result in enumerate(results)]
+        choices = [choice_of(index, result, service.token_texts, echo) for index, result in enumerate(results)]
         return response_type(id=id_, created=int(time.time()), model=model, choices=choices, usage=usage_of(results))
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse)

@@ -241,7 +241,8 @@ class CompletionRequest(GenerationParams):
         return {
             "prompt": isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
             and len(self.prompt) != 1 and "only one prompt per request is supported",
-            "echo": self.echo and "echo is not supported",
+            "echo": self.echo and self.logprobs is not None
+            and "echo with logprobs is not supported: the prompt's log-probabilities are not computed",
             "suffix": bool(self.suffix) and "suffix is not supported",
             "best_of": self.best_of not in (None, 1) and "only best_of=1 is supported",
         }

@@ -375,6 +375,11 @@ class EngineService:
 
         return await self._tokenize(build, "prompt", characters)
 
+    async def echoed_prompt(self, body: CompletionRequest) -> str:
+        """A completion's prompt as `echo` returns it before the generated text: its text, or its token ids'."""
+        prompt = body.single_prompt
+        return prompt if isinstance(prompt, str) else await self.detokenize(prompt)
+
     async def detokenize(self, ids: list[int]) -> str:
         if len(ids) > self.max_model_len:  # no prompt or generation holds more
             raise bad_request(f"tokens: {len(ids)} tokens, more than the maximum context length of "

@@ -137,7 +137,7 @@ def test_bad_completion_prompts(http):
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": "a", "logprobs": 21}), 400, "logprobs",
                  "less than or equal to 20")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": "a", "echo": True, "logprobs": 1}), 400,
-                 "echo", "not supported")
+                 "echo", "echo with logprobs is not supported")
 
 
 def test_text_the_tokenizer_turns_into_ids_the_model_lacks_is_a_400(server, http, monkeypatch):

@@ -220,6 +220,19 @@ def test_completions_plain_and_streamed(client):
     assert by_ids.usage.prompt_tokens == 4
 
 
+def test_an_echoed_completion_starts_with_its_prompt(client, tiny_chat_engine):
+    """OpenAI's echo: the prompt's text, then the completion, in each choice; a stream sends it first."""
+    plain = client.completions.create(prompt="Once upon a time", **GREEDY).choices[0].text
+    echoed = client.completions.create(prompt="Once upon a time", echo=True, n=2, **GREEDY)
+    assert [c.text for c in echoed.choices] == ["Once upon a time" + plain] * 2
+    chunks = list(client.completions.create(prompt="Once upon a time", echo=True, stream=True, **GREEDY))
+    assert chunks[0].choices[0].text == "Once upon a time"
+    assert "".join(c.choices[0].text for c in chunks) == echoed.choices[0].text
+    ids = tiny_chat_engine.tokenizer.encode(" the river Vell")
+    by_ids = client.completions.create(prompt=ids, echo=True, **GREEDY).choices[0].text
+    assert by_ids.startswith(tiny_chat_engine.tokenizer.decode(ids))
+
+
 def chat_until(client, predicate, attempts: int = 40, **options):
     """Repeat a request until `predicate(usage)` holds: chunks are written back off the request's path."""
     for _ in range(attempts):
