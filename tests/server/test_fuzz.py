@@ -64,6 +64,8 @@ TEXT_FIELDS = {
     "model": ("/v1/chat/completions", lambda b, t: b.update(model=t)),
     "kvreuse.method": ("/v1/chat/completions", lambda b, t: b.update(kvreuse={"method": t})),
     "prompt": ("/v1/completions", lambda b, t: b.update(prompt=t)),
+    "prompt, echoed": ("/v1/completions", lambda b, t: b.update(prompt=t, echo=True, n=2)),
+    "logit_bias key": ("/v1/chat/completions", lambda b, t: b.update(logit_bias={t: 1.0})),
     "caches text": ("/v1/caches", lambda b, t: b.update(text=t)),
 }
 
