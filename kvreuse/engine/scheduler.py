@@ -183,13 +183,19 @@ class Scheduler:
 
     def submit(self, job: GenerationJob) -> None:
         """Queue `job`, unless more than max_waiting jobs would then wait for running slots (QueueFull)."""
-        if not 1 <= job.choices <= self.max_running:  # more could never be admitted
-            raise ValueError(f"a job's choices must be in [1, max_running={self.max_running}], got {job.choices}")
+        self.submit_all([job])
+
+    def submit_all(self, jobs: list[GenerationJob]) -> None:
+        """Queue all of `jobs` (a request of several prompts), in their order, or none of them (QueueFull)."""
+        for job in jobs:
+            if not 1 <= job.choices <= self.max_running:  # more could never be admitted
+                raise ValueError(f"a job's choices must be in [1, max_running={self.max_running}], "
+                                 f"got {job.choices}")
         with self._lock:
-            if self._beyond_free_slots([*self._waiting, job]) > self.max_waiting:
+            if self._beyond_free_slots([*self._waiting, *jobs]) > self.max_waiting:
                 raise QueueFull(f"the server is at capacity: {self.running} sequences are running and "
                                 f"{len(self._waiting)} requests waiting")
-            self._waiting.append(job)
+            self._waiting.extend(jobs)
         self._wake.set()
 
     def _beyond_free_slots(self, jobs: list[GenerationJob]) -> int:

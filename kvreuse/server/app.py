@@ -47,7 +47,7 @@ from kvreuse.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from kvreuse.server.service import EngineService, JobStream, Prepared, error_of, usage_of
+from kvreuse.server.service import EngineService, JobStream, Prepared, by_prompt, error_of, usage_of
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 503)
@@ -74,9 +74,11 @@ def sse(data: str) -> str:
 class Chunker:
     """Builds one endpoint's stream chunks (chat deltas or completion texts) under one id, each of one choice."""
 
-    def __init__(self, chat: bool, id_: str, model: str, include_usage: bool, texts: TokenTexts, echo: str = ""):
+    def __init__(self, chat: bool, id_: str, model: str, include_usage: bool, texts: TokenTexts,
+                 choices_per_prompt: int = 1, echo: list[str] | None = None):
         self.chat, self.id, self.model, self.include_usage, self.texts = chat, id_, model, include_usage, texts
-        self.echo = echo  # a completion's prompt, sent before its text
+        self.choices_per_prompt = choices_per_prompt
+        self.echo = echo  # a completion's prompts, each sent before its choices' text
         self.created = int(time.time())
         # each choice's text of the tokens sent so far: the completions form's offsets go on from it
         self._token_characters: dict[int, int] = {}
@@ -102,7 +104,7 @@ class Chunker:
         completion's echoed prompt."""
         if self.chat:
             return self.text(choice, "", role=True)
-        return self.text(choice, self.echo) if self.echo else None
+        return self.text(choice, self.echo[choice // self.choices_per_prompt]) if self.echo else None
 
     def finish(self, choice: int, result: Generation) -> str:
         """A choice's last chunk: how its generation ended, no text."""
@@ -112,7 +114,7 @@ class Chunker:
         return self._chunk([CompletionChoice(text="", **ended)])
 
     def usage(self, results: list[Generation]) -> str:
-        return self._chunk([], usage_of(results))
+        return self._chunk([], usage_of(results, self.choices_per_prompt))
 
 
 async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, service: EngineService
@@ -137,9 +139,10 @@ async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, servic
             if event.result:
                 results[event.choice] = event.result
                 yield chunker.finish(event.choice, event.result)
-            if len(results) == stream.job.choices:
-                finished = [results[choice] for choice in range(stream.job.choices)]
-                service.metrics.generated(finished)
+            if len(results) == stream.choices:
+                finished = [results[choice] for choice in range(stream.choices)]
+                for choices in by_prompt(finished, chunker.choices_per_prompt):
+                    service.metrics.generated(choices)
                 ended = True
                 if chunker.include_usage:
                     yield chunker.usage(finished)
@@ -149,9 +152,11 @@ async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, servic
             set_outcome(raw.scope, CLIENT_GONE)
 
 
-async def wait_for_results(stream: JobStream, raw: Request, service: EngineService) -> list[Generation]:
+async def wait_for_results(stream: JobStream, raw: Request, service: EngineService, choices_per_prompt: int
+                           ) -> list[Generation]:
     results = await stream.results(raw.is_disconnected)
-    service.metrics.generated(results)
+    for choices in by_prompt(results, choices_per_prompt):
+        service.metrics.generated(choices)
     return results
 
 
@@ -211,20 +216,23 @@ def create_app(service: EngineService) -> FastAPI:
 
     v1 = APIRouter(prefix="/v1", responses=ERRORS)
 
-    async def answer(body: GenerationParams, prepare: Callable[..., Awaitable[Prepared]], raw: Request,
+    async def answer(body: GenerationParams, prepare: Callable[..., Awaitable[list[Prepared]]], raw: Request,
                      endpoint: str):
         model = service.check_model(body.model)
         prepared = await prepare(body)
-        echo = await service.echoed_prompt(body) if isinstance(body, CompletionRequest) and body.echo else ""
+        echo = [await service.echoed_prompt(prompt) for prompt in body.prompts] \
+            if isinstance(body, CompletionRequest) and body.echo else None
         stream = service.submit(prepared)
         id_prefix, response_type, choice_of = ENDPOINTS[endpoint]
         id_ = f"{id_prefix}-{uuid.uuid4().hex}"
         if body.stream:
-            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage, service.token_texts, echo)
+            chunker = Chunker(endpoint == "chat", id_, model, body.include_usage, service.token_texts, body.n, echo)
             return streaming(event_stream(stream, raw, chunker, service))
-        results = await wait_for_results(stream, raw, service)
-        choices = [choice_of(index, result, service.token_texts, echo) for index, result in enumerate(results)]
-        return response_type(id=id_, created=int(time.time()), model=model, choices=choices, usage=usage_of(results))
+        results = await wait_for_results(stream, raw, service, body.n)
+        choices = [choice_of(index, result, service.token_texts, echo[index // body.n] if echo else "")
+                   for index, result in enumerate(results)]
+        return response_type(id=id_, created=int(time.time()), model=model, choices=choices,
+                             usage=usage_of(results, body.n))
 
     @v1.post("/chat/completions", response_model=ChatCompletionResponse)
     async def chat_completions(body: ChatCompletionRequest, raw: Request):

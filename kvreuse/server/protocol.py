@@ -239,8 +239,6 @@ class CompletionRequest(GenerationParams):
 
     def _unsupported(self) -> dict[str, str | bool]:
         return {
-            "prompt": isinstance(self.prompt, list) and self.prompt and isinstance(self.prompt[0], (str, list))
-            and len(self.prompt) != 1 and "only one prompt per request is supported",
             "echo": self.echo and self.logprobs is not None
             and "echo with logprobs is not supported: the prompt's log-probabilities are not computed",
             "suffix": bool(self.suffix) and "suffix is not supported",
@@ -248,11 +246,12 @@ class CompletionRequest(GenerationParams):
         }
 
     @property
-    def single_prompt(self) -> str | list[int]:
+    def prompts(self) -> list[str | list[int]]:
+        """The request's prompts: one text or list of token ids, or a list of them (a batch, as vLLM takes it)."""
         prompt = self.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-            return prompt[0]
-        return prompt
+            return list(prompt)
+        return [prompt]
 
     @property
     def token_budget(self) -> int | None:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TypeVar
 
 from jinja2 import TemplateError
@@ -58,7 +58,7 @@ LONG_TEXT_CHARACTERS = 65_536
 MAX_LONG_TEXTS = 2  # being tokenized or waiting to be
 
 
-@dataclass
+@dataclasses.dataclass
 class Prepared:
     """A request ready for the engine."""
 
@@ -90,37 +90,48 @@ def method_spec(options: KvreuseOptions | None, default: str) -> str:
     return method
 
 
-def usage_of(results: list[Generation]) -> Usage:
-    """A request's usage: its prompt once, the tokens of every choice, how its prompt's KV was obtained (once for
-    all its choices) and its first token's time."""
-    result = results[0]
-    s, fusion = result.stats, result.stats.fusion
+def by_prompt(results: list[Generation], choices_per_prompt: int) -> list[list[Generation]]:
+    """A request's choices, each prompt's together (choice i x n + j is prompt i's choice j)."""
+    return [results[i:i + choices_per_prompt] for i in range(0, len(results), choices_per_prompt)]
+
+
+def usage_of(results: list[Generation], choices_per_prompt: int = 1) -> Usage:
+    """A request's usage: each prompt once, the tokens of every choice; for a request of one prompt, how its KV was
+    obtained (once for all its choices) and its first token's time (several prompts each have their own)."""
+    prompts = [choices[0] for choices in by_prompt(results, choices_per_prompt)]
+    prompt_tokens = sum(r.prompt_tokens for r in prompts)
     completion = sum(len(r.token_ids) for r in results)
     return Usage(
-        prompt_tokens=result.prompt_tokens,
+        prompt_tokens=prompt_tokens,
         completion_tokens=completion,
-        total_tokens=result.prompt_tokens + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=s.cached_tokens),
-        kvreuse=KvreuseUsage(
-            method=fusion.method,
-            reused_tokens=fusion.reused_tokens,
-            restored_prefix_tokens=s.prefix.restored_tokens,
-            restored_loaded_tokens_by_tier=s.prefix.loaded_tokens_by_tier,
-            restore_seconds=s.prefix.seconds,
-            computed_tokens=fusion.computed_tokens_layer0,
-            recompute_share=fusion.recompute_share,
-            loaded_tokens_by_tier=s.loaded_tokens_by_tier,
-            chunk_hits=s.chunk_hits,
-            chunks=s.chunks,
-            load_seconds=fusion.load_seconds,
-            compute_seconds=fusion.prefill_seconds - fusion.load_wait_seconds,
-            paused_seconds=fusion.paused_seconds,
-            queue_seconds=s.queue_seconds,
-            ttft_seconds=min(r.ttft for r in results),
-            auto=None if s.auto is None else AutoChoice(requested_method=s.auto.requested_method or "auto",
-                                                         predicted_ttft_seconds=s.auto.predicted_ttft,
-                                                         candidates=s.auto.candidates),
-        ),
+        total_tokens=prompt_tokens + completion,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(r.stats.cached_tokens for r in prompts)),
+        kvreuse=_kvreuse_usage(results) if len(prompts) == 1 else None,
+    )
+
+
+def _kvreuse_usage(results: list[Generation]) -> KvreuseUsage:
+    """How one prompt's KV was obtained, and its first token's time; `results`: its choices."""
+    s, fusion = results[0].stats, results[0].stats.fusion
+    return KvreuseUsage(
+        method=fusion.method,
+        reused_tokens=fusion.reused_tokens,
+        restored_prefix_tokens=s.prefix.restored_tokens,
+        restored_loaded_tokens_by_tier=s.prefix.loaded_tokens_by_tier,
+        restore_seconds=s.prefix.seconds,
+        computed_tokens=fusion.computed_tokens_layer0,
+        recompute_share=fusion.recompute_share,
+        loaded_tokens_by_tier=s.loaded_tokens_by_tier,
+        chunk_hits=s.chunk_hits,
+        chunks=s.chunks,
+        load_seconds=fusion.load_seconds,
+        compute_seconds=fusion.prefill_seconds - fusion.load_wait_seconds,
+        paused_seconds=fusion.paused_seconds,
+        queue_seconds=s.queue_seconds,
+        ttft_seconds=min(r.ttft for r in results),
+        auto=None if s.auto is None else AutoChoice(requested_method=s.auto.requested_method or "auto",
+                                                     predicted_ttft_seconds=s.auto.predicted_ttft,
+                                                     candidates=s.auto.candidates),
     )
 
 
@@ -137,18 +148,20 @@ def error_of(error: BaseException) -> APIError:
 
 
 class JobStream:
-    """One submitted job's events on the event loop; leaving the iteration early cancels the job."""
+    """The events of one request's jobs (one a prompt) on the event loop, their choices numbered across the jobs
+    in order; leaving the iteration early cancels the jobs."""
 
-    def __init__(self, job: GenerationJob, events: asyncio.Queue[JobEvent]):
-        self.job, self._events = job, events
+    def __init__(self, jobs: list[GenerationJob], events: asyncio.Queue[JobEvent]):
+        self.jobs, self._events = jobs, events
+        self.choices = sum(job.choices for job in jobs)
 
     async def events(self, disconnected: Callable[[], Awaitable[bool]]) -> AsyncIterator[JobEvent]:
-        """The job's events until its last (an error, or the result of its last choice to finish); stops early
-        (cancelling the job) once the client has gone, which is checked every DISCONNECT_POLL_SECONDS however fast
+        """The jobs' events until the last (an error, or the result of the last choice to finish); stops early
+        (cancelling the jobs) once the client has gone, which is checked every DISCONNECT_POLL_SECONDS however fast
         events come."""
         loop = asyncio.get_running_loop()
         next_check = loop.time() + DISCONNECT_POLL_SECONDS
-        unfinished = self.job.choices
+        unfinished = self.choices
         try:
             while True:
                 try:
@@ -166,19 +179,20 @@ class JobStream:
                 if event.error or not unfinished:
                     return
         finally:
-            self.job.cancel()  # a no-op once it has finished
+            for job in self.jobs:
+                job.cancel()  # a no-op once it has finished
 
     async def results(self, disconnected: Callable[[], Awaitable[bool]]) -> list[Generation]:
-        """Wait for the end; each choice's generation, in their order. Raises the job's error as an APIError."""
+        """Wait for the end; each choice's generation, in their order. Raises a job's error as an APIError."""
         results: dict[int, Generation] = {}
         async for event in self.events(disconnected):
             if event.error:
                 raise error_of(event.error)
             if event.result:
                 results[event.choice] = event.result
-        if len(results) < self.job.choices:
+        if len(results) < self.choices:
             raise APIError(499, "the client disconnected", code="cancelled")
-        return [results[choice] for choice in range(self.job.choices)]
+        return [results[choice] for choice in range(self.choices)]
 
 
 # The body's sampling fields that SamplingParams takes as they are, under the same names
@@ -330,9 +344,9 @@ class EngineService:
             param, why = refusal
             raise bad_request(f"{param}: {why}", param)
 
-    async def prepare_chat(self, body: ChatCompletionRequest) -> Prepared:
+    async def prepare_chat(self, body: ChatCompletionRequest) -> list[Prepared]:
         self._refuse_unsupported(body)
-        return self._prepare(body, await self.chat_prompt(body), "messages")
+        return [self._prepare(body, await self.chat_prompt(body), "messages")]
 
     async def chat_prompt(self, body: ChatCompletionRequest | TokenizeChatRequest) -> Request:
         """The prompt of a conversation: its template head and history, its cached and given documents, and its last
@@ -353,9 +367,14 @@ class EngineService:
 
         return await self._tokenize(build, "messages", characters)
 
-    async def prepare_completion(self, body: CompletionRequest) -> Prepared:
+    async def prepare_completion(self, body: CompletionRequest) -> list[Prepared]:
+        """One prepared job for each of the request's prompts (vLLM's batch of prompts)."""
         self._refuse_unsupported(body)
-        return self._prepare(body, await self.completion_prompt(body, body.single_prompt), "prompt")
+        prompts, most = body.prompts, self.config.max_concurrency + self.config.max_queue
+        if len(prompts) > most:  # more could never be queued at once
+            raise bad_request(f"prompt: {len(prompts)} prompts; at most {most} in one request (the server's "
+                              f"--max-concurrency + --max-queue)", "prompt")
+        return [self._prepare(body, await self.completion_prompt(body, prompt), "prompt") for prompt in prompts]
 
     async def completion_prompt(self, body: PromptParts, prompt: str | list[int]) -> Request:
         """The prompt of a completion: its cached and given documents, then `prompt` (text or token ids)."""
@@ -375,9 +394,8 @@ class EngineService:
 
         return await self._tokenize(build, "prompt", characters)
 
-    async def echoed_prompt(self, body: CompletionRequest) -> str:
+    async def echoed_prompt(self, prompt: str | list[int]) -> str:
         """A completion's prompt as `echo` returns it before the generated text: its text, or its token ids'."""
-        prompt = body.single_prompt
         return prompt if isinstance(prompt, str) else await self.detokenize(prompt)
 
     async def detokenize(self, ids: list[int]) -> str:
@@ -389,23 +407,31 @@ class EngineService:
 
     # ---- generation ------------------------------------------------------------------------------------
 
-    def submit(self, prepared: Prepared) -> JobStream:
+    def submit(self, prepared: list[Prepared]) -> JobStream:
+        """Queue a request's jobs, all or none; their events come numbered across them (prompt i's choice j is
+        choice i x n + j, as OpenAI numbers a batch's choices)."""
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[JobEvent] = asyncio.Queue()
 
-        def deliver(event: JobEvent) -> None:
-            with contextlib.suppress(RuntimeError):  # the loop has closed: the server is shutting down
-                loop.call_soon_threadsafe(events.put_nowait, event)
+        def deliver_from(first_choice: int) -> Callable[[JobEvent], None]:
+            def deliver(event: JobEvent) -> None:
+                event = dataclasses.replace(event, choice=first_choice + event.choice)
+                with contextlib.suppress(RuntimeError):  # the loop has closed: the server is shutting down
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+            return deliver
 
-        job = GenerationJob(prepared.request, prepared.sampling, deliver, prepared.method,
-                            timeout=self.config.request_timeout, choices=prepared.choices)
+        jobs, first = [], 0
+        for p in prepared:
+            jobs.append(GenerationJob(p.request, p.sampling, deliver_from(first), p.method,
+                                      timeout=self.config.request_timeout, choices=p.choices))
+            first += p.choices
         try:
-            self.scheduler.submit(job)
+            self.scheduler.submit_all(jobs)
         except QueueFull as e:
             self.metrics.queue_rejections.inc()
             raise APIError(429, f"{e}; retry later", code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from None
-        return JobStream(job, events)
+        return JobStream(jobs, events)
 
     # ---- the context-cache API ---------------------------------------------------------------------------
 

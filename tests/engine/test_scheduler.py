@@ -217,6 +217,16 @@ def test_a_full_queue_refuses_the_job(tiny_chat_engine):
         scheduler.submit(job_for(tiny_chat_engine, "three?", queue.Queue()))
 
 
+def test_a_request_s_jobs_are_queued_all_or_none(tiny_chat_engine):
+    scheduler = Scheduler(tiny_chat_engine, max_running=1, max_waiting=1)  # not started: nothing leaves the queue
+    jobs = [job_for(tiny_chat_engine, f"prompt {i}?", queue.Queue()) for i in range(3)]
+    with pytest.raises(QueueFull):
+        scheduler.submit_all(jobs)
+    assert scheduler.waiting == 0
+    scheduler.submit_all(jobs[:2])
+    assert scheduler.waiting == 2
+
+
 def test_the_queue_bound_counts_the_slots_a_job_s_choices_need(tiny_chat_engine):
     """With no room to wait, jobs of 2 choices enter while the free slots hold all of them; the next would wait."""
     scheduler = Scheduler(tiny_chat_engine, max_running=4, max_waiting=0)  # not started: nothing leaves the queue

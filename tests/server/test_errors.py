@@ -132,7 +132,9 @@ def test_bad_completion_prompts(http):
     url = "/v1/completions"
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ""}), 400, "prompt", "must not be empty")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": [-1, 5]}), 400, "prompt", "token id -1")
-    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a", "b"]}), 400, "prompt", "one prompt")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a"] * 265}), 400, "prompt",
+                 "265 prompts; at most 264 in one request")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a", ""]}), 400, "prompt", "must not be empty")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": {"text": "a"}}), 400, "prompt")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": "a", "logprobs": 21}), 400, "logprobs",
                  "less than or equal to 20")

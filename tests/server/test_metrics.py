@@ -150,3 +150,16 @@ def test_a_first_token_s_wait_is_split_into_queue_prefill_and_pauses(make_server
     assert prefill_sum >= usage["compute_seconds"] > 0
     assert paused_sum == pytest.approx(usage["paused_seconds"])
     assert unpaused == (0 if gap_ms == 0 else 1)
+
+
+def test_a_batch_of_prompts_counts_each_prompt_and_choice(make_server):
+    server = make_server()
+    with server.http() as http:
+        before = (samples(http, "kvreuse_prompt_tokens_total")[()],
+                  histogram(http, "kvreuse_time_to_first_token_seconds"),
+                  samples(http, "kvreuse_generation_tokens_total")[()])
+        answer = http.post("/v1/completions", json={"model": MODEL_NAME, "prompt": [[9, 10, 11], [12, 13]], "n": 2,
+                                                    "max_tokens": 3, "ignore_eos": True}).json()
+        assert samples(http, "kvreuse_prompt_tokens_total")[()] - before[0] == 5 == answer["usage"]["prompt_tokens"]
+        assert histogram(http, "kvreuse_time_to_first_token_seconds")[0] - before[1][0] == 2  # one each prompt
+        assert samples(http, "kvreuse_generation_tokens_total")[()] - before[2] == 12  # 2 prompts x 2 choices x 3

@@ -48,8 +48,8 @@ def test_vllms_sampling_parameters_reach_the_engine(client, server, monkeypatch)
     (their effects: tests/engine/test_sampling.py and test_text_stream.py)."""
     sent = dict(top_k=20, min_p=0.05, repetition_penalty=1.3, frequency_penalty=0.5, presence_penalty=-0.25,
                 stop_token_ids=[7, 9], min_tokens=2, include_stop_str_in_output=True, seed=-5)
-    jobs, submit = [], server.service.scheduler.submit
-    monkeypatch.setattr(server.service.scheduler, "submit", lambda job: jobs.append(job) or submit(job))
+    jobs, submit_all = [], server.service.scheduler.submit_all
+    monkeypatch.setattr(server.service.scheduler, "submit_all", lambda batch: jobs.extend(batch) or submit_all(batch))
     client.chat.completions.create(messages=QUESTION, model=MODEL_NAME, max_tokens=4, extra_body=sent)
     (job,) = jobs
     assert {name: getattr(job.sampling, name) for name in sent} == sent
@@ -231,6 +231,25 @@ def test_an_echoed_completion_starts_with_its_prompt(client, tiny_chat_engine):
     ids = tiny_chat_engine.tokenizer.encode(" the river Vell")
     by_ids = client.completions.create(prompt=ids, echo=True, **GREEDY).choices[0].text
     assert by_ids.startswith(tiny_chat_engine.tokenizer.decode(ids))
+
+
+def test_a_batch_of_prompts_is_one_request_their_choices_numbered_in_order(client):
+    """vLLM's batch: prompt i's choice j is choice i x n + j, each as the prompt alone gives it; the usage counts
+    every prompt; a stream's chunks carry those indices, an echoed prompt first in each."""
+    prompts = ["Once upon a time", "The river"]
+    alone = [client.completions.create(prompt=p, **GREEDY) for p in prompts]
+    batch = client.completions.create(prompt=prompts, n=2, **GREEDY)
+    assert [c.index for c in batch.choices] == [0, 1, 2, 3]
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone for _ in range(2)]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
+    assert batch.usage.completion_tokens == 2 * sum(a.usage.completion_tokens for a in alone)
+    assert kvreuse_usage(batch.usage) is None  # each prompt's KV came its own way
+    chunks = list(client.completions.create(prompt=prompts, echo=True, stream=True, **GREEDY))
+    for index, prompt in enumerate(prompts):
+        texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].index == index]
+        assert texts[0] == prompt and "".join(texts) == prompt + alone[index].choices[0].text
+    by_ids = client.completions.create(prompt=[[9, 10, 11], [12, 13]], **GREEDY)
+    assert len(by_ids.choices) == 2 and by_ids.usage.prompt_tokens == 5
 
 
 def chat_until(client, predicate, attempts: int = 40, **options):
