@@ -671,6 +671,7 @@ def test_a_cancelled_job_of_several_choices_ends_each_and_reports_once(tiny_chat
         decoding = set()
         while len(decoding) < 3:  # each choice's first text is out
             decoding.add(events.get(timeout=60).choice)
+        assert scheduler.call(lambda: scheduler.running).result(timeout=10) == 3  # a slot each
         job.cancel()
         assert outcome(events)[1].error is not None
         assert scheduler.call(lambda: (scheduler.running, scheduler.pool.members)).result(timeout=10) == (0, [])
