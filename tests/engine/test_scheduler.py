@@ -702,3 +702,34 @@ def test_a_job_whose_first_token_cannot_be_drawn_fails_alone(tiny_chat_engine, m
         assert scheduler.call(lambda: scheduler.running).result(timeout=10) == 0
     finally:
         scheduler.stop()
+
+
+def test_while_a_batch_s_next_prompt_is_computed_the_jobs_before_it_count_each_choice_once(tiny_chat_engine,
+                                                                                          monkeypatch):
+    """A job of 2 choices prefilled first in a batch decodes while the batch's next job is computed: the running
+    count is its 2 sequences and that job's 1, not more."""
+    scheduler = Scheduler(tiny_chat_engine, max_running=3, max_waiting=2, max_prefill_batch=2)
+    computing, release, real_run, calls = threading.Event(), threading.Event(), tiny_chat_engine.executor.run, []
+
+    def second_held(*args, **kwargs):
+        calls.append(None)
+        if len(calls) == 2:
+            computing.set()
+            release.wait(60)
+        return real_run(*args, **kwargs)
+
+    monkeypatch.setattr(tiny_chat_engine.executor, "run", second_held)
+    first, second = queue.Queue(), queue.Queue()
+    try:
+        scheduler.start()
+        with scheduler.held():
+            scheduler.submit(job_for(tiny_chat_engine, "two answers first?", first, choices=2))
+            scheduler.submit(job_for(tiny_chat_engine, "then one?", second))
+        assert computing.wait(60)
+        assert scheduler.running == 3
+        release.set()
+        assert sorted(choices_outcome(first, 2)[1]) == [0, 1]
+        assert outcome(second)[1].result.finish_reason == "length"
+    finally:
+        release.set()
+        scheduler.stop()
