@@ -320,9 +320,6 @@ class EngineService:
             sampling = self._sampling(body, budget or min(self.config.default_max_tokens, room))
         except InvalidSampling as e:  # a combination the body's own checks cannot see (min_tokens > max_tokens)
             raise bad_request(str(e), e.param) from None
-        if body.n > self.config.max_concurrency:  # each choice decodes as a running request
-            raise bad_request(f"n: at most {self.config.max_concurrency} choices (the server's --max-concurrency), "
-                              f"got {body.n}", "n")
         return Prepared(request, sampling, method_spec(body.kvreuse, self.config.method), body.n)
 
     def _sampling(self, body: GenerationParams, max_tokens: int) -> SamplingParams:
@@ -343,6 +340,9 @@ class EngineService:
         if refusal := body.refusal():
             param, why = refusal
             raise bad_request(f"{param}: {why}", param)
+        if body.n > self.config.max_concurrency:  # each choice decodes as a running request
+            raise bad_request(f"n: at most {self.config.max_concurrency} choices (the server's --max-concurrency), "
+                              f"got {body.n}", "n")
 
     async def prepare_chat(self, body: ChatCompletionRequest) -> list[Prepared]:
         self._refuse_unsupported(body)
@@ -370,20 +370,25 @@ class EngineService:
     async def prepare_completion(self, body: CompletionRequest) -> list[Prepared]:
         """One prepared job for each of the request's prompts (vLLM's batch of prompts)."""
         self._refuse_unsupported(body)
-        prompts, most = body.prompts, self.config.max_concurrency + self.config.max_queue
-        if len(prompts) > most:  # more could never be queued at once
-            raise bad_request(f"prompt: {len(prompts)} prompts; at most {most} in one request (the server's "
-                              f"--max-concurrency + --max-queue)", "prompt")
-        return [self._prepare(body, await self.completion_prompt(body, prompt), "prompt") for prompt in prompts]
+        prompts = body.prompts
+        # Even on an idle server, --max-concurrency // n of the prompts run at once and the others wait in the queue
+        most = self.config.max_concurrency // body.n + self.config.max_queue
+        if len(prompts) > most:  # more could never be queued at once: a 429 would be retried in vain
+            raise bad_request(f"prompt: {len(prompts)} prompts of n={body.n}; at most {most} in one request (the "
+                              f"server's --max-concurrency // n + --max-queue)", "prompt")
+        params = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+        return [self._prepare(body, await self.completion_prompt(body, prompt, param), param)
+                for prompt, param in zip(prompts, params)]
 
-    async def completion_prompt(self, body: PromptParts, prompt: str | list[int]) -> Request:
-        """The prompt of a completion: its cached and given documents, then `prompt` (text or token ids)."""
+    async def completion_prompt(self, body: PromptParts, prompt: str | list[int], param: str = "prompt") -> Request:
+        """The prompt of a completion: its cached and given documents, then `prompt` (text or token ids); errors
+        name it as `param`."""
         cached = self._cached_chunks(body.cache_ids, body.cache_salt)
-        characters = self._check_length([*body.documents, prompt if isinstance(prompt, str) else ""], "prompt")
+        characters = self._check_length([*body.documents, prompt if isinstance(prompt, str) else ""], param)
         tokenizer = self.engine.tokenizer
 
         def build() -> Request:
-            ids = self._check_token_ids(prompt, "prompt") if isinstance(prompt, list) else tokenizer.encode(prompt)
+            ids = self._check_token_ids(prompt, param) if isinstance(prompt, list) else tokenizer.encode(prompt)
             if not ids:
                 raise ValueError("must not be empty")
             chunks = cached + [chunk_ids(tokenizer, d) for d in body.documents]
@@ -392,7 +397,7 @@ class EngineService:
             self._check_tokenized(request.token_ids)
             return request
 
-        return await self._tokenize(build, "prompt", characters)
+        return await self._tokenize(build, param, characters)
 
     async def echoed_prompt(self, prompt: str | list[int]) -> str:
         """A completion's prompt as `echo` returns it before the generated text: its text, or its token ids'."""

@@ -133,8 +133,14 @@ def test_bad_completion_prompts(http):
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ""}), 400, "prompt", "must not be empty")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": [-1, 5]}), 400, "prompt", "token id -1")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a"] * 265}), 400, "prompt",
-                 "265 prompts; at most 264 in one request")
-    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a", ""]}), 400, "prompt", "must not be empty")
+                 "265 prompts of n=1; at most 264 in one request")
+    # 8 running slots hold 4 prompts of n=2 at once, 256 more wait: 261 could never be queued (a 429 for ever)
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a"] * 261, "n": 2}), 400, "prompt",
+                 "261 prompts of n=2; at most 260")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": ["a", ""]}), 400, "prompt[1]",
+                 "must not be empty")
+    assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": [[5], [7, 10**9]]}), 400, "prompt[1]",
+                 "token id 1000000000")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": {"text": "a"}}), 400, "prompt")
     assert_error(http.post(url, json={"model": MODEL_NAME, "prompt": "a", "logprobs": 21}), 400, "logprobs",
                  "less than or equal to 20")
@@ -190,6 +196,16 @@ def wait_until(condition, timeout: float = 30) -> None:
     while not condition():
         assert time.monotonic() < deadline, "timed out waiting"
         time.sleep(0.02)
+
+
+def test_a_batch_of_prompts_an_idle_server_could_queue_is_taken_and_a_larger_one_is_a_400(make_server):
+    """2 running slots hold one prompt of n=2 at a time and 1 more may wait: 2 prompts fit, 3 never would."""
+    server = make_server(max_concurrency=2, max_queue=1)
+    with server.http() as http:
+        body = {"model": MODEL_NAME, "n": 2, "max_tokens": 2}
+        assert len(http.post("/v1/completions", json={**body, "prompt": ["a", "b"]}).json()["choices"]) == 4
+        assert_error(http.post("/v1/completions", json={**body, "prompt": ["a", "b", "c"]}), 400, "prompt",
+                     "3 prompts of n=2; at most 2")
 
 
 def test_cache_creations_are_bounded_timed_and_dropped_when_their_client_goes(make_server, monkeypatch):
