@@ -47,7 +47,7 @@ from kvreuse.server.protocol import (
     TokenizeCompletionRequest,
     TokenizeResponse,
 )
-from kvreuse.server.service import EngineService, JobStream, Prepared, by_prompt, error_of, usage_of
+from kvreuse.server.service import EngineService, JobStream, Prepared, error_of, usage_of
 
 ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 408, 413, 429, 503)
@@ -141,8 +141,7 @@ async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, servic
                 yield chunker.finish(event.choice, event.result)
             if len(results) == stream.choices:
                 finished = [results[choice] for choice in range(stream.choices)]
-                for choices in by_prompt(finished, chunker.choices_per_prompt):
-                    service.metrics.generated(choices)
+                service.metrics.generated(finished, chunker.choices_per_prompt)
                 ended = True
                 if chunker.include_usage:
                     yield chunker.usage(finished)
@@ -155,8 +154,7 @@ async def event_stream(stream: JobStream, raw: Request, chunker: Chunker, servic
 async def wait_for_results(stream: JobStream, raw: Request, service: EngineService, choices_per_prompt: int
                            ) -> list[Generation]:
     results = await stream.results(raw.is_disconnected)
-    for choices in by_prompt(results, choices_per_prompt):
-        service.metrics.generated(choices)
+    service.metrics.generated(results, choices_per_prompt)
     return results
 
 
@@ -271,7 +269,7 @@ def create_app(service: EngineService) -> FastAPI:
         if isinstance(body, TokenizeChatRequest):
             prompt = await service.chat_prompt(body)
         else:
-            prompt = await service.completion_prompt(body, body.prompt)
+            (prompt,) = await service.completion_prompts(body, [body.prompt])
         return TokenizeResponse(count=len(prompt), max_model_len=service.max_model_len,
                                 tokens=prompt.token_ids.tolist())
 

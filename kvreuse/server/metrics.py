@@ -98,8 +98,13 @@ class Metrics:
     def request(self, endpoint: str, outcome: str, status: int) -> None:
         self.requests.labels(endpoint, outcome, str(status)).inc()
 
-    def generated(self, results: list[Generation]) -> None:
-        """A finished request's tokens and latencies: its choices' generations (one prompt, computed once)."""
+    def generated(self, results: list[Generation], choices_per_prompt: int = 1) -> None:
+        """A finished request's tokens and latencies: its choices' generations, each prompt's together (choice
+        i x n + j is prompt i's choice j); each prompt counts as a request, its KV computed once."""
+        for first in range(0, len(results), choices_per_prompt):
+            self._prompt_generated(results[first:first + choices_per_prompt])
+
+    def _prompt_generated(self, results: list[Generation]) -> None:
         result = results[0]
         self.prompt_tokens.inc(result.prompt_tokens)
         self.cached_tokens.inc(result.stats.cached_tokens)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
@@ -90,15 +91,10 @@ def method_spec(options: KvreuseOptions | None, default: str) -> str:
     return method
 
 
-def by_prompt(results: list[Generation], choices_per_prompt: int) -> list[list[Generation]]:
-    """A request's choices, each prompt's together (choice i x n + j is prompt i's choice j)."""
-    return [results[i:i + choices_per_prompt] for i in range(0, len(results), choices_per_prompt)]
-
-
 def usage_of(results: list[Generation], choices_per_prompt: int = 1) -> Usage:
     """A request's usage: each prompt once, the tokens of every choice; for a request of one prompt, how its KV was
     obtained (once for all its choices) and its first token's time (several prompts each have their own)."""
-    prompts = [choices[0] for choices in by_prompt(results, choices_per_prompt)]
+    prompts = results[::choices_per_prompt]  # each prompt's first choice (choice i x n + j: prompt i's choice j)
     prompt_tokens = sum(r.prompt_tokens for r in prompts)
     completion = sum(len(r.token_ids) for r in results)
     return Usage(
@@ -376,28 +372,38 @@ class EngineService:
         if len(prompts) > most:  # more could never be queued at once: a 429 would be retried in vain
             raise bad_request(f"prompt: {len(prompts)} prompts of n={body.n}; at most {most} in one request (the "
                               f"server's --max-concurrency // n + --max-queue)", "prompt")
-        params = ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
-        return [self._prepare(body, await self.completion_prompt(body, prompt, param), param)
-                for prompt, param in zip(prompts, params)]
+        requests = await self.completion_prompts(body, prompts)
+        return [self._prepare(body, request, param) for request, param in zip(requests, self._prompt_params(prompts))]
 
-    async def completion_prompt(self, body: PromptParts, prompt: str | list[int], param: str = "prompt") -> Request:
-        """The prompt of a completion: its cached and given documents, then `prompt` (text or token ids); errors
-        name it as `param`."""
-        cached = self._cached_chunks(body.cache_ids, body.cache_salt)
-        characters = self._check_length([*body.documents, prompt if isinstance(prompt, str) else ""], param)
+    @staticmethod
+    def _prompt_params(prompts: list) -> list[str]:
+        """How errors name each prompt: prompt, or prompt[i] in a batch."""
+        return ["prompt"] if len(prompts) == 1 else [f"prompt[{i}]" for i in range(len(prompts))]
+
+    async def completion_prompts(self, body: PromptParts, prompts: list[str | list[int]]) -> list[Request]:
+        """The prompts of a completion (texts or token ids), each after the request's cached and given documents,
+        which are tokenized once for all of them."""
+        chunks = self._cached_chunks(body.cache_ids, body.cache_salt)
+        if body.documents:
+            characters = self._check_length(body.documents, "prompt")
+            chunks += await self._tokenize(lambda: [self._tokenized_chunk(d) for d in body.documents], "prompt",
+                                           characters)
         tokenizer = self.engine.tokenizer
 
-        def build() -> Request:
+        def build(prompt: str | list[int], param: str) -> Request:
             ids = self._check_token_ids(prompt, param) if isinstance(prompt, list) else tokenizer.encode(prompt)
             if not ids:
                 raise ValueError("must not be empty")
-            chunks = cached + [chunk_ids(tokenizer, d) for d in body.documents]
-            request = Request([*(Segment(SegmentKind.CHUNK, c) for c in chunks), Segment(SegmentKind.FRESH, ids)],
-                              body.cache_salt)
-            self._check_tokenized(request.token_ids)
-            return request
+            self._check_tokenized(ids)
+            return Request([*(Segment(SegmentKind.CHUNK, c) for c in chunks), Segment(SegmentKind.FRESH, ids)],
+                           body.cache_salt)
 
-        return await self._tokenize(build, param, characters)
+        requests = []
+        for prompt, param in zip(prompts, self._prompt_params(prompts)):
+            text = prompt if isinstance(prompt, str) else ""
+            self._check_length([*body.documents, text], param)
+            requests.append(await self._tokenize(functools.partial(build, prompt, param), param, len(text)))
+        return requests
 
     async def echoed_prompt(self, prompt: str | list[int]) -> str:
         """A completion's prompt as `echo` returns it before the generated text: its text, or its token ids'."""

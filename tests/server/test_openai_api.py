@@ -250,6 +250,11 @@ def test_a_batch_of_prompts_is_one_request_their_choices_numbered_in_order(clien
         assert texts[0] == prompt and "".join(texts) == prompt + alone[index].choices[0].text
     by_ids = client.completions.create(prompt=[[9, 10, 11], [12, 13]], **GREEDY)
     assert len(by_ids.choices) == 2 and by_ids.usage.prompt_tokens == 5
+    with_documents = dict(extra_body={"documents": DOCUMENTS, "kvreuse": {"method": "full"}}, **GREEDY)
+    alone = [client.completions.create(prompt=p, **with_documents) for p in prompts]
+    batch = client.completions.create(prompt=prompts, **with_documents)  # the documents come before every prompt
+    assert [c.text for c in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == sum(a.usage.prompt_tokens for a in alone)
 
 
 def chat_until(client, predicate, attempts: int = 40, **options):
