@@ -220,7 +220,8 @@ class ReuseEngine:
             probes[key, with_extras] = found.get(key)
         return {k: hit for k in keys if (hit := probes.get((k, True), probes.get((k, with_extras)))) is not None}
 
-    def _compile(self, segment: Segment, key: str, method: Method) -> None:
+    def _compile(self, segment: Segment, key: str, method: Method) -> bool:
+        """Compute the chunk's entry in `method`'s compile mode and store it; False if no tier could hold it."""
         dummies = int(method.compile_mode.partition(":")[2] or 0) if segment.kind == SegmentKind.CHUNK else 0
         with self._compile_modes_lock:
             self._compile_modes.add(method.compile_mode)
@@ -228,10 +229,12 @@ class ReuseEngine:
         entry = compile_chunk(self.model, segment.token_ids, key, self.fingerprint, dummies, dummy_id)
         if not self.store.fits(entry.nbytes):
             self._refused_for_size(entry)
-        elif self.placement is not None and isinstance(self.store, TieredStore) and len(self.store.tiers) > 1:
+            return False
+        if self.placement is not None and isinstance(self.store, TieredStore) and len(self.store.tiers) > 1:
             self.store.put(entry, self._placed_tier(entry, method))
         else:
             self.store.put(entry)
+        return True
 
     def _refused_for_size(self, entry: KVEntry) -> None:
         """A chunk larger than any tier of the store: not stored, and not compiled again for later requests (each
@@ -264,9 +267,8 @@ class ReuseEngine:
         written = self.restorer_for(request).store_prefix(prefix.token_ids) if prefix else 0
         for method in {parse_method(m).compile_mode: parse_method(m) for m in methods or [None]}.values():
             missing = {p.key: p.segment for p in self.lookup(request, method) if p.key is not None and not p.hit}
-            for key, segment in missing.items():  # a chunk the request holds twice is compiled once
-                self._compile(segment, key, method)
-            written += len(missing)
+            # a chunk the request holds twice is compiled once
+            written += sum(self._compile(segment, key, method) for key, segment in missing.items())
         self.store.flush()
         return written
 

@@ -94,6 +94,9 @@ def test_a_chunk_larger_than_every_tier_is_compiled_once_and_said_once(tiny_mode
     assert tier.contains(small_key) and tier.stats()["write_errors"] == 0
     assert not any(tier.contains(key) for key in big_keys)
     assert caplog.text.count("more than any tier") == 1
+    refusing = make_engine(tiny_model, TieredStore([MemoryTier(tier.policy.capacity)]))
+    everything = make_engine(tiny_model, open_store("memory:64MB"))
+    assert everything.compile(request) - refusing.compile(request) == len(big_keys)  # written: what was stored
 
 
 def test_missed_chunks_are_computed_and_written_back_without_waiting(slow_engine, rag_request):
@@ -326,8 +329,8 @@ def test_a_chunk_the_request_holds_twice_is_compiled_once(tiny_engine, rag_reque
     twice = Request([prefix, first, second, Segment(SegmentKind.CHUNK, first.token_ids), fresh])
     compiled: list[str] = []
     compile_one = tiny_engine._compile
-    monkeypatch.setattr(tiny_engine, "_compile", lambda segment, key, method: (compiled.append(key),
-                                                                               compile_one(segment, key, method)))
+    monkeypatch.setattr(tiny_engine, "_compile", lambda segment, key, method: compiled.append(key)
+                        or compile_one(segment, key, method))
     written = tiny_engine.compile(twice)
     assert len(compiled) == len(set(compiled)) == 2
     assert written == 3 and len(list(tiny_engine.store.keys())) == 3  # a prefix block and two chunks
